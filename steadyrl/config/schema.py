@@ -1,0 +1,369 @@
+"""The config tree: typed sections, strict validation, contradiction checks.
+
+``RunConfig.from_tree`` turns a merged YAML tree into typed sections. Unknown keys, wrong types and
+contradictions raise ``ConfigError`` naming the key, the file that set it and the fix, before any model or
+dataset is loaded. The ``trainer`` section is passed through unchanged to TRL's ``GRPOConfig`` (or
+``SFTConfig`` for ``algorithm: sft``); its keys are checked against that class's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from steadyrl.config.loader import ConfigError, Origins
+
+ALGORITHMS = ("grpo", "sft")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+GUARD_LAYERS = ("gepo", "opefo", "quatro", "grade")
+
+
+@dataclass
+class ModelSection:
+    """``model``: what to load. ``path`` is a local folder, a hub name, or ``builtin:tiny-llama``."""
+
+    path: str
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tiny: dict[str, Any] = field(default_factory=dict)  # build_tiny_model kwargs for builtin:tiny-llama
+
+
+@dataclass
+class DataSection:
+    """``data``: a local jsonl/json/parquet/csv file, a ``datasets`` name, or ``builtin:arithmetic``."""
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    eval_path: str | None = None
+    prompt_column: str = "prompt"
+    chat_template: str | None = None  # a .jinja file path or the template text
+    max_samples: int | None = None
+    builtin: dict[str, Any] = field(default_factory=dict)  # kwargs for the builtin task generator
+
+
+@dataclass
+class RewardSection:
+    """One entry of ``rewards``: a function (``fn``: built-in name or ``module:function``) or a ``model`` path."""
+
+    name: str | None = None
+    fn: str | None = None
+    model: str | None = None
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def resolved_name(self) -> str:
+        """``name``, else the function's name, else the reward model folder's name."""
+        if self.name:
+            return self.name
+        return self.fn.rpartition(":")[2] if self.fn else Path(str(self.model)).name
+
+
+@dataclass
+class PeftSection:
+    """``peft``: LoRA settings; absent means full fine-tuning."""
+
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: list[str] | str = "all-linear"
+    bias: str = "none"
+    modules_to_save: list[str] | None = None
+
+
+@dataclass
+class GuardSection:
+    """One defence layer. The layers land in their own issues; until then only the slot exists."""
+
+    enabled: bool = False
+
+
+@dataclass
+class GuardsSection:
+    gepo: GuardSection = field(default_factory=GuardSection)
+    opefo: GuardSection = field(default_factory=GuardSection)
+    quatro: GuardSection = field(default_factory=GuardSection)
+    grade: GuardSection = field(default_factory=GuardSection)
+
+
+@dataclass
+class EvalSection:
+    """``eval``: greedy decoding of the eval split, scored with the run's rewards, at the end of training."""
+
+    enabled: bool = True
+    max_new_tokens: int = 16
+    batch_size: int = 64
+    metric: str | None = None  # reward name reported as accuracy; default: the first reward
+    max_samples: int | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection
+    data: DataSection
+    trainer: dict[str, Any]
+    algorithm: str = "grpo"
+    rewards: list[RewardSection] = field(default_factory=list)
+    peft: PeftSection | None = None
+    guards: GuardsSection = field(default_factory=GuardsSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+
+    @classmethod
+    def from_tree(cls, tree: dict[str, Any], origins: Origins | None = None) -> RunConfig:
+        """Validate a merged tree (after extends and overrides) into a RunConfig, or raise ConfigError."""
+        origins = origins or {}
+        cfg = _build(cls, tree, "", origins)
+        if cfg.algorithm not in ALGORITHMS:
+            raise ConfigError(_where("algorithm", origins) + f"unknown algorithm {cfg.algorithm!r}; valid: {list(ALGORITHMS)}")
+        _check_trainer_keys(cfg, origins)
+        return cfg
+
+    def to_tree(self) -> dict[str, Any]:
+        """The resolved config as plain data (what ``resolved_config.yaml`` holds)."""
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def _where(dotted: str, origins: Origins) -> str:
+    origin = origins.get(dotted)
+    return f"{dotted} (set in {origin}): " if origin else f"{dotted}: "
+
+
+def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _unknown_key(key: str, dotted: str, valid: list[str], origins: Origins) -> ConfigError:
+    return ConfigError(
+        _where(dotted, origins) + f"unknown key {key!r}.{did_you_mean(key, valid)} Valid keys here: {sorted(valid)}"
+    )
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, dotted: str, origins: Origins) -> Any:
+    """Check ``value`` against annotation ``tp``; convert what YAML gets wrong (``1e-6`` is a str in YAML 1.1)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, dotted, origins)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[-1] if errors else ConfigError(_where(dotted, origins) + f"invalid value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(_where(dotted, origins) + f"expected a mapping (section), got {value!r}")
+        return _build(tp, value, dotted, origins)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(_where(dotted, origins) + f"expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{dotted}[{i}]", origins) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(_where(dotted, origins) + f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value  # an int is a valid float; keep it (TrainingArguments reads 500 and 0.1 differently)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(_where(dotted, origins) + f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise _unknown_key(str(key), dotted, list(fields), origins)
+        kwargs[key] = _coerce(value, hints[key], dotted, origins)
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in kwargs:
+            dotted = f"{prefix}.{name}" if prefix else name
+            raise ConfigError(f"{dotted}: required key is missing")
+    return cls(**kwargs)
+
+
+# -------------------------------------------------------------------------------------- trainer section
+
+
+def trl_config_class(algorithm: str) -> type:
+    """The TRL config class whose fields the ``trainer`` section holds."""
+    if algorithm == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig
+    from trl import GRPOConfig
+
+    return GRPOConfig
+
+
+def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
+    config_cls = trl_config_class(cfg.algorithm)
+    valid = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    hints = typing.get_type_hints(config_cls)
+    for key, value in list(cfg.trainer.items()):
+        dotted = f"trainer.{key}"
+        if key not in valid:
+            raise ConfigError(
+                _where(dotted, origins)
+                + f"unknown key {key!r} for trl.{config_cls.__name__}.{did_you_mean(key, valid)}"
+            )
+        tp = hints.get(key, Any)
+        if tp in (int, float, bool, str) or (
+            typing.get_origin(tp) in (typing.Union, types.UnionType)
+            and set(typing.get_args(tp)) <= {int, float, bool, str, type(None)}
+        ):
+            cfg.trainer[key] = _coerce(value, tp, dotted, origins)
+    if "output_dir" not in cfg.trainer:
+        raise ConfigError("trainer.output_dir: required key is missing (where checkpoints and logs go)")
+
+
+# --------------------------------------------------------------------------------------- contradictions
+
+
+def world_size_from_env() -> int:
+    """Number of processes of this launch (``accelerate launch`` sets WORLD_SIZE); 1 when not launched."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _bf16_supported() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Settings that are each valid but cannot go together; each error says how to fix it."""
+    t = cfg.trainer
+    world_size = world_size or world_size_from_env()
+
+    for layer in GUARD_LAYERS:
+        if getattr(cfg.guards, layer).enabled:
+            raise ConfigError(
+                f"guards.{layer}.enabled: the {layer.upper()} layer is not part of this steadyrl version yet; "
+                f"set guards.{layer}.enabled=false"
+            )
+
+    if t.get("bf16") and not _bf16_supported():
+        raise ConfigError(
+            "trainer.bf16 is true, but this machine has no GPU with bf16 support; set trainer.bf16=false "
+            "(CPU runs train in fp32)"
+        )
+    if t.get("fp16") and not __import__("torch").cuda.is_available():
+        raise ConfigError("trainer.fp16 is true, but there is no GPU; set trainer.fp16=false")
+    if t.get("use_vllm") and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "trainer.use_vllm is true, but vllm is not installed; `pip install steadyrl[vllm]` on a GPU machine, "
+            "or set trainer.use_vllm=false to generate with transformers"
+        )
+
+    resume = t.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(
+            f"trainer.resume_from_checkpoint: {resume!r} does not exist; give a checkpoint folder, 'auto' "
+            "(newest complete checkpoint in output_dir, or a fresh start) or null"
+        )
+
+    if cfg.peft is not None and (Path(cfg.model.path) / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"model.path {cfg.model.path!r} is a LoRA adapter, and a peft section asks for a new adapter on top. "
+            "Merge the adapter into its base model first (peft's merge_and_unload) and point model.path at the "
+            "merged model, or remove the peft section"
+        )
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype: {cfg.model.dtype!r} is not one of {list(DTYPES)}")
+
+    data_path = cfg.data.path
+    if not data_path.startswith("builtin:") and _looks_like_file(data_path) and not Path(data_path).exists():
+        raise ConfigError(f"data.path: file {data_path!r} does not exist")
+
+    _check_rewards(cfg)
+    if cfg.algorithm == "grpo":
+        _check_grpo(cfg, world_size)
+
+
+def _looks_like_file(path: str) -> bool:
+    return path.startswith((".", "/")) or Path(path).suffix in (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _check_rewards(cfg: RunConfig) -> None:
+    """Reward entries are well-formed, uniquely named and importable (SFT uses them for eval only)."""
+    names = []
+    for i, reward in enumerate(cfg.rewards):
+        if (reward.fn is None) == (reward.model is None):
+            raise ConfigError(f"rewards[{i}]: give exactly one of `fn` (a function) or `model` (a reward model path)")
+        names.append(reward.resolved_name)
+        if reward.fn is not None:
+            from steadyrl.rewards import load_reward_fn
+
+            load_reward_fn(reward.fn)  # import errors and wrong signatures surface now, not mid-run
+    if len(set(names)) != len(names):
+        raise ConfigError(f"rewards: names must be unique, got {names}; set `name:` on each entry")
+    if cfg.eval.metric is not None and cfg.eval.metric not in names:
+        raise ConfigError(f"eval.metric: {cfg.eval.metric!r} is not a reward name; valid: {names}")
+
+
+def _check_grpo(cfg: RunConfig, world_size: int) -> None:
+    t = cfg.trainer
+    if not cfg.rewards:
+        raise ConfigError("rewards: GRPO needs at least one reward (a function `fn` or a reward `model`)")
+
+    if "reward_weights" in t:
+        raise ConfigError("trainer.reward_weights: set each reward's `weight` in the rewards list instead")
+
+    num_generations = int(t.get("num_generations", 8))
+    per_device = int(t.get("per_device_train_batch_size", 8))
+    grad_accum = int(t.get("gradient_accumulation_steps", 1))
+    steps_per_generation = t.get("steps_per_generation")
+    generation_batch = t.get("generation_batch_size")
+    if generation_batch is None:
+        generation_batch = per_device * world_size * int(steps_per_generation or grad_accum)
+    if int(generation_batch) % num_generations:
+        raise ConfigError(
+            f"trainer.num_generations={num_generations} does not divide the generation batch of {generation_batch} "
+            f"completions (per_device_train_batch_size={per_device} x {world_size} process(es) x "
+            f"steps_per_generation={steps_per_generation or grad_accum}). Each prompt's group must fit in one "
+            "generation batch: change num_generations or per_device_train_batch_size"
+        )

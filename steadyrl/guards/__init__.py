@@ -1,0 +1,1 @@
+"""Guard math: pure functions and small classes over tensors, no Trainer import."""

@@ -1,0 +1,47 @@
+"""Group advantages as pure functions over tensors, plus a small registry of named variants.
+
+``group_normalized_advantages`` reproduces TRL's GRPO advantage (``multi_objective_aggregation:
+sum_then_normalize``) so that a reward processor can be placed in front of it without changing anything
+else. Robust (median/MAD) advantages arrive with the GEPO layer and register here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from trl.trainer.utils import nanstd
+
+ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
+
+
+def group_normalized_advantages(grouped_rewards: torch.Tensor, scale_rewards: str = "group") -> torch.Tensor:
+    """TRL's GRPO advantage: (r - group mean) / (std + 1e-4), NaN rows -> 0.
+
+    grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape.
+    scale_rewards: "group" (std within each group), "batch" (std over the whole batch) or "none" (centre only).
+    """
+    num_prompts, group_size = grouped_rewards.shape
+    mean = torch.nanmean(grouped_rewards, dim=1, keepdim=True)
+    advantages = grouped_rewards - mean
+    if scale_rewards == "group":
+        std = nanstd(grouped_rewards, dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+        advantages = advantages / (std + ADVANTAGE_EPS)
+    elif scale_rewards == "batch":
+        flat = grouped_rewards.reshape(-1)
+        std = nanstd(flat) if flat.numel() > 1 else torch.zeros(())
+        advantages = advantages / (std + ADVANTAGE_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}; valid: 'group', 'batch', 'none'")
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+ADVANTAGE_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "group_normalized": group_normalized_advantages,
+}
+
+
+def get_advantage_function(name: str) -> Callable[..., torch.Tensor]:
+    if name not in ADVANTAGE_FUNCTIONS:
+        raise ValueError(f"unknown advantage function {name!r}; valid: {sorted(ADVANTAGE_FUNCTIONS)}")
+    return ADVANTAGE_FUNCTIONS[name]

@@ -1,0 +1,96 @@
+"""Reward functions: built-ins by name, user functions as ``module:function``.
+
+A reward function has TRL's signature ``fn(prompts, completions, completion_ids, **columns) -> list[float]``
+(``None`` for an unscorable completion). Extra dataset columns arrive as keyword arguments, so a function
+that declares ``answer`` needs an ``answer`` column: ``check_reward_columns`` says so before training starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from steadyrl.config.loader import ConfigError
+from steadyrl.tasks.arithmetic import digit_credit, exact_match
+
+RewardFn = Callable[..., list[float | None]]
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "digit_credit": digit_credit,
+}
+
+# Keyword arguments TRL passes to every reward function itself (not dataset columns).
+TRL_REWARD_KWARGS = frozenset(
+    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
+)
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """A built-in name (``exact_match``) or ``package.module:function``; raises ConfigError naming the cause."""
+    if ":" not in spec:
+        if spec in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[spec]
+        raise ConfigError(
+            f"reward fn {spec!r} is not a built-in ({sorted(BUILTIN_REWARDS)}); "
+            "for your own function write 'package.module:function'"
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of the user's module is a config problem to report
+        raise ConfigError(f"reward fn {spec!r}: cannot import module {module_name!r}: {exc!r}") from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"reward fn {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"reward fn {spec!r}: {attr!r} is not callable")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn
+    accepts = {p.name for p in params} | ({"**"} if any(p.kind is p.VAR_KEYWORD for p in params) else set())
+    if "completions" not in accepts and "**" not in accepts:
+        raise ConfigError(
+            f"reward fn {spec!r} must accept a `completions` argument (and **kwargs for the other columns); "
+            f"its signature is {inspect.signature(fn)}"
+        )
+    return fn
+
+
+def required_columns(fn: RewardFn) -> set[str]:
+    """Dataset columns a reward function needs: its named parameters without defaults, beyond TRL's own."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.default is p.empty
+        and p.name not in TRL_REWARD_KWARGS
+    }
+
+
+def check_reward_columns(name: str, fn: RewardFn, columns: list[str]) -> None:
+    missing = required_columns(fn) - set(columns)
+    if missing:
+        raise ConfigError(
+            f"reward {name!r} needs dataset column(s) {sorted(missing)}, but the dataset has {sorted(columns)}; "
+            "add the column(s) to the data or use a reward that does not need them"
+        )
+
+
+def bind_reward(name: str, fn: RewardFn, kwargs: dict[str, Any]) -> RewardFn:
+    """``fn`` with config ``kwargs`` bound, named ``name`` (TRL logs rewards under ``__name__``)."""
+
+    def reward(*args: Any, **kw: Any) -> list[float | None]:
+        return fn(*args, **{**kw, **kwargs})
+
+    reward.__name__ = name
+    reward.__qualname__ = name
+    reward.__wrapped__ = fn  # type: ignore[attr-defined]  # keeps inspect.signature pointing at fn
+    return reward

@@ -1,0 +1,103 @@
+"""The embedded arithmetic task: prompts like ``37+58=``, answer ``95``.
+
+Train and eval sets are disjoint by construction: every ordered pair ``(a, b)`` is assigned to eval or
+train by a seeded permutation, so a held-out prompt never appears in training, whatever the sizes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+
+def _pairs(max_operand: int, seed: int) -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
+def arithmetic_splits(
+    max_operand: int = 99, eval_size: int = 200, seed: int = 1234
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """All ``a+b=`` problems with operands in ``[0, max_operand]``, split into (train, eval) rows.
+
+    Each row has ``prompt`` (``"37+58="``), ``answer`` (``"95"``) and ``completion`` (same as answer, for SFT).
+    """
+    pairs = _pairs(max_operand, seed)
+    if eval_size >= len(pairs):
+        raise ValueError(f"eval_size={eval_size} leaves no training problems out of {len(pairs)}")
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "completion": str(a + b)} for a, b in pairs]
+    return rows[eval_size:], rows[:eval_size]
+
+
+def arithmetic_dataset(split: str = "train", **kwargs: Any) -> Dataset:
+    """The train or eval split as a ``datasets.Dataset`` (columns ``prompt``, ``answer``, ``completion``)."""
+    train, evaluation = arithmetic_splits(**kwargs)
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r} for the arithmetic task; use 'train' or 'eval'")
+    return Dataset.from_list(train if split == "train" else evaluation)
+
+
+def _completion_text(completion: Any) -> str:
+    """A completion as plain text: TRL passes strings, or message lists for conversational data."""
+    if isinstance(completion, list):
+        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def exact_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+    """1.0 when the completion (surrounding whitespace stripped) equals the answer, else 0.0."""
+    return [float(_completion_text(c).strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def digit_credit(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+    """Partial credit: share of positions where completion and answer agree, over the longer length.
+
+    ``"95"`` vs ``"95"`` -> 1.0; ``"96"`` vs ``"95"`` -> 0.5; ``"950"`` vs ``"95"`` -> 2/3; empty -> 0.0.
+    """
+    scores = []
+    for c, a in zip(completions, answer, strict=True):
+        text = _completion_text(c).strip()
+        longest = max(len(text), len(a))
+        scores.append(sum(x == y for x, y in zip(text, a, strict=False)) / longest if longest else 0.0)
+    return scores
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    *,
+    batch_size: int = 64,
+    max_new_tokens: int = 6,
+) -> tuple[float, list[str]]:
+    """Greedy-decode every prompt and return (exact-match accuracy, completions)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    completions: list[str] = []
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        for start in range(0, len(prompts), batch_size):
+            batch = list(prompts[start : start + batch_size])
+            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            completions.extend(tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    scores = exact_match(completions, answers)
+    return (sum(scores) / len(scores) if scores else 0.0), completions

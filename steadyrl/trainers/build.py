@@ -1,0 +1,184 @@
+"""From a validated RunConfig to a running TRL trainer: model, data, rewards, peft, resume, final eval."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from steadyrl.config import RunConfig
+from steadyrl.config.loader import ConfigError
+from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODEL = "builtin:tiny-llama"
+
+
+def reward_functions(cfg: RunConfig) -> dict[str, Any]:
+    """name -> callable (``fn`` entries) or reward-model path (``model`` entries), in config order."""
+    out: dict[str, Any] = {}
+    for entry in cfg.rewards:
+        name = entry.resolved_name
+        out[name] = entry.model if entry.fn is None else bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
+    return out
+
+
+def peft_config(cfg: RunConfig) -> Any:
+    if cfg.peft is None:
+        return None
+    from peft import LoraConfig
+
+    p = cfg.peft
+    return LoraConfig(
+        r=p.r,
+        lora_alpha=p.lora_alpha,
+        lora_dropout=p.lora_dropout,
+        target_modules=p.target_modules,
+        bias=p.bias,
+        modules_to_save=p.modules_to_save,
+        task_type="CAUSAL_LM",
+    )
+
+
+def trl_args(cfg: RunConfig) -> Any:
+    """The TRL config object: the ``trainer`` section unchanged, plus model-loading kwargs from ``model``."""
+    from steadyrl.config.schema import trl_config_class
+
+    kwargs = dict(cfg.trainer)
+    kwargs.pop("resume_from_checkpoint", None)  # handled by resolve_resume: the Trainer ignores this field
+    init_kwargs = dict(kwargs.pop("model_init_kwargs", None) or {})
+    init_kwargs.setdefault("dtype", cfg.model.dtype)
+    if cfg.model.attn_implementation is not None:
+        init_kwargs.setdefault("attn_implementation", cfg.model.attn_implementation)
+    if cfg.model.revision is not None:
+        init_kwargs.setdefault("revision", cfg.model.revision)
+    kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    if cfg.algorithm == "grpo":
+        kwargs["reward_weights"] = [r.weight for r in cfg.rewards]
+    try:
+        return trl_config_class(cfg.algorithm)(model_init_kwargs=init_kwargs, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"trainer: TRL rejected the settings: {exc}") from exc
+
+
+def resolve_resume(cfg: RunConfig) -> str | None:
+    """``auto`` -> newest complete checkpoint in output_dir (or None); a path -> itself; null -> None."""
+    from steadyrl.trainers.grpo import find_resume_checkpoint, is_complete_checkpoint
+
+    resume = cfg.trainer.get("resume_from_checkpoint")
+    if resume in (None, False):
+        return None
+    if resume == "auto" or resume is True:
+        found = find_resume_checkpoint(cfg.trainer["output_dir"])
+        logger.info("resume_from_checkpoint=auto: %s", found or "no complete checkpoint, starting fresh")
+        return str(found) if found is not None else None
+    path = Path(str(resume))
+    if not path.is_dir():
+        raise ConfigError(f"trainer.resume_from_checkpoint: {resume!r} does not exist")
+    if not is_complete_checkpoint(path):
+        logger.warning("%s has no steadyrl completion marker; resuming from it anyway as asked", path)
+    return str(path)
+
+
+def _model_path(cfg: RunConfig, state: Any) -> str:
+    if cfg.model.path != BUILTIN_MODEL:
+        return cfg.model.path
+    from steadyrl.tasks.tiny_model import build_tiny_model
+
+    target = Path(cfg.trainer["output_dir"]) / "init_model"
+    if state.is_main_process and not (target / "config.json").is_file():
+        build_tiny_model(target, **cfg.model.tiny)
+    state.wait_for_everyone()
+    return str(target)
+
+
+def _write_resolved(cfg: RunConfig, state: Any) -> None:
+    if state.is_main_process:
+        out = Path(cfg.trainer["output_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "resolved_config.yaml").write_text(yaml.safe_dump(cfg.to_tree(), sort_keys=False))
+
+
+def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> Any:
+    """Everything but ``train()``: validated pieces assembled into a SteadyGRPOTrainer or SFTTrainer."""
+    from accelerate import PartialState
+    from transformers import AutoTokenizer
+
+    from steadyrl.data import load_datasets
+
+    args = trl_args(cfg)  # constructing the TRL config also sets up the process group under a launcher
+    state = PartialState()
+    train_ds, eval_ds = load_datasets(cfg.data)
+    rewards = reward_functions(cfg)
+    for name, fn in rewards.items():
+        if callable(fn):
+            check_reward_columns(name, fn, train_ds.column_names)
+    _write_resolved(cfg, state)
+    model_path = _model_path(cfg, state)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.data.chat_template is not None:
+        template = Path(cfg.data.chat_template)
+        tokenizer.chat_template = template.read_text() if template.is_file() else cfg.data.chat_template
+    common = dict(
+        model=model_path,
+        args=args,
+        train_dataset=train_ds,
+        processing_class=tokenizer,
+        peft_config=peft_config(cfg),
+        callbacks=extra_callbacks,
+    )
+    if cfg.algorithm == "sft":
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(**common)
+    else:
+        from steadyrl.trainers.grpo import SteadyGRPOTrainer
+
+        trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), **common)
+    trainer.steady_eval_dataset = eval_ds
+    trainer.steady_rewards = rewards
+    return trainer
+
+
+def final_eval(cfg: RunConfig, trainer: Any) -> dict[str, Any] | None:
+    """Greedy eval on the eval split with the run's reward functions (main process); None without eval data."""
+    from steadyrl.evaluation import evaluate_rewards
+
+    eval_ds = trainer.steady_eval_dataset
+    fns = {n: f for n, f in trainer.steady_rewards.items() if callable(f)}
+    if not cfg.eval.enabled or eval_ds is None or not fns:
+        return None
+    result = None
+    if trainer.accelerator.is_main_process:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        result = evaluate_rewards(
+            model,
+            trainer.processing_class,
+            eval_ds,
+            fns,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+            max_samples=cfg.eval.max_samples,
+        )
+        metric = cfg.eval.metric or next(iter(fns))
+        result["metric"] = metric
+        result["accuracy"] = result["rewards"][metric]
+        out = Path(cfg.trainer["output_dir"]) / "eval_results.json"
+        out.write_text(json.dumps(result, indent=2))
+    trainer.accelerator.wait_for_everyone()
+    return result
+
+
+def run(cfg: RunConfig) -> dict[str, Any] | None:
+    """Train, save the final model to ``<output_dir>/final``, evaluate. Returns the eval result (main process)."""
+    trainer = build_trainer(cfg)
+    trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+    final_dir = Path(cfg.trainer["output_dir"]) / "final"
+    trainer.save_model(str(final_dir))
+    if trainer.accelerator.is_main_process:
+        trainer.processing_class.save_pretrained(str(final_dir))
+    return final_eval(cfg, trainer)

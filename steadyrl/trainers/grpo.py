@@ -1,0 +1,220 @@
+"""SteadyGRPOTrainer: ``trl.GRPOTrainer`` with four extension points and state that survives resume.
+
+With no reward processor, no advantage function and no step guard it *is* ``trl.GRPOTrainer``: every hook
+calls the parent and returns its result untouched (tested: identical rewards and weights).
+
+The hooked TRL methods are listed in ``steadyrl.trainers.hooks``; none of their bodies is copied here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOTrainer
+
+from steadyrl.guards.advantages import group_normalized_advantages
+from steadyrl.guards.base import (
+    AdvantageFunction,
+    RewardProcessor,
+    StepDecision,
+    StepGuard,
+    combine_decisions,
+)
+
+logger = logging.getLogger(__name__)
+
+GUARD_STATE_FILE = "steadyrl_state.pt"
+RANK_STATE_FILE = "steadyrl_rank{rank}.pt"
+COMPLETE_MARKER = "steadyrl_complete.json"
+
+
+class SteadyGRPOTrainer(GRPOTrainer):
+    """GRPO with pluggable reward processing, advantages and optimizer-step guards.
+
+    Extra keyword arguments (all optional; the guard layers fill them in):
+        reward_processor: raw rewards of the whole generation batch -> scaled rewards (``RewardProcessor``).
+        advantage_fn: grouped rewards (num_prompts, G) -> advantages (``AdvantageFunction``). Default when only
+            a reward processor is set: TRL's own group normalisation with ``args.scale_rewards``.
+        step_guards: objects with ``decide(grad_norm, step)`` / ``on_skip(...)`` (``StepGuard``), asked before
+            every optimizer step with the global pre-clip gradient norm.
+        stateful: extra named objects with ``state_dict``/``load_state_dict`` saved in every checkpoint.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        reward_processor: RewardProcessor | None = None,
+        advantage_fn: AdvantageFunction | None = None,
+        step_guards: list[StepGuard] | None = None,
+        stateful: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.reward_processor = reward_processor
+        self.advantage_fn = advantage_fn
+        self.step_guards = list(step_guards or [])
+        self.stateful: dict[str, Any] = dict(stateful or {})
+        for name, obj in (("reward_processor", reward_processor), ("advantage_fn", advantage_fn)):
+            if obj is not None and hasattr(obj, "state_dict"):
+                self.stateful.setdefault(name, obj)
+        for i, guard in enumerate(self.step_guards):
+            if hasattr(guard, "state_dict"):
+                self.stateful.setdefault(f"step_guard_{i}", guard)
+        self._steady_scores: tuple[torch.Tensor, list[Any]] | None = None
+        self.steady_counters: dict[str, float] = defaultdict(float)
+
+    # ------------------------------------------------------------------ 1+2: rewards -> advantages
+
+    def _rewrites_advantages(self) -> bool:
+        return self.reward_processor is not None or self.advantage_fn is not None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._rewrites_advantages():
+            # rewards_per_func is already gathered over processes; gather the prompts to match its rows.
+            self._steady_scores = (rewards_per_func, gather_object(list(prompts)))
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self._rewrites_advantages():
+            return output
+        assert self._steady_scores is not None, "_calculate_rewards did not run before advantages"
+        rewards_per_func, prompts = self._steady_scores
+        self._steady_scores = None
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        advantages = self.compute_advantages(rewards_per_func, prompts, num_generations)
+        local = len(inputs)
+        start = self.accelerator.process_index * local
+        output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
+        return output
+
+    def compute_advantages(
+        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int
+    ) -> torch.Tensor:
+        """Gathered rewards (N, num_funcs) -> advantages (N,), through the reward processor and advantage fn.
+
+        The weighted sum and the NaN handling for unscorable rows are TRL's (``sum_then_normalize``).
+        """
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        if self.reward_processor is not None:
+            rewards = self.reward_processor(rewards, prompts, num_generations)
+        advantage_fn = self.advantage_fn or partial(group_normalized_advantages, scale_rewards=self.scale_rewards)
+        return advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
+
+    # ------------------------------------------------------------------ 3: optimizer-step decision
+
+    def _clip_grad_norm(self, model):
+        if not self.step_guards:
+            return super()._clip_grad_norm(model)
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        # Gradients are already reduced across processes here (DDP all-reduce at the sync step), so the
+        # local norm is the global norm and every rank takes the same decision.
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        step = self.state.global_step
+        decision = combine_decisions([guard.decide(norm, step) for guard in self.step_guards])
+        if decision.skip:
+            self._skip_optimizer_step(model, grads, decision, step)
+        elif self.args.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)
+        return norm
+
+    def _skip_optimizer_step(
+        self, model: torch.nn.Module, grads: list[torch.Tensor], decision: StepDecision, step: int
+    ) -> None:
+        """Drop this step's gradients: with every ``.grad`` None the optimizer's step changes nothing."""
+        for guard in self.step_guards:
+            guard.on_skip(grads, decision, step)
+        model.zero_grad(set_to_none=True)
+        self.steady_counters["skipped_steps"] += 1
+        logger.warning("step %d: optimizer step skipped (%s)", step, decision.reason)
+
+    # ------------------------------------------------------------------ 4: state in checkpoints
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        save_steady_state(self, folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            load_steady_state(self, Path(checkpoint))
+
+
+def save_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
+    """Write guard state (main process) and this rank's rollout buffer, then the completion marker.
+
+    The rollout buffer (``_buffered_inputs`` and the micro-step counter) makes a resume inside a generation
+    window (``steps_per_generation > 1``) exact: the resumed run trains on the same rollouts instead of
+    generating new ones.
+    """
+    acc = trainer.accelerator
+    folder.mkdir(parents=True, exist_ok=True)
+    rank_state = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs}
+    torch.save(rank_state, folder / RANK_STATE_FILE.format(rank=acc.process_index))
+    if acc.is_main_process:
+        guards = {name: obj.state_dict() for name, obj in trainer.stateful.items()}
+        torch.save({"guards": guards, "counters": dict(trainer.steady_counters)}, folder / GUARD_STATE_FILE)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        marker = {"global_step": trainer.state.global_step, "num_processes": acc.num_processes}
+        (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
+
+
+def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
+    acc = trainer.accelerator
+    rank_file = folder / RANK_STATE_FILE.format(rank=acc.process_index)
+    if rank_file.is_file():
+        rank_state = torch.load(rank_file, map_location=acc.device, weights_only=False)
+        trainer._step = rank_state["step"]
+        trainer._buffered_inputs = rank_state["buffered_inputs"]
+    else:
+        logger.warning("%s has no rollout buffer for rank %d: resuming with fresh rollouts", folder, acc.process_index)
+    state_file = folder / GUARD_STATE_FILE
+    if not state_file.is_file():
+        if trainer.stateful:
+            logger.warning("%s has no guard state: guards start fresh", folder)
+        return
+    saved = torch.load(state_file, map_location="cpu", weights_only=False)
+    for name, obj in trainer.stateful.items():
+        if name in saved["guards"]:
+            obj.load_state_dict(saved["guards"][name])
+        else:
+            logger.warning("checkpoint %s has no state for %s: it starts fresh", folder, name)
+    trainer.steady_counters.update(saved.get("counters", {}))
+
+
+def is_complete_checkpoint(folder: Path) -> bool:
+    """A checkpoint whose every part was written: the Trainer's state and steadyrl's completion marker."""
+    return (folder / "trainer_state.json").is_file() and (folder / COMPLETE_MARKER).is_file()
+
+
+def find_resume_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete ``checkpoint-N`` folder in ``output_dir``, or None (start fresh)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    candidates = []
+    for child in root.iterdir():
+        prefix, _, number = child.name.partition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and number.isdigit() and child.is_dir():
+            candidates.append((int(number), child))
+    for _, folder in sorted(candidates, reverse=True):
+        if is_complete_checkpoint(folder):
+            return folder
+        logger.warning("ignoring incomplete checkpoint %s", folder)
+    return None

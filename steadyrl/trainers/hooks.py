@@ -1,0 +1,47 @@
+"""Every TRL / transformers method that steadyrl overrides, with the signature it was written against.
+
+TRL's trainers change their private methods between releases. steadyrl pins ``trl`` to the tested minor
+release and keeps this list; ``tests/unit/test_hooks.py`` asserts each entry still exists with exactly this
+signature, so a TRL upgrade that moves a hook fails loudly in CI instead of silently bypassing a guard.
+
+How each is overridden (never by copying the body):
+- ``_calculate_rewards``: call the parent, keep the gathered reward matrix for the reward processor.
+- ``_generate_and_score_completions``: call the parent, replace ``advantages`` in its output when a reward
+  processor or advantage function is set.
+- ``_clip_grad_norm``: compute the global pre-clip norm, ask the step guards, then clip or skip.
+- ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+TESTED_TRL = "1.16"
+
+HOOKED_METHODS: dict[str, str] = {
+    "_calculate_rewards": "(self, inputs, prompts, completions, completion_ids_list)",
+    "_generate_and_score_completions": "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]",
+    "_clip_grad_norm": "(self, model)",
+    "_save_checkpoint": "(self, model, trial)",
+    "_load_optimizer_and_scheduler": "(self, checkpoint)",
+}
+
+
+def hook_signature_mismatches(trainer_cls: type) -> list[str]:
+    """Hooked methods of ``trainer_cls``'s TRL parents that are missing or whose signature changed."""
+    problems = []
+    for name, expected in HOOKED_METHODS.items():
+        method = None
+        for klass in trainer_cls.__mro__:
+            if klass.__module__.startswith("steadyrl"):
+                continue
+            if name in vars(klass):
+                method = vars(klass)[name]
+                break
+        if method is None:
+            problems.append(f"{name}: no longer defined by any TRL/transformers parent of {trainer_cls.__name__}")
+            continue
+        actual = str(inspect.signature(method))
+        if actual != expected:
+            problems.append(f"{name}: signature is {actual}, steadyrl was written against {expected}")
+    return problems

@@ -1,0 +1,179 @@
+"""Config loading: extends, overrides, strict validation, contradictions, shipped configs."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from steadyrl.config import ConfigError, load_config
+from steadyrl.config.loader import load_config_tree, parse_override
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+RUN_CONFIGS = [p for p in SHIPPED if "accelerate" not in p.parts]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+BASE = """\
+    algorithm: grpo
+    model: {path: some/model}
+    data: {path: builtin:arithmetic}
+    rewards: [{fn: exact_match}]
+    trainer:
+      output_dir: out
+      per_device_train_batch_size: 8
+      num_generations: 4
+      learning_rate: 1.0e-5
+      bf16: false
+"""
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return write(tmp_path / "base" / "grpo.yaml", BASE)
+
+
+def test_extends_deep_merges_child_over_parent(tmp_path: Path, base: Path) -> None:
+    child = write(tmp_path / "models" / "m.yaml", """\
+        extends: ../base/grpo.yaml
+        model: {path: other/model}
+        trainer: {learning_rate: 2.0e-6}
+    """)
+    cfg = load_config(child)
+    assert cfg.model.path == "other/model"
+    assert cfg.trainer["learning_rate"] == 2e-6
+    assert cfg.trainer["num_generations"] == 4  # inherited
+    assert cfg.rewards[0].fn == "exact_match"
+
+
+def test_overrides_are_yaml_typed(base: Path) -> None:
+    cfg = load_config(base, ["trainer.learning_rate=1e-6", "trainer.bf16=false", "peft.r=16", "guards.gepo.enabled=false"])
+    assert cfg.trainer["learning_rate"] == 1e-6 and isinstance(cfg.trainer["learning_rate"], float)
+    assert cfg.peft is not None and cfg.peft.r == 16 and cfg.peft.lora_alpha == 32
+    assert cfg.guards.gepo.enabled is False
+
+
+def test_parse_override() -> None:
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a.b=[x, y]") == (["a", "b"], ["x", "y"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("nonsense")
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path: Path, base: Path) -> None:
+    child = write(tmp_path / "c.yaml", "extends: base/grpo.yaml\nmodel: {pth: x}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(child)
+    msg = str(err.value)
+    assert "model.pth" in msg and str(child) in msg and "Did you mean 'path'" in msg
+
+
+def test_unknown_trainer_key_did_you_mean(base: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'learnig_rate' for trl.GRPOConfig. Did you mean 'learning_rate'"):
+        load_config(base, ["trainer.learnig_rate=1e-5"])
+
+
+def test_unknown_top_level_section(base: Path) -> None:
+    with pytest.raises(ConfigError, match="Did you mean 'rewards'"):
+        load_config(base, ["reward.x=1"])
+
+
+def test_wrong_type_is_an_error(base: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.num_generations .*expected int"):
+        load_config(base, ["trainer.num_generations=four"])
+    with pytest.raises(ConfigError, match=r"peft.r .*expected int"):
+        load_config(base, ["peft.r=[1]"])
+
+
+def test_missing_required_key(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.yaml", "model: {path: m}\ntrainer: {output_dir: o}\n")
+    with pytest.raises(ConfigError, match="data: required key is missing"):
+        load_config(cfg)
+
+
+def test_extends_cycle_is_reported(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", "extends: b.yaml\n")
+    write(tmp_path / "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config_tree(tmp_path / "a.yaml")
+
+
+def test_num_generations_must_divide_generation_batch(base: Path) -> None:
+    with pytest.raises(ConfigError, match=r"num_generations=3 does not divide the generation batch of 8"):
+        load_config(base, ["trainer.num_generations=3"])
+    # with two processes the generation batch is 16: 16 % 8 == 0 is fine, 16 % 6 is not
+    load_config(base, ["trainer.num_generations=8"], world_size=2)
+    with pytest.raises(ConfigError, match="generation batch of 16"):
+        load_config(base, ["trainer.num_generations=6"], world_size=2)
+
+
+def test_peft_on_top_of_an_adapter_is_a_contradiction(tmp_path: Path, base: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is a LoRA adapter.*merge"):
+        load_config(base, [f"model.path={adapter}", "peft.r=8"])
+
+
+def test_vllm_without_vllm_installed(base: Path) -> None:
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(ConfigError, match="vllm is not installed"):
+        load_config(base, ["trainer.use_vllm=true"])
+
+
+def test_bf16_without_gpu(base: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="set trainer.bf16=false"):
+        load_config(base, ["trainer.bf16=true"])
+
+
+def test_missing_resume_path(base: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(base, ["trainer.resume_from_checkpoint=/no/such/checkpoint"])
+    assert load_config(base, ["trainer.resume_from_checkpoint=auto"]).trainer["resume_from_checkpoint"] == "auto"
+
+
+def test_guard_layers_not_yet_available_say_so(base: Path) -> None:
+    with pytest.raises(ConfigError, match="guards.opefo.enabled: .*not part of this steadyrl version"):
+        load_config(base, ["guards.opefo.enabled=true"])
+
+
+def test_broken_reward_function_fails_at_validation(base: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
+        load_config(base, ["rewards=[{fn: 'no_such_module:f'}]"])
+    with pytest.raises(ConfigError, match="not a built-in"):
+        load_config(base, ["rewards=[{fn: exact_matc}]"])
+    with pytest.raises(ConfigError, match="exactly one of `fn`"):
+        load_config(base, ["rewards=[{weight: 1.0}]"])
+
+
+def test_reward_weights_come_from_the_rewards_list(base: Path) -> None:
+    with pytest.raises(ConfigError, match="weight"):
+        load_config(base, ["trainer.reward_weights=[1.0]"])
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_shipped_config_validates(path: Path) -> None:
+    text = path.read_text()
+    assert text.startswith("#"), "each shipped config starts with a comment naming its launch command"
+    overrides = []
+    import torch
+
+    if not torch.cuda.is_available():  # GPU configs ask for bf16/vllm; validate the rest of them here
+        overrides = ["trainer.bf16=false", "trainer.use_vllm=false"]
+    cfg = load_config(path, overrides, world_size=8 if "models" in path.parts else 1)
+    assert cfg.trainer["output_dir"]

@@ -1,0 +1,65 @@
+"""Built-in rewards, the reward loader, the tokenizer and the arithmetic task."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadyrl.config import ConfigError
+from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
+from steadyrl.tasks import arithmetic_splits, build_byte_tokenizer, digit_credit, exact_match
+
+
+def test_exact_match_values() -> None:
+    assert exact_match(["95", " 95 ", "96", "", "950"], ["95"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert exact_match([[{"role": "assistant", "content": "12"}]], ["12"]) == [1.0]
+
+
+def test_digit_credit_values() -> None:
+    assert digit_credit(["95", "96", "950", "", "x"], ["95", "95", "95", "95", "7"]) == [1.0, 0.5, 2 / 3, 0.0, 0.0]
+
+
+def test_loader_builtin_and_module() -> None:
+    assert load_reward_fn("exact_match") is exact_match
+    assert load_reward_fn("steadyrl.tasks.arithmetic:digit_credit") is digit_credit
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        load_reward_fn("steadyrl.tasks.arithmetic:nope")
+    with pytest.raises(ConfigError, match="not callable"):
+        load_reward_fn("steadyrl.tasks.tiny_model:SPECIAL_TOKENS")
+    with pytest.raises(ConfigError, match="must accept a `completions`"):
+        load_reward_fn("math:sqrt")
+
+
+def test_required_columns_and_check() -> None:
+    assert required_columns(exact_match) == {"answer"}
+    check_reward_columns("em", exact_match, ["prompt", "answer"])
+    with pytest.raises(ConfigError, match=r"reward 'em' needs dataset column\(s\) \['answer'\]"):
+        check_reward_columns("em", exact_match, ["prompt"])
+
+
+def test_bind_reward_names_and_binds() -> None:
+    def f(completions, answer, bonus=0.0, **_):
+        return [bonus] * len(completions)
+
+    bound = bind_reward("mine", f, {"bonus": 2.0})
+    assert bound.__name__ == "mine"
+    assert bound(completions=["a", "b"], answer=["x", "y"]) == [2.0, 2.0]
+    assert required_columns(bound) == {"answer"}
+
+
+def test_byte_tokenizer_roundtrip_without_eos() -> None:
+    tok = build_byte_tokenizer()
+    assert len(tok) == 259 and (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    ids = tok("37+58=")["input_ids"]
+    assert ids == [ord(c) + 3 for c in "37+58="]  # byte b -> id b + 3, and no EOS appended
+    assert tok.decode(tok("héllo ∑")["input_ids"]) == "héllo ∑"
+
+
+def test_arithmetic_splits_are_disjoint_and_correct() -> None:
+    train, evaluation = arithmetic_splits(max_operand=20, eval_size=50, seed=3)
+    assert len(train) + len(evaluation) == 21 * 21 and len(evaluation) == 50
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evaluation}
+    for row in train[:20] + evaluation[:20]:
+        a, b = row["prompt"].rstrip("=").split("+")
+        assert row["answer"] == str(int(a) + int(b)) == row["completion"]
+    with pytest.raises(ValueError, match="leaves no training problems"):
+        arithmetic_splits(max_operand=2, eval_size=9)
