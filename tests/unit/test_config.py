@@ -174,6 +174,7 @@ def test_every_shipped_config_validates(path: Path) -> None:
     import torch
 
     if not torch.cuda.is_available():  # GPU configs ask for bf16/vllm; validate the rest of them here
-        overrides = ["trainer.bf16=false", "trainer.use_vllm=false"]
+        tree, _ = load_config_tree(path)
+        overrides = [f"trainer.{k}=false" for k in ("bf16", "use_vllm") if tree.get("trainer", {}).get(k)]
     cfg = load_config(path, overrides, world_size=8 if "models" in path.parts else 1)
     assert cfg.trainer["output_dir"]

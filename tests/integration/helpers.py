@@ -1,0 +1,61 @@
+"""Shared helpers for integration tests: tiny GRPO configs and state comparisons."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from trl import GRPOConfig
+
+from steadyrl.tasks import arithmetic_dataset
+
+
+def grpo_args(output_dir: Path | str, **overrides: Any) -> GRPOConfig:
+    """A few-second GRPO config for the tiny model on CPU."""
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        learning_rate=1e-3,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def small_dataset():
+    return arithmetic_dataset("train", max_operand=9, eval_size=10)
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+def per_step(log_history: list[dict[str, Any]], key: str) -> list[float]:
+    return [row[key] for row in log_history if key in row]
+
+
+def byte_mean(completions: list[str], **_: Any) -> list[float]:
+    """A dense test reward that varies even for a random model: mean UTF-8 byte value / 255."""
+    out = []
+    for c in completions:
+        data = c.encode()
+        out.append(sum(data) / (255 * len(data)) if data else 0.0)
+    return out

@@ -1,0 +1,74 @@
+"""Exact resume: N straight steps == k steps, checkpoint, resume, N-k steps (CPU fp32, torch.equal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.grpo import COMPLETE_MARKER, find_resume_checkpoint
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
+
+pytestmark = pytest.mark.slow
+
+LOGGED = ("reward", "loss", "grad_norm", "learning_rate")
+
+
+def _trainer(model_dir: Path, out: Path, **args) -> SteadyGRPOTrainer:
+    return SteadyGRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[byte_mean],
+        args=grpo_args(out, **args),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+
+
+def _logs_from(history: list[dict], first_step: int) -> dict[str, list[float]]:
+    rows = [r for r in history if r.get("step", 0) > first_step and "loss" in r]
+    return {k: [r[k] for r in rows if k in r] for k in LOGGED}
+
+
+@pytest.mark.parametrize(
+    ("label", "args", "resume_step"),
+    [
+        ("one rollout per step", dict(max_steps=4, save_steps=2), 2),
+        # steps_per_generation=2: one rollout serves two optimizer steps; resuming at step 3 lands mid-window
+        ("resume inside a generation window", dict(max_steps=4, save_steps=3, steps_per_generation=2), 3),
+    ],
+)
+def test_resume_is_exact(tiny_model_dir, tmp_path, label, args, resume_step):
+    common = dict(save_strategy="steps", beta=0.04, **args)
+    straight = _trainer(tiny_model_dir, tmp_path / "straight", **common)
+    straight.train()
+    checkpoint = tmp_path / "straight" / f"checkpoint-{resume_step}"
+    assert (checkpoint / COMPLETE_MARKER).is_file()
+
+    resumed = _trainer(tiny_model_dir, tmp_path / "resumed", **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+
+    assert resumed.state.global_step == straight.state.global_step == 4
+    assert_same_weights(weights(resumed.model), weights(straight.model))
+    expected = _logs_from(straight.state.log_history, resume_step)
+    assert expected["loss"], "the straight run logged steps after the checkpoint"
+    assert _logs_from(resumed.state.log_history, resume_step) == expected
+    # the optimizer state was restored, not restarted: Adam's step count continues from the checkpoint
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=False)["state"]
+    assert all(int(s["step"]) == resume_step for s in saved.values())
+    final = resumed.optimizer.state_dict()["state"]
+    assert all(int(s["step"]) == 4 for s in final.values())
+
+
+def test_auto_resume_skips_incomplete_checkpoints(tmp_path):
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+        if complete:
+            (folder / COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    assert find_resume_checkpoint(tmp_path / "missing") is None
