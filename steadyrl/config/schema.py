@@ -118,6 +118,7 @@ class RunConfig:
     peft: PeftSection | None = None
     guards: GuardsSection = field(default_factory=GuardsSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    callbacks: list[str] = field(default_factory=list)  # extra TrainerCallback classes, "module:Class"
 
     @classmethod
     def from_tree(cls, tree: dict[str, Any], origins: Origins | None = None) -> RunConfig:
@@ -268,6 +269,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _bf16_supported() -> bool:
     import torch
 
@@ -291,8 +298,12 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
             "trainer.bf16 is true, but this machine has no GPU with bf16 support; set trainer.bf16=false "
             "(CPU runs train in fp32)"
         )
-    if t.get("fp16") and not __import__("torch").cuda.is_available():
+    if t.get("fp16") and not _cuda():
         raise ConfigError("trainer.fp16 is true, but there is no GPU; set trainer.fp16=false")
+    if world_size > 1 and t.get("ddp_backend") in ("nccl", "xccl", "hccl") and not _cuda():
+        raise ConfigError(
+            f"trainer.ddp_backend={t['ddp_backend']} needs GPUs; on a CPU-only machine set trainer.ddp_backend=gloo"
+        )
     if t.get("use_vllm") and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "trainer.use_vllm is true, but vllm is not installed; `pip install steadyrl[vllm]` on a GPU machine, "
@@ -320,8 +331,26 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"data.path: file {data_path!r} does not exist")
 
     _check_rewards(cfg)
+    for i, spec in enumerate(cfg.callbacks):
+        load_object(spec, f"callbacks[{i}]")
     if cfg.algorithm == "grpo":
         _check_grpo(cfg, world_size)
+
+
+def load_object(spec: str, where: str) -> Any:
+    """Import ``package.module:Name``; a ConfigError names ``where`` and the cause."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{where}: {spec!r} is not of the form 'package.module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of the user's module is a config problem to report
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {exc!r}") from exc
+    if not hasattr(module, attr):
+        raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
 
 
 def _looks_like_file(path: str) -> bool:

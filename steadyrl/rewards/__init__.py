@@ -7,7 +7,6 @@ that declares ``answer`` needs an ``answer`` column: ``check_reward_columns`` sa
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -37,16 +36,11 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"reward fn {spec!r} is not a built-in ({sorted(BUILTIN_REWARDS)}); "
             "for your own function write 'package.module:function'"
         )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time error of the user's module is a config problem to report
-        raise ConfigError(f"reward fn {spec!r}: cannot import module {module_name!r}: {exc!r}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"reward fn {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    from steadyrl.config.schema import load_object
+
+    fn = load_object(spec, f"reward fn {spec!r}")
     if not callable(fn):
-        raise ConfigError(f"reward fn {spec!r}: {attr!r} is not callable")
+        raise ConfigError(f"reward fn {spec!r} is not callable")
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

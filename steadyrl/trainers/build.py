@@ -11,6 +11,7 @@ import yaml
 
 from steadyrl.config import RunConfig
 from steadyrl.config.loader import ConfigError
+from steadyrl.config.schema import load_object
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -57,12 +58,38 @@ def trl_args(cfg: RunConfig) -> Any:
     if cfg.model.revision is not None:
         init_kwargs.setdefault("revision", cfg.model.revision)
     kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    _cpu_process_group(kwargs)
     if cfg.algorithm == "grpo":
         kwargs["reward_weights"] = [r.weight for r in cfg.rewards]
     try:
         return trl_config_class(cfg.algorithm)(model_init_kwargs=init_kwargs, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"trainer: TRL rejected the settings: {exc}") from exc
+
+
+def _cpu_process_group(kwargs: dict[str, Any]) -> None:
+    """Multi-process DDP on a CPU-only machine: create the gloo process group before accelerate looks.
+
+    accelerate 1.15 treats a launch without GPUs as non-distributed unless ``use_cpu`` is set, and with
+    ``use_cpu`` set it never calls ``init_process_group`` (then fails asking for it). So steadyrl creates the
+    group itself and sets ``use_cpu``: each process trains on the CPU, gradients are all-reduced over gloo.
+    DeepSpeed launches are left alone (DeepSpeed's own init handles ``ddp_backend``).
+    """
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from steadyrl.config.schema import world_size_from_env
+
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or kwargs.get("deepspeed")
+    if world_size_from_env() <= 1 or torch.cuda.is_available() or deepspeed:
+        return
+    kwargs["use_cpu"] = True
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=int(kwargs.get("ddp_timeout", 1800)))
+        dist.init_process_group(backend=kwargs.get("ddp_backend") or "gloo", timeout=timeout)
 
 
 def resolve_resume(cfg: RunConfig) -> str | None:
@@ -129,7 +156,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         train_dataset=train_ds,
         processing_class=tokenizer,
         peft_config=peft_config(cfg),
-        callbacks=extra_callbacks,
+        callbacks=[load_object(s, f"callbacks[{i}]")() for i, s in enumerate(cfg.callbacks)] + list(extra_callbacks or []),
     )
     if cfg.algorithm == "sft":
         from trl import SFTTrainer

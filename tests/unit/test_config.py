@@ -178,3 +178,12 @@ def test_every_shipped_config_validates(path: Path) -> None:
         overrides = [f"trainer.{k}=false" for k in ("bf16", "use_vllm") if tree.get("trainer", {}).get(k)]
     cfg = load_config(path, overrides, world_size=8 if "models" in path.parts else 1)
     assert cfg.trainer["output_dir"]
+
+
+def test_gpu_only_backend_on_cpu(base: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="set trainer.ddp_backend=gloo"):
+        load_config(base, ["trainer.ddp_backend=nccl"], world_size=2)

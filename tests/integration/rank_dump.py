@@ -1,0 +1,39 @@
+"""A TrainerCallback for launch tests: each rank writes its final weights and optimizer facts to disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+
+def _optimizer_chain(optimizer) -> list:
+    """The optimizer and every optimizer it wraps (accelerate wrapper -> DeepSpeed ZeRO -> torch AdamW)."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None and chain[-1].optimizer is not chain[-1]:
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
+class RankDump(TrainerCallback):
+    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        rank = int(os.environ.get("RANK", "0"))
+        chain = _optimizer_chain(optimizer)
+        zero = [o for o in chain if type(o).__name__ == "DeepSpeedZeroOptimizer"]
+        # DeepSpeedZeroOptimizer serves stages 1 and 2; stage 2 is the one that partitions gradients.
+        stage = (2 if zero[0].partition_gradients else 1) if zero else None
+        module = getattr(model, "module", model)
+        out = Path(args.output_dir) / "rank_dump"
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "global_step": state.global_step,
+                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "optimizer_chain": [type(o).__name__ for o in chain],
+                "zero_stage": stage,
+                "weights": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+            },
+            out / f"rank{rank}.pt",
+        )
