@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if result is not None:
         phase = "SFT" if cfg.algorithm == "sft" else cfg.algorithm.upper()
-        print(f"eval {result['metric']} after {phase}: {result['accuracy']:.3f} (mean length {result['mean_length']:.1f})")
+        print(
+            f"eval {result['metric']} after {phase}: {result['accuracy']:.3f} (mean length {result['mean_length']:.1f})"
+        )
     _teardown()
     return 0
 

@@ -17,5 +17,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised ~0.2M-param byte-level LLaMA saved to disk (fast for integration tests)."""
     from steadyrl.tasks import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2, num_heads=2,
-                            intermediate_size=128)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128
+    )

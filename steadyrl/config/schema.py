@@ -126,7 +126,9 @@ class RunConfig:
         origins = origins or {}
         cfg = _build(cls, tree, "", origins)
         if cfg.algorithm not in ALGORITHMS:
-            raise ConfigError(_where("algorithm", origins) + f"unknown algorithm {cfg.algorithm!r}; valid: {list(ALGORITHMS)}")
+            raise ConfigError(
+                _where("algorithm", origins) + f"unknown algorithm {cfg.algorithm!r}; valid: {list(ALGORITHMS)}"
+            )
         _check_trainer_keys(cfg, origins)
         return cfg
 

@@ -21,7 +21,7 @@ def group_normalized_advantages(grouped_rewards: torch.Tensor, scale_rewards: st
     grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape.
     scale_rewards: "group" (std within each group), "batch" (std over the whole batch) or "none" (centre only).
     """
-    num_prompts, group_size = grouped_rewards.shape
+    group_size = grouped_rewards.shape[1]
     mean = torch.nanmean(grouped_rewards, dim=1, keepdim=True)
     advantages = grouped_rewards - mean
     if scale_rewards == "group":

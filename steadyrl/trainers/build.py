@@ -156,7 +156,8 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         train_dataset=train_ds,
         processing_class=tokenizer,
         peft_config=peft_config(cfg),
-        callbacks=[load_object(s, f"callbacks[{i}]")() for i, s in enumerate(cfg.callbacks)] + list(extra_callbacks or []),
+        callbacks=[load_object(s, f"callbacks[{i}]")() for i, s in enumerate(cfg.callbacks)]
+        + list(extra_callbacks or []),
     )
     if cfg.algorithm == "sft":
         from trl import SFTTrainer

@@ -20,7 +20,9 @@ TESTED_TRL = "1.16"
 
 HOOKED_METHODS: dict[str, str] = {
     "_calculate_rewards": "(self, inputs, prompts, completions, completion_ids_list)",
-    "_generate_and_score_completions": "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]",
+    "_generate_and_score_completions": (
+        "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]"
+    ),
     "_clip_grad_norm": "(self, model)",
     "_save_checkpoint": "(self, model, trial)",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",

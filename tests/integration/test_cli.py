@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow
 
 def steadyrl(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "steadyrl", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "steadyrl", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_validate_reports_unknown_key_with_suggestion():
@@ -33,9 +34,16 @@ def test_validate_reports_unknown_key_with_suggestion():
 def test_train_writes_config_model_eval_and_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     args = [
-        "train", "configs/tiny/grpo.yaml", f"model.path={tiny_model_dir}", f"trainer.output_dir={out}",
-        "trainer.max_steps=2", "trainer.save_steps=2", "trainer.per_device_train_batch_size=8",
-        "trainer.num_generations=4", "trainer.max_completion_length=4", "eval.max_samples=16",
+        "train",
+        "configs/tiny/grpo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"trainer.output_dir={out}",
+        "trainer.max_steps=2",
+        "trainer.save_steps=2",
+        "trainer.per_device_train_batch_size=8",
+        "trainer.num_generations=4",
+        "trainer.max_completion_length=4",
+        "eval.max_samples=16",
     ]
     first = steadyrl(*args)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from trl import GRPOTrainer
 
 from steadyrl.trainers import SteadyGRPOTrainer
-from tests.integration.helpers import byte_mean, assert_same_weights, grpo_args, per_step, small_dataset, weights
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.grpo import COMPLETE_MARKER, find_resume_checkpoint
-from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, weights
 
 pytestmark = pytest.mark.slow
 

@@ -41,11 +41,14 @@ def base(tmp_path: Path) -> Path:
 
 
 def test_extends_deep_merges_child_over_parent(tmp_path: Path, base: Path) -> None:
-    child = write(tmp_path / "models" / "m.yaml", """\
+    child = write(
+        tmp_path / "models" / "m.yaml",
+        """\
         extends: ../base/grpo.yaml
         model: {path: other/model}
         trainer: {learning_rate: 2.0e-6}
-    """)
+    """,
+    )
     cfg = load_config(child)
     assert cfg.model.path == "other/model"
     assert cfg.trainer["learning_rate"] == 2e-6
@@ -54,7 +57,9 @@ def test_extends_deep_merges_child_over_parent(tmp_path: Path, base: Path) -> No
 
 
 def test_overrides_are_yaml_typed(base: Path) -> None:
-    cfg = load_config(base, ["trainer.learning_rate=1e-6", "trainer.bf16=false", "peft.r=16", "guards.gepo.enabled=false"])
+    cfg = load_config(
+        base, ["trainer.learning_rate=1e-6", "trainer.bf16=false", "peft.r=16", "guards.gepo.enabled=false"]
+    )
     assert cfg.trainer["learning_rate"] == 1e-6 and isinstance(cfg.trainer["learning_rate"], float)
     assert cfg.peft is not None and cfg.peft.r == 16 and cfg.peft.lora_alpha == 32
     assert cfg.guards.gepo.enabled is False
@@ -63,7 +68,7 @@ def test_overrides_are_yaml_typed(base: Path) -> None:
 def test_parse_override() -> None:
     assert parse_override("a.b=3") == (["a", "b"], 3)
     assert parse_override("a.b=[x, y]") == (["a", "b"], ["x", "y"])
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section.key=value"):
         parse_override("nonsense")
 
 
@@ -76,12 +81,14 @@ def test_unknown_key_names_key_file_and_suggestion(tmp_path: Path, base: Path) -
 
 
 def test_unknown_trainer_key_did_you_mean(base: Path) -> None:
-    with pytest.raises(ConfigError, match=r"unknown key 'learnig_rate' for trl.GRPOConfig. Did you mean 'learning_rate'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'learnig_rate' for trl.GRPOConfig. Did you mean 'learning_rate'"
+    ):
         load_config(base, ["trainer.learnig_rate=1e-5"])
 
 
 def test_unknown_top_level_section(base: Path) -> None:
-    with pytest.raises(ConfigError, match="Did you mean 'rewards'"):
+    with pytest.raises(ConfigError, match=r"Did you mean 'rewards'"):
         load_config(base, ["reward.x=1"])
 
 
@@ -94,14 +101,14 @@ def test_wrong_type_is_an_error(base: Path) -> None:
 
 def test_missing_required_key(tmp_path: Path) -> None:
     cfg = write(tmp_path / "c.yaml", "model: {path: m}\ntrainer: {output_dir: o}\n")
-    with pytest.raises(ConfigError, match="data: required key is missing"):
+    with pytest.raises(ConfigError, match=r"data: required key is missing"):
         load_config(cfg)
 
 
 def test_extends_cycle_is_reported(tmp_path: Path) -> None:
     write(tmp_path / "a.yaml", "extends: b.yaml\n")
     write(tmp_path / "b.yaml", "extends: a.yaml\n")
-    with pytest.raises(ConfigError, match="cycle"):
+    with pytest.raises(ConfigError, match=r"cycle"):
         load_config_tree(tmp_path / "a.yaml")
 
 
@@ -110,7 +117,7 @@ def test_num_generations_must_divide_generation_batch(base: Path) -> None:
         load_config(base, ["trainer.num_generations=3"])
     # with two processes the generation batch is 16: 16 % 8 == 0 is fine, 16 % 6 is not
     load_config(base, ["trainer.num_generations=8"], world_size=2)
-    with pytest.raises(ConfigError, match="generation batch of 16"):
+    with pytest.raises(ConfigError, match=r"generation batch of 16"):
         load_config(base, ["trainer.num_generations=6"], world_size=2)
 
 
@@ -118,7 +125,7 @@ def test_peft_on_top_of_an_adapter_is_a_contradiction(tmp_path: Path, base: Path
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="is a LoRA adapter.*merge"):
+    with pytest.raises(ConfigError, match=r"is a LoRA adapter.*merge"):
         load_config(base, [f"model.path={adapter}", "peft.r=8"])
 
 
@@ -128,7 +135,7 @@ def test_vllm_without_vllm_installed(base: Path) -> None:
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
-    with pytest.raises(ConfigError, match="vllm is not installed"):
+    with pytest.raises(ConfigError, match=r"vllm is not installed"):
         load_config(base, ["trainer.use_vllm=true"])
 
 
@@ -137,32 +144,32 @@ def test_bf16_without_gpu(base: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(ConfigError, match="set trainer.bf16=false"):
+    with pytest.raises(ConfigError, match=r"set trainer.bf16=false"):
         load_config(base, ["trainer.bf16=true"])
 
 
 def test_missing_resume_path(base: Path) -> None:
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match=r"does not exist"):
         load_config(base, ["trainer.resume_from_checkpoint=/no/such/checkpoint"])
     assert load_config(base, ["trainer.resume_from_checkpoint=auto"]).trainer["resume_from_checkpoint"] == "auto"
 
 
 def test_guard_layers_not_yet_available_say_so(base: Path) -> None:
-    with pytest.raises(ConfigError, match="guards.opefo.enabled: .*not part of this steadyrl version"):
+    with pytest.raises(ConfigError, match=r"guards.opefo.enabled: .*not part of this steadyrl version"):
         load_config(base, ["guards.opefo.enabled=true"])
 
 
 def test_broken_reward_function_fails_at_validation(base: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot import module 'no_such_module'"):
+    with pytest.raises(ConfigError, match=r"cannot import module 'no_such_module'"):
         load_config(base, ["rewards=[{fn: 'no_such_module:f'}]"])
-    with pytest.raises(ConfigError, match="not a built-in"):
+    with pytest.raises(ConfigError, match=r"not a built-in"):
         load_config(base, ["rewards=[{fn: exact_matc}]"])
-    with pytest.raises(ConfigError, match="exactly one of `fn`"):
+    with pytest.raises(ConfigError, match=r"exactly one of `fn`"):
         load_config(base, ["rewards=[{weight: 1.0}]"])
 
 
 def test_reward_weights_come_from_the_rewards_list(base: Path) -> None:
-    with pytest.raises(ConfigError, match="weight"):
+    with pytest.raises(ConfigError, match=r"weight"):
         load_config(base, ["trainer.reward_weights=[1.0]"])
 
 
@@ -185,5 +192,5 @@ def test_gpu_only_backend_on_cpu(base: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(ConfigError, match="set trainer.ddp_backend=gloo"):
+    with pytest.raises(ConfigError, match=r"set trainer.ddp_backend=gloo"):
         load_config(base, ["trainer.ddp_backend=nccl"], world_size=2)

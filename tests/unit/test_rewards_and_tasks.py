@@ -21,11 +21,11 @@ def test_digit_credit_values() -> None:
 def test_loader_builtin_and_module() -> None:
     assert load_reward_fn("exact_match") is exact_match
     assert load_reward_fn("steadyrl.tasks.arithmetic:digit_credit") is digit_credit
-    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+    with pytest.raises(ConfigError, match=r"has no attribute 'nope'"):
         load_reward_fn("steadyrl.tasks.arithmetic:nope")
-    with pytest.raises(ConfigError, match="not callable"):
+    with pytest.raises(ConfigError, match=r"not callable"):
         load_reward_fn("steadyrl.tasks.tiny_model:SPECIAL_TOKENS")
-    with pytest.raises(ConfigError, match="must accept a `completions`"):
+    with pytest.raises(ConfigError, match=r"must accept a `completions`"):
         load_reward_fn("math:sqrt")
 
 
@@ -61,5 +61,5 @@ def test_arithmetic_splits_are_disjoint_and_correct() -> None:
     for row in train[:20] + evaluation[:20]:
         a, b = row["prompt"].rstrip("=").split("+")
         assert row["answer"] == str(int(a) + int(b)) == row["completion"]
-    with pytest.raises(ValueError, match="leaves no training problems"):
+    with pytest.raises(ValueError, match=r"leaves no training problems"):
         arithmetic_splits(max_operand=2, eval_size=9)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch and steadyrl (editable) plus the extras named in $1 (default: dev).
+# Usage: bash scripts/setup.sh [extras]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev}"
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# CPU torch first: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+python -m pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
+python -c "import steadyrl, trl, torch; print('steadyrl', steadyrl.__version__, '| trl', trl.__version__, '| torch', torch.__version__)"
