@@ -67,7 +67,6 @@ def digit_credit(completions: Sequence[Any], answer: Sequence[str], **_: Any) ->
     return scores
 
 
-@torch.no_grad()
 def greedy_accuracy(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -78,26 +77,8 @@ def greedy_accuracy(
     max_new_tokens: int = 6,
 ) -> tuple[float, list[str]]:
     """Greedy-decode every prompt and return (exact-match accuracy, completions)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    completions: list[str] = []
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        for start in range(0, len(prompts), batch_size):
-            batch = list(prompts[start : start + batch_size])
-            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            completions.extend(tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
-    finally:
-        tokenizer.padding_side = padding_side
-        model.train(was_training)
+    from steadyrl.evaluation import greedy_completions
+
+    completions, _ = greedy_completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     scores = exact_match(completions, answers)
     return (sum(scores) / len(scores) if scores else 0.0), completions
