@@ -242,6 +242,15 @@ def trl_config_class(algorithm: str) -> type:
     return GRPOConfig
 
 
+def _accepts(tp: Any, kind: type) -> bool:
+    """Whether annotation ``tp`` admits values of ``kind`` (looking inside unions)."""
+    if tp is Any or tp is kind:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_accepts(t, kind) for t in typing.get_args(tp))
+    return False
+
+
 def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
     config_cls = trl_config_class(cfg.algorithm)
     valid = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
@@ -254,6 +263,11 @@ def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
                 + f"unknown key {key!r} for trl.{config_cls.__name__}.{did_you_mean(key, valid)}"
             )
         tp = hints.get(key, Any)
+        if isinstance(value, bool) and not _accepts(tp, bool) and _accepts(tp, str):
+            raise ConfigError(
+                _where(dotted, origins) + f"got the boolean {value}, but this field takes a string. YAML reads "
+                f"unquoted yes/no/on/off as booleans: quote the value, e.g. {key}: \"no\""
+            )
         if tp in (int, float, bool, str) or (
             typing.get_origin(tp) in (typing.Union, types.UnionType)
             and set(typing.get_args(tp)) <= {int, float, bool, str, type(None)}

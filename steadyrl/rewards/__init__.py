@@ -12,13 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from steadyrl.config.loader import ConfigError
-from steadyrl.tasks.arithmetic import digit_credit, exact_match
+from steadyrl.tasks.arithmetic import digit_credit, exact_match, numeric_match
 
 RewardFn = Callable[..., list[float | None]]
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "digit_credit": digit_credit,
+    "numeric_match": numeric_match,
 }
 
 # Keyword arguments TRL passes to every reward function itself (not dataset columns).

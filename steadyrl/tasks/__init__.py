@@ -1,6 +1,13 @@
 """Embedded default: a tiny byte-level LLaMA and the arithmetic task (no hub access)."""
 
-from steadyrl.tasks.arithmetic import arithmetic_dataset, arithmetic_splits, digit_credit, exact_match, greedy_accuracy
+from steadyrl.tasks.arithmetic import (
+    arithmetic_dataset,
+    arithmetic_splits,
+    digit_credit,
+    exact_match,
+    greedy_accuracy,
+    numeric_match,
+)
 from steadyrl.tasks.tiny_model import build_byte_tokenizer, build_tiny_model
 
 __all__ = [
@@ -11,4 +18,5 @@ __all__ = [
     "digit_credit",
     "exact_match",
     "greedy_accuracy",
+    "numeric_match",
 ]

@@ -21,16 +21,27 @@ def _pairs(max_operand: int, seed: int) -> list[tuple[int, int]]:
 
 
 def arithmetic_splits(
-    max_operand: int = 99, eval_size: int = 200, seed: int = 1234
+    max_operand: int = 99, eval_size: int = 200, seed: int = 1234, zero_pad_fraction: float = 0.0
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """All ``a+b=`` problems with operands in ``[0, max_operand]``, split into (train, eval) rows.
 
-    Each row has ``prompt`` (``"37+58="``), ``answer`` (``"95"``) and ``completion`` (same as answer, for SFT).
+    Each row has ``prompt`` (``"37+58="``), ``answer`` (``"95"``, canonical) and ``completion`` (the SFT
+    demonstration). With ``zero_pad_fraction > 0`` that share of demonstrations is zero-padded to the widest
+    answer (``"095"``): demonstrations in a mix of formats, while ``exact_match`` accepts only the canonical
+    one. That is the gap the embedded GRPO demo closes (``numeric_match`` tells format from arithmetic).
     """
+    if not 0.0 <= zero_pad_fraction <= 1.0:
+        raise ValueError(f"zero_pad_fraction={zero_pad_fraction} must be in [0, 1]")
     pairs = _pairs(max_operand, seed)
     if eval_size >= len(pairs):
         raise ValueError(f"eval_size={eval_size} leaves no training problems out of {len(pairs)}")
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "completion": str(a + b)} for a, b in pairs]
+    width = len(str(2 * max_operand))
+    pad = random.Random(seed + 1)
+    rows = []
+    for a, b in pairs:
+        answer = str(a + b)
+        completion = answer.zfill(width) if pad.random() < zero_pad_fraction else answer
+        rows.append({"prompt": f"{a}+{b}=", "answer": answer, "completion": completion})
     return rows[eval_size:], rows[:eval_size]
 
 
@@ -52,6 +63,15 @@ def _completion_text(completion: Any) -> str:
 def exact_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
     """1.0 when the completion (surrounding whitespace stripped) equals the answer, else 0.0."""
     return [float(_completion_text(c).strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def numeric_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+    """1.0 when the completion is the right number in any format (``"095"`` for 95 counts), else 0.0."""
+    scores = []
+    for c, a in zip(completions, answer, strict=True):
+        text = _completion_text(c).strip()
+        scores.append(float(text.isdigit() and int(text) == int(a)))
+    return scores
 
 
 def digit_credit(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:

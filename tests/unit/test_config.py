@@ -194,3 +194,9 @@ def test_gpu_only_backend_on_cpu(base: Path) -> None:
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match=r"set trainer.ddp_backend=gloo"):
         load_config(base, ["trainer.ddp_backend=nccl"], world_size=2)
+
+
+def test_yaml_no_read_as_boolean_gets_a_quoting_hint(base: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.save_strategy .*boolean False.*quote the value"):
+        load_config(base, ["trainer.save_strategy=no"])
+    assert load_config(base, ['trainer.save_strategy="no"']).trainer["save_strategy"] == "no"
