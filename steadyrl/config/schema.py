@@ -266,7 +266,7 @@ def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
         if isinstance(value, bool) and not _accepts(tp, bool) and _accepts(tp, str):
             raise ConfigError(
                 _where(dotted, origins) + f"got the boolean {value}, but this field takes a string. YAML reads "
-                f"unquoted yes/no/on/off as booleans: quote the value, e.g. {key}: \"no\""
+                f'unquoted yes/no/on/off as booleans: quote the value, e.g. {key}: "no"'
             )
         if tp in (int, float, bool, str) or (
             typing.get_origin(tp) in (typing.Union, types.UnionType)

@@ -6,7 +6,7 @@ import pytest
 
 from steadyrl.config import ConfigError
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
-from steadyrl.tasks import arithmetic_splits, build_byte_tokenizer, digit_credit, exact_match
+from steadyrl.tasks import arithmetic_splits, build_byte_tokenizer, digit_credit, exact_match, numeric_match
 
 
 def test_exact_match_values() -> None:
@@ -63,3 +63,20 @@ def test_arithmetic_splits_are_disjoint_and_correct() -> None:
         assert row["answer"] == str(int(a) + int(b)) == row["completion"]
     with pytest.raises(ValueError, match=r"leaves no training problems"):
         arithmetic_splits(max_operand=2, eval_size=9)
+
+
+def test_numeric_match_accepts_any_format_of_the_right_number() -> None:
+    assert numeric_match(["095", "95", " 95", "96", "", "9 5", "x"], ["95"] * 7) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_zero_padded_demonstrations() -> None:
+    plain, _ = arithmetic_splits(max_operand=99, eval_size=10, zero_pad_fraction=0.0)
+    padded, _ = arithmetic_splits(max_operand=99, eval_size=10, zero_pad_fraction=0.7)
+    assert [r["prompt"] for r in plain] == [r["prompt"] for r in padded]  # same split, same order
+    assert all(r["answer"] == p["answer"] for r, p in zip(padded, plain, strict=True))
+    changed = [r for r in padded if r["completion"] != r["answer"]]
+    assert all(r["completion"] == r["answer"].zfill(3) and len(r["answer"]) < 3 for r in changed)
+    short = sum(len(r["answer"]) < 3 for r in padded)
+    assert 0.65 < len(changed) / short < 0.75  # ~70% of the answers that can be padded are
+    with pytest.raises(ValueError, match="must be in"):
+        arithmetic_splits(zero_pad_fraction=1.5)
