@@ -14,8 +14,11 @@ mkdir -p runs && mv runs-sft.log runs/tiny-sft/train.log && mv runs-grpo.log run
 echo "wall time $(( $(date +%s) - start )) s; logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log"
 python - <<'PY'
 import json
-sft = json.load(open("runs/tiny-sft/eval_results.json"))["accuracy"]
-grpo = json.load(open("runs/tiny-grpo/eval_results.json"))["accuracy"]
+sft_r = json.load(open("runs/tiny-sft/eval_results.json"))
+grpo_r = json.load(open("runs/tiny-grpo/eval_results.json"))
+sft, grpo = sft_r["accuracy"], grpo_r["accuracy"]
+num = [r["rewards"].get("numeric_match", float("nan")) for r in (sft_r, grpo_r)]
+print(f"right number in any format (numeric_match): SFT {num[0]:.2f}, GRPO {num[1]:.2f}")
 print(f"accuracy after SFT: {sft:.2f}")
 print(f"accuracy after GRPO: {grpo:.2f}")
 PY
