@@ -72,3 +72,52 @@ def test_auto_resume_skips_incomplete_checkpoints(tmp_path):
     (tmp_path / "checkpoint-x").mkdir()
     assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
     assert find_resume_checkpoint(tmp_path / "missing") is None
+
+
+class CountingRewards:
+    """A stateful reward processor: counts the rewards it has seen (its state must survive resume)."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, rewards, prompts, num_generations):
+        self.seen += rewards.numel()
+        return rewards
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def test_guard_state_is_saved_and_restored(tiny_model_dir, tmp_path):
+    def make(out, processor):
+        return SteadyGRPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=[byte_mean],
+            args=grpo_args(out, max_steps=4, save_steps=2, save_strategy="steps"),
+            train_dataset=small_dataset(),
+            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+            reward_processor=processor,
+        )
+
+    straight = CountingRewards()
+    make(tmp_path / "a", straight).train()
+    assert straight.seen == 4 * 8  # 4 generation batches of 8 completions
+    saved = torch.load(tmp_path / "a" / "checkpoint-2" / "steadyrl_state.pt", weights_only=False)
+    assert saved["guards"]["reward_processor"] == {"seen": 16}
+
+    resumed = CountingRewards()
+    trainer = make(tmp_path / "b", resumed)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed.seen == straight.seen  # 16 restored + 16 seen after the resume
+    final = _final_weights(tmp_path / "a")  # tied lm_head is not stored separately
+    current = weights(trainer.model)
+    assert_same_weights({k: current[k] for k in final}, final)
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoint-4" / "model.safetensors"))
