@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import yaml
 
 from steadyrl.config import RunConfig
 from steadyrl.config.loader import ConfigError
-from steadyrl.config.schema import load_object
+from steadyrl.config.schema import load_object, world_size_from_env
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -75,13 +77,8 @@ def _cpu_process_group(kwargs: dict[str, Any]) -> None:
     group itself and sets ``use_cpu``: each process trains on the CPU, gradients are all-reduced over gloo.
     DeepSpeed launches are left alone (DeepSpeed's own init handles ``ddp_backend``).
     """
-    import os
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
-
-    from steadyrl.config.schema import world_size_from_env
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or kwargs.get("deepspeed")
     if world_size_from_env() <= 1 or torch.cuda.is_available() or deepspeed:
