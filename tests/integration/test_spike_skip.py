@@ -1,0 +1,45 @@
+"""A NaN gradient at one step: SpikeGuard skips that step and training goes on; plain TRL ends with NaN weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+from trl import GRPOTrainer
+
+from steadyrl.guards.spike import SpikeGuard
+from steadyrl.trainers import SteadyGRPOTrainer
+from tests.integration.helpers import byte_mean, grpo_args, small_dataset, weights
+
+pytestmark = pytest.mark.slow
+POISONED_MICRO_STEP = 1  # the second backward pass
+
+
+def _trainer(cls, model_dir, out, **kwargs):
+    trainer = cls(
+        model=str(model_dir),
+        reward_funcs=[byte_mean],
+        args=grpo_args(out, max_steps=3, max_grad_norm=1.0),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        **kwargs,
+    )
+    param = next(p for p in trainer.model.parameters() if p.requires_grad)
+    param.register_hook(lambda g: g * float("nan") if trainer._step == POISONED_MICRO_STEP else g)
+    return trainer
+
+
+def test_nan_gradient_step_is_skipped(tiny_model_dir, tmp_path):
+    guard = SpikeGuard()
+    steady = _trainer(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "steady", step_guards=[guard])
+    steady.train()
+    assert guard.reasons == {"nonfinite": 1} and steady.steady_counters["skipped_steps"] == 1
+    assert guard.accepted == 2
+    assert all(torch.isfinite(v).all() for v in weights(steady.model).values())
+
+    # Plain TRL applies the NaN step, then dies sampling from NaN logits at the next generation.
+    plain = _trainer(GRPOTrainer, tiny_model_dir, tmp_path / "plain")
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan`"):
+        plain.train()
+    assert plain.state.global_step == 2
+    assert any(not torch.isfinite(v).all() for v in weights(plain.model).values())
