@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from steadyrl.config.loader import ConfigError, Origins
+from steadyrl.guards.grade import GradeConfig
+from steadyrl.guards.spike import SpikeConfig
 
 ALGORITHMS = ("grpo", "sft")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-GUARD_LAYERS = ("gepo", "opefo", "quatro", "grade")
 
 
 @dataclass
@@ -84,17 +85,46 @@ class PeftSection:
 
 @dataclass
 class GuardSection:
-    """One defence layer. The layers land in their own issues; until then only the slot exists."""
+    """A defence layer not implemented yet: only the slot exists, and enabling it is an error."""
+
+    enabled: bool = False
+
+
+@dataclass
+class GepoAdvantageSection:
+    """Median/MAD group advantages with tanh soft clipping (replaces TRL's mean/std advantage)."""
+
+    enabled: bool = True
+    clip_scale: float = 3.0
+
+
+@dataclass
+class GepoSpikeSection(SpikeConfig):
+    """Grad-norm EMA spike detector: skip a poisoned optimizer step."""
+
+    enabled: bool = True
+
+
+@dataclass
+class GepoSection:
+    enabled: bool = False
+    advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
+    spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
+
+
+@dataclass
+class GradeSection(GradeConfig):
+    """GRADE reward scaler: rolling whitening, quantile tail clip, per-prompt counterfactual centring."""
 
     enabled: bool = False
 
 
 @dataclass
 class GuardsSection:
-    gepo: GuardSection = field(default_factory=GuardSection)
+    gepo: GepoSection = field(default_factory=GepoSection)
     opefo: GuardSection = field(default_factory=GuardSection)
     quatro: GuardSection = field(default_factory=GuardSection)
-    grade: GuardSection = field(default_factory=GuardSection)
+    grade: GradeSection = field(default_factory=GradeSection)
 
 
 @dataclass
@@ -225,7 +255,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> An
         if required and name not in kwargs:
             dotted = f"{prefix}.{name}" if prefix else name
             raise ConfigError(f"{dotted}: required key is missing")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a section's own range checks (__post_init__)
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from exc
 
 
 # -------------------------------------------------------------------------------------- trainer section
@@ -302,7 +335,7 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
     t = cfg.trainer
     world_size = world_size or world_size_from_env()
 
-    for layer in GUARD_LAYERS:
+    for layer in ("opefo", "quatro"):
         if getattr(cfg.guards, layer).enabled:
             raise ConfigError(
                 f"guards.{layer}.enabled: the {layer.upper()} layer is not part of this steadyrl version yet; "
@@ -390,11 +423,40 @@ def _check_rewards(cfg: RunConfig) -> None:
         raise ConfigError(f"eval.metric: {cfg.eval.metric!r} is not a reward name; valid: {names}")
 
 
+def _check_guards(cfg: RunConfig) -> None:
+    t, gepo = cfg.trainer, cfg.guards.gepo
+    rewrites = cfg.guards.grade.enabled or (gepo.enabled and gepo.advantage.enabled)
+    if rewrites and t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise ConfigError(
+            "guards.grade / guards.gepo.advantage work on the weighted sum of rewards; "
+            "set trainer.multi_objective_aggregation=sum_then_normalize or turn them off"
+        )
+    if gepo.enabled and gepo.advantage.enabled:
+        from steadyrl.guards.gepo import GEPOAdvantage
+
+        try:
+            GEPOAdvantage(gepo.advantage.clip_scale)
+        except ValueError as exc:
+            raise ConfigError(f"guards.gepo.advantage.clip_scale: {exc}") from exc
+    if gepo.enabled and gepo.spike.enabled:
+        if float(t.get("max_grad_norm", 1.0)) <= 0:
+            raise ConfigError(
+                "guards.gepo.spike needs trainer.max_grad_norm > 0 (the Trainer asks for the gradient norm only "
+                "when it clips); set e.g. trainer.max_grad_norm=1.0"
+            )
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            raise ConfigError(
+                "guards.gepo.spike does not yet hook DeepSpeed's optimizer step (the step happens inside the "
+                "engine); set guards.gepo.spike.enabled=false under DeepSpeed"
+            )
+
+
 def _check_grpo(cfg: RunConfig, world_size: int) -> None:
     t = cfg.trainer
     if not cfg.rewards:
         raise ConfigError("rewards: GRPO needs at least one reward (a function `fn` or a reward `model`)")
 
+    _check_guards(cfg)
     if "reward_weights" in t:
         raise ConfigError("trainer.reward_weights: set each reward's `weight` in the rewards list instead")
 

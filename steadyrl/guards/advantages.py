@@ -2,7 +2,7 @@
 
 ``group_normalized_advantages`` reproduces TRL's GRPO advantage (``multi_objective_aggregation:
 sum_then_normalize``) so that a reward processor can be placed in front of it without changing anything
-else. Robust (median/MAD) advantages arrive with the GEPO layer and register here.
+else. GEPO's robust (median/MAD) advantage is registered beside it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 from trl.trainer.utils import nanstd
+
+from steadyrl.guards.gepo import robust_group_advantages
 
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 
@@ -38,6 +40,7 @@ def group_normalized_advantages(grouped_rewards: torch.Tensor, scale_rewards: st
 
 ADVANTAGE_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "group_normalized": group_normalized_advantages,
+    "gepo": robust_group_advantages,
 }
 
 

@@ -108,6 +108,30 @@ def resolve_resume(cfg: RunConfig) -> str | None:
     return str(path)
 
 
+def _section_config(config_cls: type, section: Any) -> Any:
+    """The guard's own config dataclass from its config section (the section adds ``enabled``)."""
+    import dataclasses
+
+    return config_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(config_cls)})
+
+
+def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """SteadyGRPOTrainer's extension points filled from the ``guards`` section (nothing when all are off)."""
+    from steadyrl.guards.gepo import GEPOAdvantage
+    from steadyrl.guards.grade import GradeConfig, GradeScaler
+    from steadyrl.guards.spike import SpikeConfig, SpikeGuard
+
+    g = cfg.guards
+    out: dict[str, Any] = {}
+    if g.grade.enabled:
+        out["reward_processor"] = GradeScaler(_section_config(GradeConfig, g.grade))
+    if g.gepo.enabled and g.gepo.advantage.enabled:
+        out["advantage_fn"] = GEPOAdvantage(g.gepo.advantage.clip_scale)
+    if g.gepo.enabled and g.gepo.spike.enabled:
+        out["step_guards"] = [SpikeGuard(_section_config(SpikeConfig, g.gepo.spike))]
+    return out
+
+
 def _model_path(cfg: RunConfig, state: Any) -> str:
     if cfg.model.path != BUILTIN_MODEL:
         return cfg.model.path
@@ -163,7 +187,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     else:
         from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
-        trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), **common)
+        trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), **guard_kwargs(cfg), **common)
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards
     return trainer

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
@@ -71,6 +72,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 self.stateful.setdefault(f"step_guard_{i}", guard)
         self._steady_scores: tuple[torch.Tensor, list[Any]] | None = None
         self.steady_counters: dict[str, float] = defaultdict(float)
+        self.add_callback(_GuardClock(self))
 
     # ------------------------------------------------------------------ 1+2: rewards -> advantages
 
@@ -106,13 +108,27 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
         The weighted sum and the NaN handling for unscorable rows are TRL's (``sum_then_normalize``).
         """
+        # inf is as unscorable as NaN: TRL would let one inf zero its whole group's advantages.
+        nonfinite = ~torch.isfinite(rewards_per_func) & ~torch.isnan(rewards_per_func)
+        if nonfinite.any():
+            rewards_per_func = rewards_per_func.masked_fill(nonfinite, torch.nan)
+        self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
         weights = self.reward_weights.to(rewards_per_func.device)
         rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         if self.reward_processor is not None:
             rewards = self.reward_processor(rewards, prompts, num_generations)
+            for name, value in getattr(self.reward_processor, "metrics", dict)().items():
+                self._guard_metric(name, value)
         advantage_fn = self.advantage_fn or partial(group_normalized_advantages, scale_rewards=self.scale_rewards)
-        return advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
+        advantages = advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
+        self._guard_metric("gepo/adv_std", float(advantages.std()) if advantages.numel() > 1 else 0.0)
+        self._guard_metric("gepo/adv_max_abs", float(advantages.abs().max()))
+        return advantages
+
+    def _guard_metric(self, name: str, value: float) -> None:
+        """Averaged over the logging interval and logged with TRL's own metrics (report_to sees them)."""
+        self._metrics["train" if self.model.training else "eval"][name].append(value)
 
     # ------------------------------------------------------------------ 3: optimizer-step decision
 
@@ -130,6 +146,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
             self._skip_optimizer_step(model, grads, decision, step)
         elif self.args.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)
+        self._guard_metric("gepo/skipped_steps", self.steady_counters["skipped_steps"])
         return norm
 
     def _skip_optimizer_step(
@@ -153,6 +170,18 @@ class SteadyGRPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             load_steady_state(self, Path(checkpoint))
+
+
+class _GuardClock(TrainerCallback):
+    """Tells guards that count optimizer steps (``step()``, e.g. GRADE's quantile refresh) that one happened."""
+
+    def __init__(self, trainer: SteadyGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for obj in (self.trainer.reward_processor, self.trainer.advantage_fn, *self.trainer.step_guards):
+            if obj is not None and callable(getattr(obj, "step", None)):
+                obj.step()
 
 
 def save_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:

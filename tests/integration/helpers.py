@@ -59,3 +59,18 @@ def byte_mean(completions: list[str], **_: Any) -> list[float]:
         data = c.encode()
         out.append(sum(data) / (255 * len(data)) if data else 0.0)
     return out
+
+
+def hostile_reward(completions: list[str], trainer_state: Any = None, **_: Any) -> list[float | None]:
+    """byte_mean, except: every 7th completion scores 1e9, every 11th inf, every 13th None (unscorable)."""
+    out: list[float | None] = []
+    for i, value in enumerate(byte_mean(completions)):
+        if i % 13 == 12:
+            out.append(None)
+        elif i % 11 == 10:
+            out.append(float("inf"))
+        elif i % 7 == 6:
+            out.append(1e9)
+        else:
+            out.append(value)
+    return out

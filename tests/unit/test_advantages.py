@@ -38,7 +38,7 @@ def test_nan_rows_are_excluded_and_zeroed():
 
 def test_registry_and_errors():
     assert get_advantage_function("group_normalized") is group_normalized_advantages
-    with pytest.raises(ValueError, match=r"valid: \['group_normalized'\]"):
+    with pytest.raises(ValueError, match=r"valid: \['gepo', 'group_normalized'\]"):
         get_advantage_function("mad")
     with pytest.raises(ValueError, match=r"unknown scale_rewards"):
         group_normalized_advantages(torch.zeros(1, 2), "weird")
