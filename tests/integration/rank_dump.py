@@ -37,3 +37,13 @@ class RankDump(TrainerCallback):
             },
             out / f"rank{rank}.pt",
         )
+
+
+class NanGradOnRank1(TrainerCallback):
+    """Poisons one parameter's gradient with NaN on rank 1 only, during the second optimizer step."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if int(os.environ.get("RANK", "0")) != 1:
+            return
+        param = next(p for p in getattr(model, "module", model).parameters() if p.requires_grad)
+        param.register_hook(lambda g: g * float("nan") if state.global_step == 1 else g)

@@ -24,6 +24,8 @@ def _free_port() -> int:
 
 
 def launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str, num_processes: int = 2):
+    if not any(e.startswith("callbacks=") for e in extra):
+        extra = (*extra, "callbacks=[tests.integration.rank_dump:RankDump]")
     cmd = [
         sys.executable,
         "-m",
@@ -49,7 +51,6 @@ def launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str, num_
         "trainer.ddp_backend=gloo",
         "rewards=[{fn: 'tests.integration.helpers:byte_mean'}]",
         "eval.max_samples=8",
-        "callbacks=[tests.integration.rank_dump:RankDump]",
         *extra,
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
@@ -85,3 +86,20 @@ def test_deepspeed_zero2_two_processes(tiny_model_dir, tmp_path):
     for d in dumps:
         assert "DeepSpeedZeroOptimizer" in d["optimizer_chain"], d["optimizer_chain"]
         assert d["zero_stage"] == 2
+
+
+def test_ddp_nan_on_one_rank_makes_every_rank_skip(tiny_model_dir, tmp_path):
+    """A NaN gradient on rank 1 only: the all-reduced norm is NaN on both ranks, so both skip that step."""
+    dumps, proc = launch(
+        "multi_cpu.yaml",
+        tiny_model_dir,
+        tmp_path / "nan",
+        "trainer.max_steps=3",
+        "trainer.max_grad_norm=1.0",
+        "guards.gepo.enabled=true",
+        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:NanGradOnRank1]",
+    )
+    assert [d["global_step"] for d in dumps] == [3, 3]
+    assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
+    assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())
+    assert proc.stderr.count("optimizer step skipped (nonfinite)") == 2  # once per rank
