@@ -108,6 +108,7 @@ class GepoSpikeSection(SpikeConfig):
 @dataclass
 class GepoSection:
     enabled: bool = False
+    logprob_min: float | None = -100.0  # floor for per-token log-probs before ratios and KL; null = off
     advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
     spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
 

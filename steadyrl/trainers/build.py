@@ -127,6 +127,8 @@ def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
         out["reward_processor"] = GradeScaler(_section_config(GradeConfig, g.grade))
     if g.gepo.enabled and g.gepo.advantage.enabled:
         out["advantage_fn"] = GEPOAdvantage(g.gepo.advantage.clip_scale)
+    if g.gepo.enabled:
+        out["logprob_min"] = g.gepo.logprob_min
     if g.gepo.enabled and g.gepo.spike.enabled:
         out["step_guards"] = [SpikeGuard(_section_config(SpikeConfig, g.gepo.spike))]
     return out

@@ -48,6 +48,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         step_guards: objects with ``decide(grad_norm, step)`` / ``on_skip(...)`` (``StepGuard``), asked before
             every optimizer step with the global pre-clip gradient norm.
         stateful: extra named objects with ``state_dict``/``load_state_dict`` saved in every checkpoint.
+        logprob_min: clamp every per-token log-prob (policy, old and reference) at this floor (seed 000 §6.1:
+            -100); None leaves TRL's values untouched.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         advantage_fn: AdvantageFunction | None = None,
         step_guards: list[StepGuard] | None = None,
         stateful: dict[str, Any] | None = None,
+        logprob_min: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -72,6 +75,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 self.stateful.setdefault(f"step_guard_{i}", guard)
         self._steady_scores: tuple[torch.Tensor, list[Any]] | None = None
         self.steady_counters: dict[str, float] = defaultdict(float)
+        self.logprob_min = logprob_min
         self.add_callback(_GuardClock(self))
 
     # ------------------------------------------------------------------ 1+2: rewards -> advantages
@@ -129,6 +133,13 @@ class SteadyGRPOTrainer(GRPOTrainer):
     def _guard_metric(self, name: str, value: float) -> None:
         """Averaged over the logging interval and logged with TRL's own metrics (report_to sees them)."""
         self._metrics["train" if self.model.training else "eval"][name].append(value)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self.logprob_min is not None:
+            self._guard_metric("gepo/nonfinite_logprobs", float((~torch.isfinite(logps)).sum()))
+            logps = logps.clamp(min=self.logprob_min)  # -inf -> floor; NaN stays NaN and is caught at the step
+        return logps, entropies, aux_loss
 
     # ------------------------------------------------------------------ 3: optimizer-step decision
 

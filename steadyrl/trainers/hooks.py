@@ -9,6 +9,8 @@ How each is overridden (never by copying the body):
 - ``_generate_and_score_completions``: call the parent, replace ``advantages`` in its output when a reward
   processor or advantage function is set.
 - ``_clip_grad_norm``: compute the global pre-clip norm, ask the step guards, then clip or skip.
+- ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
+  count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
 """
 
@@ -24,6 +26,12 @@ HOOKED_METHODS: dict[str, str] = {
         "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]"
     ),
     "_clip_grad_norm": "(self, model)",
+    "_get_per_token_logps_and_entropies": (
+        "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
+        "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
+        "spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, mm_token_type_ids=None, "
+        "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
+    ),
     "_save_checkpoint": "(self, model, trial)",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
 }

@@ -63,6 +63,7 @@ def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
     assert len(clip_high) == 4 and max(clip_high) > 0  # the 1e9 rows are tail-clipped once the window is warm
     assert all(math.isfinite(x) for x in per_step(history, "grade/scaled_std"))
     assert per_step(history, "gepo/skipped_steps")[-1] == trainer.step_guards[0].skipped
+    assert trainer.logprob_min == -100.0 and per_step(history, "gepo/nonfinite_logprobs") == [0.0] * 4
 
 
 def test_spike_guard_needs_clipping_and_layers_validate(tiny_model_dir, tmp_path):
@@ -75,3 +76,25 @@ def test_spike_guard_needs_clipping_and_layers_validate(tiny_model_dir, tmp_path
         load_config(tmp_path / "cfg.yaml", ["guards.gepo.advantage.clip_scale=9"])
     with pytest.raises(ConfigError, match=r"guards.grade: invalid GradeConfig: tau must be in \(0, 0.5\)"):
         load_config(tmp_path / "cfg.yaml", ["guards.grade.tau=0.7"])
+
+
+def test_logprob_floor_clamps_minus_inf(tiny_model_dir, tmp_path):
+    """A -inf per-token log-prob (a token the policy gives probability 0) is floored at logprob_min and counted."""
+    from trl import GRPOTrainer
+
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"gepo": {"enabled": True, "logprob_min": -100.0}}))
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def with_minus_inf(self, *args, **kwargs):
+        logps, ent, aux = original(self, *args, **kwargs)
+        return logps.index_fill(1, torch.tensor([0]), float("-inf")), ent, aux
+
+    ids = torch.tensor([[ord(c) + 3 for c in "1+2=3"]])
+    trainer.model.train()
+    try:
+        GRPOTrainer._get_per_token_logps_and_entropies = with_minus_inf
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 2)
+    finally:
+        GRPOTrainer._get_per_token_logps_and_entropies = original
+    assert logps[0, 0].item() == -100.0 and torch.isfinite(logps).all()
+    assert trainer._metrics["train"]["gepo/nonfinite_logprobs"] == [1.0]
