@@ -20,6 +20,7 @@ from typing import Any
 
 from steadyrl.config.loader import ConfigError, Origins
 from steadyrl.guards.grade import GradeConfig
+from steadyrl.guards.monitor import MonitorConfig
 from steadyrl.guards.spike import SpikeConfig
 
 ALGORITHMS = ("grpo", "sft")
@@ -111,6 +112,7 @@ class GepoSection:
     logprob_min: float | None = -100.0  # floor for per-token log-probs before ratios and KL; null = off
     advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
     spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 @dataclass

@@ -182,6 +182,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         callbacks=[load_object(s, f"callbacks[{i}]")() for i, s in enumerate(cfg.callbacks)]
         + list(extra_callbacks or []),
     )
+    if cfg.algorithm != "sft" and cfg.guards.gepo.enabled and cfg.guards.gepo.monitor.enabled:
+        from steadyrl.callbacks.monitor import SignalMonitor
+
+        common["callbacks"] = [*common["callbacks"], SignalMonitor(cfg.guards.gepo.monitor)]
     if cfg.algorithm == "sft":
         from trl import SFTTrainer
 

@@ -44,7 +44,12 @@ def _config(tmp_path, model_dir, guards):
 
 def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
     guards = {
-        "gepo": {"enabled": True, "advantage": {"clip_scale": 3.0}, "spike": {"warmup_steps": 2}},
+        "gepo": {
+            "enabled": True,
+            "advantage": {"clip_scale": 3.0},
+            "spike": {"warmup_steps": 2},
+            "monitor": {"every": 2, "window": 2, "entropy_drop_ratio": 2.0},  # 2.0: any run "drops", to see a warning
+        },
         "grade": {"enabled": True, "window_size": 64, "warmup": 16, "clip_start": 16, "quantile_every": 1},
     }
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, guards))
@@ -63,6 +68,9 @@ def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
     assert len(clip_high) == 4 and max(clip_high) > 0  # the 1e9 rows are tail-clipped once the window is warm
     assert all(math.isfinite(x) for x in per_step(history, "grade/scaled_std"))
     assert per_step(history, "gepo/skipped_steps")[-1] == trainer.step_guards[0].skipped
+    (monitor,) = [c for c in trainer.callback_handler.callbacks if type(c).__name__ == "SignalMonitor"]
+    assert [step for step, _ in monitor.warnings] == [2, 4]
+    assert all(w.startswith("entropy falling fast") for _, w in monitor.warnings)
     assert trainer.logprob_min == -100.0 and per_step(history, "gepo/nonfinite_logprobs") == [0.0] * 4
 
 

@@ -1,0 +1,47 @@
+"""SignalMonitor: every ``monitor.every`` optimizer steps, a one-line health summary and early warnings.
+
+The warnings themselves are computed by the pure ``steadyrl.guards.monitor.early_warnings``; this callback
+feeds it the Trainer's log history and writes what it finds to the log (main process only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import TrainerCallback
+
+from steadyrl.guards.monitor import MonitorConfig, early_warnings
+
+logger = logging.getLogger("steadyrl.monitor")
+
+SUMMARY_KEYS = (
+    "grad_norm",
+    "reward",
+    "reward_std",
+    "gepo/adv_std",
+    "gepo/adv_max_abs",
+    "entropy",
+    "kl",
+    "gepo/skipped_steps",
+    "gepo/nonfinite_rewards",
+)
+
+
+class SignalMonitor(TrainerCallback):
+    def __init__(self, config: MonitorConfig | None = None) -> None:
+        self.config = config or MonitorConfig()
+        self.warnings: list[tuple[int, str]] = []
+        self._last_step = -1
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step
+        if not state.is_world_process_zero or step % self.config.every or step == self._last_step:
+            return  # (the Trainer logs twice at the last step: the step's metrics, then the run summary)
+        self._last_step = step
+        latest = {k: v for row in state.log_history for k, v in row.items() if k in SUMMARY_KEYS}
+        summary = ", ".join(f"{k}={latest[k]:.4g}" for k in SUMMARY_KEYS if isinstance(latest.get(k), (int, float)))
+        logger.info("step %d: %s", state.global_step, summary)
+        for warning in early_warnings(state.log_history, self.config):
+            self.warnings.append((state.global_step, warning))
+            logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)

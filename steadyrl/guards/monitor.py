@@ -1,0 +1,63 @@
+"""Early warnings from a run's log history (design note seed 000 §2.2, §5.2): GRPO crashes announce themselves.
+
+Two precursors are checked over the last ``window`` logged values of a metric:
+- advantage std rising steadily: at least ``rising_fraction`` of consecutive pairs go up and the last value is
+  ``adv_std_rise_ratio`` times the first (the signal is being hijacked by outliers or shrinking group std);
+- entropy falling fast: the last value is below ``entropy_drop_ratio`` times the first (collapse under way).
+
+Pure functions over plain dicts; the trainer-side callback only feeds them ``state.log_history``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = True
+    every: int = 50
+    window: int = 20
+    adv_std_key: str = "gepo/adv_std"
+    entropy_key: str = "entropy"
+    adv_std_rise_ratio: float = 1.5
+    rising_fraction: float = 0.8
+    entropy_drop_ratio: float = 0.7
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.window < 2:
+            raise ValueError(f"every must be >= 1 and window >= 2, got every={self.every}, window={self.window}")
+        if not 0.0 < self.rising_fraction <= 1.0:
+            raise ValueError(f"rising_fraction must be in (0, 1], got {self.rising_fraction}")
+
+
+def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tuple[int, float]]:
+    """The last ``window`` (step, value) pairs of ``key`` in a Trainer log history (None values skipped)."""
+    rows = [(int(r.get("step", i)), float(r[key])) for i, r in enumerate(history) if r.get(key) is not None]
+    return rows[-window:]
+
+
+def early_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> list[str]:
+    """Warning lines (empty when healthy) naming the metric, step range and values."""
+    warnings = []
+    adv = recent(history, config.adv_std_key, config.window)
+    if len(adv) == config.window:
+        values = [v for _, v in adv]
+        ups = sum(b > a for a, b in pairwise(values)) / (len(values) - 1)
+        if ups >= config.rising_fraction and values[0] > 0 and values[-1] >= config.adv_std_rise_ratio * values[0]:
+            warnings.append(
+                f"advantage std rising steadily: {config.adv_std_key} {values[0]:.4g} -> {values[-1]:.4g} over steps "
+                f"{adv[0][0]}-{adv[-1][0]} ({ups:.0%} of steps up). Precursor of a hard crash: check for reward "
+                "outliers (guards.grade) and group std collapse (guards.gepo.advantage)"
+            )
+    ent = recent(history, config.entropy_key, config.window)
+    if len(ent) == config.window and ent[0][1] > 0 and ent[-1][1] < config.entropy_drop_ratio * ent[0][1]:
+        warnings.append(
+            f"entropy falling fast: {config.entropy_key} {ent[0][1]:.4g} -> {ent[-1][1]:.4g} over steps "
+            f"{ent[0][0]}-{ent[-1][0]}. Precursor of entropy collapse: raise the KL coefficient or lower the "
+            "learning rate"
+        )
+    return warnings

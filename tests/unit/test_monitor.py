@@ -1,0 +1,48 @@
+"""Early warnings on synthetic log histories."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadyrl.guards.monitor import MonitorConfig, early_warnings, recent
+
+CFG = MonitorConfig(window=5, adv_std_rise_ratio=1.5, rising_fraction=0.75, entropy_drop_ratio=0.7)
+
+
+def history(key, values, start=1):
+    return [{"step": start + i, key: v, "loss": 0.0} for i, v in enumerate(values)]
+
+
+def test_healthy_run_has_no_warning():
+    rows = history("gepo/adv_std", [1.0, 1.1, 0.9, 1.0, 1.05]) + history("entropy", [1.0, 0.95, 0.97, 0.9, 0.92])
+    assert early_warnings(rows, CFG) == []
+
+
+def test_rising_advantage_std_is_named_with_steps_and_values():
+    rows = history("gepo/adv_std", [1.0, 1.2, 1.4, 1.3, 1.6], start=10)  # 3 of 4 pairs up, 1.6 >= 1.5 x 1.0
+    (warning,) = early_warnings(rows, CFG)
+    assert warning.startswith("advantage std rising steadily: gepo/adv_std 1 -> 1.6 over steps 10-14 (75% of steps up)")
+
+
+def test_rise_needs_both_steadiness_and_size():
+    assert early_warnings(history("gepo/adv_std", [1.0, 1.1, 1.2, 1.3, 1.4]), CFG) == []  # steady but only 1.4x
+    assert early_warnings(history("gepo/adv_std", [1.0, 2.0, 1.0, 2.0, 1.6]), CFG) == []  # big but not steady
+
+
+def test_entropy_drop():
+    (warning,) = early_warnings(history("entropy", [2.0, 1.8, 1.6, 1.5, 1.39], start=3), CFG)
+    assert warning.startswith("entropy falling fast: entropy 2 -> 1.39 over steps 3-7")
+    assert early_warnings(history("entropy", [2.0, 1.8, 1.6, 1.5, 1.41]), CFG) == []  # 1.41 >= 0.7 x 2.0
+
+
+def test_short_history_and_none_values():
+    assert early_warnings(history("entropy", [2.0, 0.1]), CFG) == []
+    rows = [{"step": 1, "entropy": None}, {"step": 2, "entropy": 1.0}]
+    assert recent(rows, "entropy", 5) == [(2, 1.0)]
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="window >= 2"):
+        MonitorConfig(window=1)
+    with pytest.raises(ValueError, match="rising_fraction"):
+        MonitorConfig(rising_fraction=0.0)
