@@ -1,0 +1,67 @@
+"""Overhead of the guard layers: optimizer-step time with guards on vs off, alternating in one run.
+
+Each repeat trains the same short GRPO run twice, guards off then on (the order alternates between repeats so
+drift in machine load hits both sides), and takes the Trainer's `train_runtime` per optimizer step: it covers
+generation, rewards, advantages, backward, the step guards and the optimizer step (TRL's own `step_time`
+misses the last two). The ratio is reported as the median over repeats with its min-max spread.
+
+    python scripts/bench_overhead.py --sft runs/tiny-sft/final --repeats 5 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = {
+    "GRADE + GEPO": ["guards.grade.enabled=true", "guards.gepo.enabled=true"],
+}
+
+
+def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> float:
+    cmd = [
+        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+        f"trainer.output_dir={out}", f"trainer.max_steps={steps}", 'trainer.save_strategy="no"',
+        "trainer.logging_steps=1", "eval.enabled=false", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    (summary,) = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{'train_runtime'")]
+    return float(summary["train_runtime"]) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sft", required=True)
+    ap.add_argument("--out", default="runs/bench-overhead")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    print("| layers | seconds per step off (median) | on (median) | ratio on/off (median, min-max over repeats) |")
+    print("|---|---|---|---|")
+    for name, overrides in LAYERS.items():
+        off_all, on_all, ratios = [], [], []
+        for r in range(args.repeats):
+            order = [("off", []), ("on", overrides)]
+            if r % 2:
+                order.reverse()
+            medians: dict[str, float] = {}
+            for label, extra in order:
+                medians[label] = seconds_per_step(args.sft, Path(args.out) / f"{label}-{r}", args.steps, extra)
+            off_all.append(medians["off"])
+            on_all.append(medians["on"])
+            ratios.append(medians["on"] / medians["off"])
+        print(
+            f"| {name} | {statistics.median(off_all):.4f} | {statistics.median(on_all):.4f} | "
+            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()
