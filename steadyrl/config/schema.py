@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import os
 import types
 import typing
@@ -101,7 +102,8 @@ class GepoAdvantageSection:
 
 @dataclass
 class GepoSpikeSection(SpikeConfig):
-    """Grad-norm EMA spike detector: skip a poisoned optimizer step."""
+    """Grad-norm EMA spike detector: skip a poisoned optimizer step. ``enabled: false`` turns off the spike test
+    only: with ``gepo.enabled`` a non-finite gradient norm always skips the step (finite checks)."""
 
     enabled: bool = True
 
@@ -120,6 +122,9 @@ class GradeSection(GradeConfig):
     """GRADE reward scaler: rolling whitening, quantile tail clip, per-prompt counterfactual centring."""
 
     enabled: bool = False
+    # seed 004 §5.3: scale the KL coefficient by raw_std / scaled_std (clamped) so the KL keeps its weight
+    kl_compensation: bool = False
+    kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])
 
 
 @dataclass
@@ -441,17 +446,50 @@ def _check_guards(cfg: RunConfig) -> None:
             GEPOAdvantage(gepo.advantage.clip_scale)
         except ValueError as exc:
             raise ConfigError(f"guards.gepo.advantage.clip_scale: {exc}") from exc
-    if gepo.enabled and gepo.spike.enabled:
-        if float(t.get("max_grad_norm", 1.0)) <= 0:
+    grade = cfg.guards.grade
+    if grade.enabled and grade.kl_compensation:
+        lo_hi = grade.kl_compensation_range
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= 1 <= lo_hi[1]:
             raise ConfigError(
-                "guards.gepo.spike needs trainer.max_grad_norm > 0 (the Trainer asks for the gradient norm only "
-                "when it clips); set e.g. trainer.max_grad_norm=1.0"
+                f"guards.grade.kl_compensation_range must be [lo, hi] with 0 < lo <= 1 <= hi, got {lo_hi}"
             )
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if float(t.get("beta", 0.0)) == 0.0:
             raise ConfigError(
-                "guards.gepo.spike does not yet hook DeepSpeed's optimizer step (the step happens inside the "
-                "engine); set guards.gepo.spike.enabled=false under DeepSpeed"
+                "guards.grade.kl_compensation scales the KL coefficient, but trainer.beta is 0 (no KL term, and TRL "
+                "then loads no reference model); set trainer.beta > 0 or guards.grade.kl_compensation=false"
             )
+    if gepo.enabled:
+        if _deepspeed_launch():
+            stage = _deepspeed_zero_stage()
+            if stage is not None and stage not in (1, 2):
+                raise ConfigError(
+                    f"guards.gepo.spike hooks the ZeRO stage 1/2 optimizer step, but this launch uses ZeRO stage "
+                    f"{stage}; use stage 1 or 2 (configs/deepspeed/zero2.json) or set guards.gepo.enabled=false"
+                )
+        elif float(t.get("max_grad_norm", 1.0)) <= 0:
+            raise ConfigError(
+                "guards.gepo (spike skip and finite checks) needs trainer.max_grad_norm > 0 (the Trainer asks for "
+                "the gradient norm only when it clips); set e.g. trainer.max_grad_norm=1.0"
+            )
+
+
+def _deepspeed_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _deepspeed_zero_stage() -> int | None:
+    """The ZeRO stage of an ``accelerate launch`` with DeepSpeed: from its env, else its DeepSpeed JSON."""
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None and stage.isdigit():
+        return int(stage)
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and Path(path).is_file():
+        try:
+            value = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage")
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, int) else None
+    return None
 
 
 def _check_grpo(cfg: RunConfig, world_size: int) -> None:

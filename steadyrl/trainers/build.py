@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -110,8 +112,6 @@ def resolve_resume(cfg: RunConfig) -> str | None:
 
 def _section_config(config_cls: type, section: Any) -> Any:
     """The guard's own config dataclass from its config section (the section adds ``enabled``)."""
-    import dataclasses
-
     return config_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(config_cls)})
 
 
@@ -125,12 +125,17 @@ def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if g.grade.enabled:
         out["reward_processor"] = GradeScaler(_section_config(GradeConfig, g.grade))
+        if g.grade.kl_compensation:
+            out["kl_compensation"] = tuple(g.grade.kl_compensation_range)
     if g.gepo.enabled and g.gepo.advantage.enabled:
         out["advantage_fn"] = GEPOAdvantage(g.gepo.advantage.clip_scale)
     if g.gepo.enabled:
         out["logprob_min"] = g.gepo.logprob_min
-    if g.gepo.enabled and g.gepo.spike.enabled:
-        out["step_guards"] = [SpikeGuard(_section_config(SpikeConfig, g.gepo.spike))]
+        out["finite_checks"] = True
+        spike = _section_config(SpikeConfig, g.gepo.spike)
+        if not g.gepo.spike.enabled:  # finite checks stay: a non-finite gradient norm still skips the step
+            spike = dataclasses.replace(spike, spike_factor=math.inf)
+        out["step_guards"] = [SpikeGuard(spike)]
     return out
 
 

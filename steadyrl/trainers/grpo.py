@@ -8,10 +8,14 @@ The hooked TRL methods are listed in ``steadyrl.trainers.hooks``; none of their 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,11 @@ class SteadyGRPOTrainer(GRPOTrainer):
         stateful: extra named objects with ``state_dict``/``load_state_dict`` saved in every checkpoint.
         logprob_min: clamp every per-token log-prob (policy, old and reference) at this floor (seed 000 §6.1:
             -100); None leaves TRL's values untouched.
+        finite_checks: count non-finite log-probs, importance ratios and losses per step (``gepo/nonfinite_*``).
+        kl_compensation: (lo, hi): multiply the KL coefficient by the reward processor's ``kl_compensation(lo,
+            hi)`` (GRADE: raw_std / scaled_std) after every generation batch, so the KL term keeps its weight
+            relative to the rescaled rewards. ``beta_factors`` holds every factor; ``beta`` is their product
+            times ``beta_base``.
     """
 
     def __init__(
@@ -60,6 +69,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         step_guards: list[StepGuard] | None = None,
         stateful: dict[str, Any] | None = None,
         logprob_min: float | None = None,
+        finite_checks: bool = False,
+        kl_compensation: tuple[float, float] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -76,7 +87,29 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self._steady_scores: tuple[torch.Tensor, list[Any]] | None = None
         self.steady_counters: dict[str, float] = defaultdict(float)
         self.logprob_min = logprob_min
+        self.finite_checks = finite_checks
+        self._steady_loss_inputs: dict[str, Any] | None = None
+        if kl_compensation is not None and (reward_processor is None or self.beta == 0.0):
+            raise ValueError("kl_compensation needs a reward processor with kl_compensation() and beta > 0")
+        self.kl_compensation = kl_compensation
+        self.beta_base = self.beta
+        self.beta_factors: dict[str, float] = {}
+        self.guard_seconds = 0.0
         self.add_callback(_GuardClock(self))
+
+    @contextlib.contextmanager
+    def guard_timer(self) -> Iterator[None]:
+        """Adds the wall time of the block to ``guard_seconds`` (the overhead figure of bench_overhead.py)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.guard_seconds += time.perf_counter() - start
+
+    def set_beta_factor(self, name: str, value: float) -> None:
+        """One multiplicative factor of the KL coefficient (GRADE compensation, QUATRO's controller, ...)."""
+        self.beta_factors[name] = value
+        self.beta = self.beta_base * math.prod(self.beta_factors.values())
 
     # ------------------------------------------------------------------ 1+2: rewards -> advantages
 
@@ -87,7 +120,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self._rewrites_advantages():
             # rewards_per_func is already gathered over processes; gather the prompts to match its rows.
-            self._steady_scores = (rewards_per_func, gather_object(list(prompts)))
+            with self.guard_timer():
+                self._steady_scores = (rewards_per_func, gather_object(list(prompts)))
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
@@ -99,7 +133,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self._steady_scores = None
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        advantages = self.compute_advantages(rewards_per_func, prompts, num_generations)
+        with self.guard_timer():
+            advantages = self.compute_advantages(rewards_per_func, prompts, num_generations)
         local = len(inputs)
         start = self.accelerator.process_index * local
         output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
@@ -124,6 +159,11 @@ class SteadyGRPOTrainer(GRPOTrainer):
             rewards = self.reward_processor(rewards, prompts, num_generations)
             for name, value in getattr(self.reward_processor, "metrics", dict)().items():
                 self._guard_metric(name, value)
+            if self.kl_compensation is not None:
+                factor = self.reward_processor.kl_compensation(*self.kl_compensation)
+                self.set_beta_factor("grade", factor)
+                self._guard_metric("grade/kl_factor", factor)
+                self._guard_metric("grade/beta", self.beta)
         advantage_fn = self.advantage_fn or partial(group_normalized_advantages, scale_rewards=self.scale_rewards)
         advantages = advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
         self._guard_metric("gepo/adv_std", float(advantages.std()) if advantages.numel() > 1 else 0.0)
@@ -136,39 +176,121 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if self.logprob_min is not None:
+        if self.finite_checks:
             self._guard_metric("gepo/nonfinite_logprobs", float((~torch.isfinite(logps)).sum()))
+        if self.logprob_min is not None:
             logps = logps.clamp(min=self.logprob_min)  # -inf -> floor; NaN stays NaN and is caught at the step
+        inputs = self._steady_loss_inputs
+        if inputs is not None:  # the policy log-probs of a loss computation: count the ratios it will form
+            self._steady_loss_inputs = None
+            old = inputs.get("old_per_token_logps")
+            log_ratio = logps.detach() - (logps.detach() if old is None else old)
+            bad = ~torch.isfinite(torch.exp(log_ratio)) & inputs["completion_mask"].bool()
+            self._guard_metric("gepo/nonfinite_ratios", float(bad.sum()))
         return logps, entropies, aux_loss
+
+    def _compute_loss(self, model, inputs):
+        if not self.finite_checks:
+            return super()._compute_loss(model, inputs)
+        self._steady_loss_inputs = inputs
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._steady_loss_inputs = None
+        # A non-finite loss makes the gradient, hence the global norm, non-finite: the step guard skips that step.
+        self._guard_metric("gepo/nonfinite_loss", float(not torch.isfinite(loss.detach())))
+        return loss
 
     # ------------------------------------------------------------------ 3: optimizer-step decision
 
     def _clip_grad_norm(self, model):
-        if not self.step_guards:
+        if not self.step_guards or self.is_deepspeed_enabled:
+            # Under DeepSpeed the step already happened inside ``accelerator.backward`` and was decided by the
+            # hook on the ZeRO optimizer (``install_deepspeed_step_hook``); this returns the engine's norm.
             return super()._clip_grad_norm(model)
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         # Gradients are already reduced across processes here (DDP all-reduce at the sync step), so the
         # local norm is the global norm and every rank takes the same decision.
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        with self.guard_timer():
+            decision = self._decide_optimizer_step(norm, grads)
+        if decision.skip:
+            model.zero_grad(set_to_none=True)  # with every .grad None, optimizer.step() changes nothing
+        elif self.args.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)
+        if getattr(self.optimizer, "scaler", None) is None and hasattr(self.optimizer, "_is_overflow"):
+            # Tell the Trainer the step was skipped so it does not advance the LR schedule, exactly as it does
+            # for an fp16 overflow and for a step DeepSpeed skipped (see ``install_deepspeed_step_hook``).
+            self.optimizer._is_overflow = decision.skip
+        return norm
+
+    def _decide_optimizer_step(self, norm: torch.Tensor, gradients: list[torch.Tensor | None]) -> StepDecision:
+        """Ask every step guard about the global pre-clip norm; on a veto, hand them the gradients and count it.
+
+        ``gradients`` are this rank's: all gradients under one process or DDP (already all-reduced), this
+        rank's gradient partition under DeepSpeed ZeRO-1/2. Dropping them is the caller's job.
+        """
         step = self.state.global_step
         decision = combine_decisions([guard.decide(norm, step) for guard in self.step_guards])
         if decision.skip:
-            self._skip_optimizer_step(model, grads, decision, step)
-        elif self.args.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)
+            for guard in self.step_guards:
+                guard.on_skip(gradients, decision, step)
+            self.steady_counters["skipped_steps"] += 1
+            for reason in decision.reason.split(","):
+                self.steady_counters[f"skipped_{reason}"] += 1
+            logger.warning("step %d: optimizer step skipped (%s, grad norm %.4g)", step, decision.reason, float(norm))
         self._guard_metric("gepo/skipped_steps", self.steady_counters["skipped_steps"])
-        return norm
+        for key, value in self.steady_counters.items():
+            if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
+                self._guard_metric(f"gepo/{key}", value)
+        return decision
 
-    def _skip_optimizer_step(
-        self, model: torch.nn.Module, grads: list[torch.Tensor], decision: StepDecision, step: int
-    ) -> None:
-        """Drop this step's gradients: with every ``.grad`` None the optimizer's step changes nothing."""
-        for guard in self.step_guards:
-            guard.on_skip(grads, decision, step)
-        model.zero_grad(set_to_none=True)
-        self.steady_counters["skipped_steps"] += 1
-        logger.warning("step %d: optimizer step skipped (%s)", step, decision.reason)
+    def install_deepspeed_step_hook(self) -> None:
+        """Put the step guards inside DeepSpeed's ZeRO-1/2 optimizer step (called once the engine exists).
+
+        Under DeepSpeed the optimizer step runs inside ``accelerator.backward`` -> ``engine.step()``, so the
+        Trainer's ``_clip_grad_norm`` comes too late. ``DeepSpeedZeroOptimizer.step`` first computes the global
+        gradient norm (``scaled_global_norm``: all-reduced over the data-parallel group, so identical on every
+        rank) and then calls ``_update_scale(overflow)``; when ``overflow`` is set after that call it drops the
+        gradients and returns without touching weights or moments. The hook decides on the first call and
+        raises ``overflow`` in the second. DeepSpeed's own overflow check (fp16 or ``check_grad_overflow``)
+        may skip a step before any norm is computed; the guards then see a NaN norm, so counts stay right.
+        Accelerate reports the skip (``optimizer.overflow``), and the Trainer then leaves the LR schedule alone.
+        """
+        if not self.step_guards or not self.is_deepspeed_enabled or getattr(self, "_ds_hook_installed", False):
+            return
+        zero = self.optimizer
+        while not hasattr(zero, "scaled_global_norm") and getattr(zero, "optimizer", None) is not None:
+            zero = zero.optimizer
+        if not (hasattr(zero, "scaled_global_norm") and hasattr(zero, "_update_scale")):
+            raise RuntimeError(
+                f"guards.gepo.spike under DeepSpeed hooks the ZeRO stage 1/2 optimizer, but the engine uses "
+                f"{type(zero).__name__}; use zero_optimization.stage 1 or 2, or set guards.gepo.enabled=false"
+            )
+        original_norm, original_update = zero.scaled_global_norm, zero._update_scale
+        pending: dict[str, bool | None] = {"skip": None}
+
+        def scaled_global_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+            scaled = original_norm(*args, **kwargs)
+            norm = scaled.detach().float() / float(zero.loss_scale)
+            if not bool(scaled >= 0):  # DeepSpeed reports an inf/NaN group norm as -1
+                norm = torch.full_like(norm, float("nan"))
+            grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
+            pending["skip"] = self._decide_optimizer_step(norm, grads).skip
+            return scaled
+
+        def update_scale(has_overflow: bool) -> None:
+            if pending["skip"] is None and has_overflow:  # DeepSpeed skipped before computing a norm
+                self._decide_optimizer_step(torch.tensor(float("nan")), [])
+            original_update(has_overflow)
+            if pending["skip"]:
+                zero.overflow = True
+            pending["skip"] = None
+
+        zero.scaled_global_norm = scaled_global_norm
+        zero._update_scale = update_scale
+        self._ds_hook_installed = True
 
     # ------------------------------------------------------------------ 4: state in checkpoints
 
@@ -188,11 +310,22 @@ class _GuardClock(TrainerCallback):
 
     def __init__(self, trainer: SteadyGRPOTrainer) -> None:
         self.trainer = trainer
+        self._last_guard_seconds = 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.install_deepspeed_step_hook()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for obj in (self.trainer.reward_processor, self.trainer.advantage_fn, *self.trainer.step_guards):
-            if obj is not None and callable(getattr(obj, "step", None)):
-                obj.step()
+        trainer = self.trainer
+        with trainer.guard_timer():
+            for obj in (trainer.reward_processor, trainer.advantage_fn, *trainer.step_guards):
+                if obj is not None and callable(getattr(obj, "step", None)):
+                    obj.step()
+        if trainer.step_guards or trainer._rewrites_advantages():
+            # seconds spent in steadyrl's guard code during this optimizer step (its whole overhead but the
+            # checks in the log-prob hook, which are a few elementwise ops)
+            trainer._guard_metric("steadyrl/guard_seconds", trainer.guard_seconds - self._last_guard_seconds)
+        self._last_guard_seconds = trainer.guard_seconds
 
 
 def save_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:

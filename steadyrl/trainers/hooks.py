@@ -11,11 +11,21 @@ How each is overridden (never by copying the body):
 - ``_clip_grad_norm``: compute the global pre-clip norm, ask the step guards, then clip or skip.
 - ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
   count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
+- ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance
+  ratios of that loss; count a non-finite loss (the step guard then skips the step it would poison).
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
+
+Two private details of accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
+- ``AcceleratedOptimizer._is_overflow`` is what ``accelerator.optimizer_step_was_skipped`` reports; a vetoed
+  step sets it so the Trainer leaves the LR schedule alone (as for an fp16 overflow).
+- ``DeepSpeedZeroOptimizer.step`` (ZeRO-1/2) calls ``scaled_global_norm()``, then ``_update_scale(overflow)``,
+  then returns early ``if self.overflow``; the step guards are installed on the first two
+  (``SteadyGRPOTrainer.install_deepspeed_step_hook``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 
 TESTED_TRL = "1.16"
@@ -32,6 +42,7 @@ HOOKED_METHODS: dict[str, str] = {
         "spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, mm_token_type_ids=None, "
         "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
     ),
+    "_compute_loss": "(self, model, inputs)",
     "_save_checkpoint": "(self, model, trial)",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
 }
@@ -54,4 +65,32 @@ def hook_signature_mismatches(trainer_cls: type) -> list[str]:
         actual = str(inspect.signature(method))
         if actual != expected:
             problems.append(f"{name}: signature is {actual}, steadyrl was written against {expected}")
+    return problems
+
+
+def internals_problems() -> list[str]:
+    """The accelerate / DeepSpeed internals above that are missing or no longer behave as relied on."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    problems = []
+    if "self._is_overflow" not in inspect.getsource(AcceleratedOptimizer.__init__):
+        problems.append("accelerate: AcceleratedOptimizer no longer sets _is_overflow")
+    if "return self._is_overflow" not in inspect.getsource(AcceleratedOptimizer.step_was_skipped.fget):
+        problems.append("accelerate: step_was_skipped no longer reports _is_overflow")
+    if importlib.util.find_spec("deepspeed") is None:
+        return problems
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
+
+    expected = {"scaled_global_norm": "(self, norm_type=2)", "_update_scale": "(self, has_overflow=False)"}
+    for name, signature in expected.items():
+        actual = str(inspect.signature(getattr(Zero, name))) if hasattr(Zero, name) else "missing"
+        if actual != signature:
+            problems.append(f"deepspeed: DeepSpeedZeroOptimizer.{name} is {actual}, expected {signature}")
+    if "self.averaged_gradients[i]" not in inspect.getsource(Zero.scaled_global_norm):
+        problems.append("deepspeed: the gradient partition is no longer in DeepSpeedZeroOptimizer.averaged_gradients")
+    step = inspect.getsource(Zero.step)
+    order = ["self.scaled_global_norm()", "self._update_scale(self.overflow)", "if self.overflow:"]
+    positions = [step.find(s) for s in order]
+    if -1 in positions or positions != sorted(positions):
+        problems.append(f"deepspeed: DeepSpeedZeroOptimizer.step no longer runs {' -> '.join(order)} in that order")
     return problems

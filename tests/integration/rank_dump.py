@@ -18,6 +18,28 @@ def _optimizer_chain(optimizer) -> list:
 
 
 class RankDump(TrainerCallback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []  # the scheduler's LR at train begin and after every optimizer step
+        self.per_step: list[dict] = []
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.lrs.append(lr_scheduler.get_last_lr()[0])
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, model=None, optimizer=None, **kwargs):
+        self.lrs.append(lr_scheduler.get_last_lr()[0])
+        # this rank's view after every step: weights and the innermost optimizer's moments (a ZeRO partition)
+        module = getattr(model, "module", model)
+        base = _optimizer_chain(optimizer)[-1]
+        self.per_step.append(
+            {
+                "weights": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+                "moments": [
+                    {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
+                    for st in base.state.values()
+                ],
+            }
+        )
+
     def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         rank = int(os.environ.get("RANK", "0"))
         chain = _optimizer_chain(optimizer)
@@ -33,6 +55,8 @@ class RankDump(TrainerCallback):
                 "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                 "optimizer_chain": [type(o).__name__ for o in chain],
                 "zero_stage": stage,
+                "lrs": self.lrs,
+                "per_step": self.per_step,
                 "weights": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
             },
             out / f"rank{rank}.pt",
@@ -47,3 +71,13 @@ class NanGradOnRank1(TrainerCallback):
             return
         param = next(p for p in getattr(model, "module", model).parameters() if p.requires_grad)
         param.register_hook(lambda g: g * float("nan") if state.global_step == 1 else g)
+
+
+class SpikeGradOnRank1(TrainerCallback):
+    """Multiplies one parameter's gradient by 1e6 on rank 1 only at the third optimizer step: a finite spike."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if int(os.environ.get("RANK", "0")) != 1:
+            return
+        param = next(p for p in getattr(model, "module", model).parameters() if p.requires_grad)
+        param.register_hook(lambda g: g * 1e6 if state.global_step == 2 else g)

@@ -88,18 +88,54 @@ def test_deepspeed_zero2_two_processes(tiny_model_dir, tmp_path):
         assert d["zero_stage"] == 2
 
 
-def test_ddp_nan_on_one_rank_makes_every_rank_skip(tiny_model_dir, tmp_path):
-    """A NaN gradient on rank 1 only: the all-reduced norm is NaN on both ranks, so both skip that step."""
+@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
+def test_nan_on_one_rank_makes_every_rank_skip(tiny_model_dir, tmp_path, accelerate_config):
+    """A NaN gradient on rank 1 only: the global norm (DDP all-reduce, or ZeRO-2's own all-reduced norm inside
+    the engine's step) is NaN on both ranks, so both skip that step and the weights stay equal and finite."""
+    if accelerate_config == "zero2.yaml":
+        pytest.importorskip("deepspeed")
     dumps, proc = launch(
-        "multi_cpu.yaml",
+        accelerate_config,
         tiny_model_dir,
         tmp_path / "nan",
         "trainer.max_steps=3",
         "trainer.max_grad_norm=1.0",
+        "trainer.lr_scheduler_type=linear",
+        "trainer.warmup_steps=0",
         "guards.gepo.enabled=true",
         "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:NanGradOnRank1]",
     )
     assert [d["global_step"] for d in dumps] == [3, 3]
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
     assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())
-    assert proc.stderr.count("optimizer step skipped (nonfinite)") == 2  # once per rank
+    assert proc.stderr.count("step 1: optimizer step skipped (nonfinite") == 2  # once per rank, at the NaN step
+    assert "optimizer step skipped" not in proc.stderr.replace("step 1: optimizer step skipped", "")
+    # the skipped step left the LR schedule alone on every rank: steps 0 and 1 log the same learning rate
+    lrs = [d["lrs"] for d in dumps]
+    assert lrs[0] == lrs[1] and lrs[0][1] == lrs[0][2] and lrs[0][2] > lrs[0][3]
+
+
+def test_zero2_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_path):
+    """A finite gradient spike (x1e6 on rank 1 at step 2) under ZeRO-2: DeepSpeed alone would apply it (it only
+    skips non-finite norms); the spike guard inside the engine's step vetoes it on both ranks, leaving every
+    rank's weights and its partition of the Adam moments bit-identical."""
+    pytest.importorskip("deepspeed")
+    dumps, proc = launch(
+        "zero2.yaml",
+        tiny_model_dir,
+        tmp_path / "spike",
+        "trainer.max_steps=4",
+        "trainer.save_steps=4",
+        "guards.gepo.enabled=true",
+        "guards.gepo.spike.warmup_steps=2",
+        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:SpikeGradOnRank1]",
+    )
+    assert proc.stderr.count("step 2: optimizer step skipped (spike") == 2, proc.stderr[-3000:]
+    for d in dumps:
+        before, after = d["per_step"][1], d["per_step"][2]  # after steps 1 and 2 (the skipped one)
+        assert_same_weights(before["weights"], after["weights"])
+        assert len(before["moments"]) == len(after["moments"]) > 0
+        for m0, m1 in zip(before["moments"], after["moments"], strict=True):
+            assert all(torch.equal(m0[k], m1[k]) for k in ("exp_avg", "exp_avg_sq"))
+        assert any(not torch.equal(v, d["per_step"][3]["weights"][k]) for k, v in after["weights"].items())
+    assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])

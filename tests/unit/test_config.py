@@ -200,3 +200,40 @@ def test_yaml_no_read_as_boolean_gets_a_quoting_hint(base: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer.save_strategy .*boolean False.*quote the value"):
         load_config(base, ["trainer.save_strategy=no"])
     assert load_config(base, ['trainer.save_strategy="no"']).trainer["save_strategy"] == "no"
+
+
+def test_spike_skip_needs_clipping_outside_deepspeed(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"guards.gepo \(spike skip and finite checks\) needs trainer.max_grad_norm > 0"
+    ):
+        load_config(base, ["guards.gepo.enabled=true", "trainer.max_grad_norm=0"])
+
+
+def test_spike_skip_under_deepspeed_accepts_zero2_and_rejects_zero3(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", raising=False)
+    ds = tmp_path / "ds.json"
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    # ZeRO-2: the hook sits in DeepSpeed's own step, which computes the norm whether or not it clips
+    assert load_config(base, ["guards.gepo.enabled=true", "trainer.max_grad_norm=0"]).guards.gepo.spike.enabled
+    ds.write_text('{"zero_optimization": {"stage": 3}}')
+    with pytest.raises(ConfigError, match=r"this launch uses ZeRO stage 3; use stage 1 or 2"):
+        load_config(base, ["guards.gepo.enabled=true"])
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    ds.write_text('{"zero_optimization": {"stage": 2}}')  # the launcher's env wins over the file
+    with pytest.raises(ConfigError, match=r"ZeRO stage 3"):
+        load_config(base, ["guards.gepo.enabled=true"])
+
+
+def test_grade_kl_compensation_needs_a_kl_term_and_a_sane_range(base: Path) -> None:
+    on = ["guards.grade.enabled=true", "guards.grade.kl_compensation=true"]
+    with pytest.raises(ConfigError, match=r"trainer.beta is 0 \(no KL term"):
+        load_config(base, [*on, "trainer.beta=0.0"])
+    with pytest.raises(ConfigError, match=r"kl_compensation_range must be \[lo, hi\] with 0 < lo <= 1 <= hi"):
+        load_config(base, [*on, "trainer.beta=0.04", "guards.grade.kl_compensation_range=[1.5, 2.0]"])
+    cfg = load_config(base, [*on, "trainer.beta=0.04"])
+    assert cfg.guards.grade.kl_compensation_range == [0.5, 2.0]

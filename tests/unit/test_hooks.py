@@ -5,7 +5,7 @@ from __future__ import annotations
 import trl
 
 from steadyrl.trainers import SteadyGRPOTrainer
-from steadyrl.trainers.hooks import HOOKED_METHODS, TESTED_TRL, hook_signature_mismatches
+from steadyrl.trainers.hooks import HOOKED_METHODS, TESTED_TRL, hook_signature_mismatches, internals_problems
 
 
 def test_installed_trl_is_the_tested_minor_release():
@@ -35,3 +35,8 @@ def test_mismatch_is_reported():
     Fake.__module__ = "fake_trl"
     problems = hook_signature_mismatches(Fake)
     assert len(problems) == 1 and problems[0].startswith("_clip_grad_norm: signature is (self, model, extra)")
+
+
+def test_accelerate_and_deepspeed_internals_are_as_relied_on():
+    """The LR-schedule flag and the ZeRO step order the step guards depend on (see trainers/hooks.py)."""
+    assert internals_problems() == []
