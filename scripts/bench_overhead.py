@@ -5,6 +5,11 @@ drift in machine load hits both sides), and takes the Trainer's `train_runtime` 
 generation, rewards, advantages, backward, the step guards and the optimizer step (TRL's own `step_time`
 misses the last two). The ratio is reported as the median over repeats with its min-max spread.
 
+That end-to-end ratio is noisy for a reason beyond machine load: guards change the training trajectory, so the
+two runs generate completions of different lengths. The second figure is exact instead: the trainer times its
+own guard code (``steadyrl/guard_seconds`` per step: reward gathering for the processor, GRADE, GEPO advantages,
+the step decision, guard clocks) and the script divides that by the guarded run's seconds per step.
+
     python scripts/bench_overhead.py --sft runs/tiny-sft/final --repeats 5 --steps 30
 """
 
@@ -24,7 +29,8 @@ LAYERS = {
 }
 
 
-def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> float:
+def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> tuple[float, float]:
+    """(seconds per optimizer step, guard seconds per optimizer step) of one short run."""
     cmd = [
         sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", 'trainer.save_strategy="no"',
@@ -32,8 +38,10 @@ def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> float
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    (summary,) = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{'train_runtime'")]
-    return float(summary["train_runtime"]) / steps
+    rows = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{'")]
+    (summary,) = [row for row in rows if "train_runtime" in row]
+    guard = sum(float(row.get("steadyrl/guard_seconds", 0.0)) for row in rows)
+    return float(summary["train_runtime"]) / steps, guard / steps
 
 
 def main() -> None:
@@ -43,23 +51,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    print("| layers | seconds per step off (median) | on (median) | ratio on/off (median, min-max over repeats) |")
-    print("|---|---|---|---|")
+    print(
+        "| layers | seconds per step off (median) | on (median) | ratio on/off (median, min-max over repeats) "
+        "| guard code share of a step (median, min-max) |"
+    )
+    print("|---|---|---|---|---|")
     for name, overrides in LAYERS.items():
-        off_all, on_all, ratios = [], [], []
+        off_all, on_all, ratios, shares = [], [], [], []
         for r in range(args.repeats):
             order = [("off", []), ("on", overrides)]
             if r % 2:
                 order.reverse()
             medians: dict[str, float] = {}
             for label, extra in order:
-                medians[label] = seconds_per_step(args.sft, Path(args.out) / f"{label}-{r}", args.steps, extra)
+                seconds, guard = seconds_per_step(args.sft, Path(args.out) / f"{label}-{r}", args.steps, extra)
+                medians[label] = seconds
+                if label == "on":
+                    shares.append(guard / seconds)
             off_all.append(medians["off"])
             on_all.append(medians["on"])
             ratios.append(medians["on"] / medians["off"])
         print(
             f"| {name} | {statistics.median(off_all):.4f} | {statistics.median(on_all):.4f} | "
-            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |"
+            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | "
+            f"{100 * statistics.median(shares):.2f}% ({100 * min(shares):.2f}-{100 * max(shares):.2f}%) |"
         )
 
 

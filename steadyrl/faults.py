@@ -1,8 +1,8 @@
-"""Fault injectors for tests and benchmarks: rewards that misbehave in controlled, reproducible ways."""
+"""Fault injectors for tests and benchmarks: rewards and training steps that misbehave reproducibly."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,3 +27,22 @@ def exact_match_cauchy(
     rng = np.random.default_rng([seed, step])
     noise = scale * rng.standard_cauchy(len(completions))
     return [r + float(n) for r, n in zip(exact_match(completions, answer), noise, strict=True)]
+
+
+def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
+    """Make the loss of one micro-batch NaN: its advantages are multiplied by NaN after TRL prepared them.
+
+    ``micro_step`` counts backward passes from 0 (TRL's ``trainer._step``). Works on ``trl.GRPOTrainer`` and
+    every subclass; the NaN flows through the loss into every gradient, as a NaN from a real numeric overflow
+    would. Returns a function that removes the fault.
+    """
+    original = trainer._prepare_inputs
+
+    def poisoned(generation_batch: Any) -> Any:
+        inputs = original(generation_batch)
+        if trainer.model.training and trainer._step == micro_step:
+            inputs = {**inputs, "advantages": inputs["advantages"] * float("nan")}
+        return inputs
+
+    trainer._prepare_inputs = poisoned
+    return lambda: setattr(trainer, "_prepare_inputs", original)

@@ -15,7 +15,7 @@ from tests.integration.helpers import per_step
 pytestmark = pytest.mark.slow
 
 
-def _config(tmp_path, model_dir, guards):
+def _config(tmp_path, model_dir, guards, **trainer):
     cfg = {
         "model": {"path": str(model_dir)},
         "data": {"path": "builtin:arithmetic", "builtin": {"max_operand": 9, "eval_size": 10}},
@@ -35,6 +35,7 @@ def _config(tmp_path, model_dir, guards):
             "save_strategy": "no",
             "disable_tqdm": True,
             "activation_checkpointing": False,
+            **trainer,
         },
     }
     path = tmp_path / "cfg.yaml"
@@ -72,13 +73,17 @@ def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
     assert [step for step, _ in monitor.warnings] == [2, 4]
     assert all(w.startswith("entropy falling fast") for _, w in monitor.warnings)
     assert trainer.logprob_min == -100.0 and per_step(history, "gepo/nonfinite_logprobs") == [0.0] * 4
+    assert per_step(history, "gepo/nonfinite_ratios") == [0.0] * 4
+    assert per_step(history, "gepo/nonfinite_loss") == [0.0] * 4
 
 
 def test_spike_guard_needs_clipping_and_layers_validate(tiny_model_dir, tmp_path):
     from steadyrl.config import ConfigError
 
     assert _config(tmp_path, tiny_model_dir, {"gepo": {"enabled": True}}).guards.gepo.spike.enabled
-    with pytest.raises(ConfigError, match=r"guards.gepo.spike needs trainer.max_grad_norm > 0"):
+    with pytest.raises(
+        ConfigError, match=r"guards.gepo \(spike skip and finite checks\) needs trainer.max_grad_norm > 0"
+    ):
         load_config(tmp_path / "cfg.yaml", ["trainer.max_grad_norm=0"])
     with pytest.raises(ConfigError, match=r"guards.gepo.advantage.clip_scale"):
         load_config(tmp_path / "cfg.yaml", ["guards.gepo.advantage.clip_scale=9"])
@@ -106,3 +111,17 @@ def test_logprob_floor_clamps_minus_inf(tiny_model_dir, tmp_path):
         GRPOTrainer._get_per_token_logps_and_entropies = original
     assert logps[0, 0].item() == -100.0 and torch.isfinite(logps).all()
     assert trainer._metrics["train"]["gepo/nonfinite_logprobs"] == [1.0]
+
+
+def test_grade_kl_compensation_scales_beta(tiny_model_dir, tmp_path):
+    """Once GRADE whitens, beta = base beta x clamp(raw_std / scaled_std); before that the factor is 1."""
+    grade = {"enabled": True, "window_size": 64, "warmup": 16, "clip": False, "centre": False}
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"grade": {**grade, "kl_compensation": True}}, beta=0.04))
+    trainer.train()
+    history = trainer.state.log_history
+    factors, betas = per_step(history, "grade/kl_factor"), per_step(history, "grade/beta")
+    raw, scaled = per_step(history, "grade/raw_std"), per_step(history, "grade/scaled_std")
+    assert factors[0] == 1.0 and betas[0] == pytest.approx(0.04)  # first batch: window below warmup
+    for f, b, r, s in list(zip(factors, betas, raw, scaled, strict=True))[1:]:
+        assert f == pytest.approx(min(max(r / s, 0.5), 2.0), rel=1e-6) and b == pytest.approx(0.04 * f, rel=1e-6)
+    assert trainer.beta == pytest.approx(0.04 * trainer.beta_factors["grade"]) and trainer.beta_base == 0.04

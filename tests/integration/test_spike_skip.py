@@ -1,4 +1,4 @@
-"""A NaN gradient at one step: SpikeGuard skips that step and training goes on; plain TRL ends with NaN weights."""
+"""A NaN loss at one step: SpikeGuard skips that step and training goes on; plain TRL ends with NaN weights."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer
 from trl import GRPOTrainer
 
+from steadyrl.faults import inject_nan_loss
 from steadyrl.guards.spike import SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
 from tests.integration.helpers import byte_mean, grpo_args, small_dataset, weights
@@ -24,16 +25,18 @@ def _trainer(cls, model_dir, out, **kwargs):
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         **kwargs,
     )
-    param = next(p for p in trainer.model.parameters() if p.requires_grad)
-    param.register_hook(lambda g: g * float("nan") if trainer._step == POISONED_MICRO_STEP else g)
+    inject_nan_loss(trainer, POISONED_MICRO_STEP)
     return trainer
 
 
-def test_nan_gradient_step_is_skipped(tiny_model_dir, tmp_path):
+def test_nan_loss_step_is_skipped(tiny_model_dir, tmp_path):
     guard = SpikeGuard()
-    steady = _trainer(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "steady", step_guards=[guard])
+    steady = _trainer(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "steady", step_guards=[guard], finite_checks=True)
     steady.train()
     assert guard.reasons == {"nonfinite": 1} and steady.steady_counters["skipped_steps"] == 1
+    history = steady.state.log_history
+    assert [row["gepo/nonfinite_loss"] for row in history if "gepo/nonfinite_loss" in row] == [0.0, 1.0, 0.0]
+    assert [row["gepo/skipped_nonfinite"] for row in history if "gepo/skipped_nonfinite" in row] == [1.0, 1.0]
     assert guard.accepted == 2
     assert all(torch.isfinite(v).all() for v in weights(steady.model).values())
 
