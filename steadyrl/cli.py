@@ -1,8 +1,14 @@
-"""``steadyrl`` command line: train, sft, validate.
+"""``steadyrl`` command line: train, sft, validate, report, doctor.
 
     steadyrl train CONFIG [section.key=value ...]     GRPO (or whatever ``algorithm`` says)
     steadyrl sft CONFIG [overrides]                   supervised warm start (``algorithm: sft``)
     steadyrl validate CONFIG [overrides]              print the resolved config, or the errors (exit 1)
+    steadyrl report RUN_DIR                           plots + RUN_DIR/report/report.md from the run's logs
+    steadyrl doctor RUN_DIR                           name the failure mode under way: exit 0 healthy,
+                                                      1 a warning or problem found, 2 no logs found
+
+``report`` and ``doctor`` read ``RUN_DIR/metrics.jsonl`` (the MetricsLog callback), else the newest
+``checkpoint-*/trainer_state.json``; they need no config.
 
 Under ``accelerate launch ... -m steadyrl train CONFIG`` every process runs the same command.
 """
@@ -29,7 +35,32 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="section.key=value overrides, YAML-typed")
+    for name, text in (
+        ("report", "plot a run's logged metrics into RUN_DIR/report/ (PNGs and report.md)"),
+        ("doctor", "name a run's failure mode from its logs (exit 0 healthy, 1 found one, 2 no logs)"),
+    ):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("run_dir", help="the run's trainer.output_dir (holding metrics.jsonl or checkpoint-*/)")
     return parser
+
+
+def _evidence(command: str, run_dir: str) -> int:
+    """``report`` / ``doctor``: exit 0 done and healthy, 1 doctor found something, 2 no logs in RUN_DIR."""
+    from steadyrl.evidence import HistoryNotFoundError, diagnose, format_findings, load_history
+
+    try:
+        if command == "report":
+            from steadyrl.evidence.report import write_report
+
+            print(write_report(run_dir))
+            return 0
+        history = load_history(run_dir)
+    except HistoryNotFoundError as exc:
+        print(f"steadyrl: {exc}", file=sys.stderr)
+        return 2
+    findings = diagnose(history)
+    print(format_findings(findings, history), end="")
+    return 1 if findings else 0
 
 
 def _teardown() -> None:
@@ -47,6 +78,8 @@ def _teardown() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("report", "doctor"):
+        return _evidence(args.command, args.run_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)

@@ -1,0 +1,92 @@
+"""MetricsLog: every logged row and guard event, one JSON line each, in ``<output_dir>/metrics.jsonl``.
+
+The Trainer keeps ``log_history`` in memory and writes it only with a checkpoint, so a run that dies between
+checkpoints loses the rows that explain why. This callback appends each row as it is logged, flushed and
+fsync'd, on the main process only:
+
+    {"step": 12, "loss": 0.031, "grad_norm": "nan", "reward": 0.42, ...}
+    {"step": 13, "event": "skip", "reason": "nonfinite"}
+
+Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON has no NaN);
+``steadyrl.evidence.history`` reads them back as floats. A line cut short by a crash is started afresh by the
+next write, so one torn line never glues onto the next row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from steadyrl.evidence.history import METRICS_FILE
+
+
+def encode_value(value: Any) -> Any:
+    """A log value as strict JSON: floats stay numbers unless non-finite ("nan", "inf", "-inf")."""
+    if isinstance(value, bool | str) or value is None:
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, dict):
+        return {str(k): encode_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode_value(v) for v in value]
+    try:
+        number = float(value)  # float, numpy scalar, 0-d tensor
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isnan(number):
+        return "nan"
+    if math.isinf(number):
+        return "inf" if number > 0 else "-inf"
+    return number
+
+
+class MetricsLog(TrainerCallback):
+    """Append-only JSON-lines log of the Trainer's rows (``on_log``) and of guard events (``event``).
+
+    output_dir: the folder for ``metrics.jsonl``; None takes ``args.output_dir`` when training starts.
+    Other code records events with ``event(step, "skip", reason="spike")`` or ``event(step, "rollback",
+    cause="nonfinite loss")``; on any process but the main one these calls write nothing.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike[str] | None = None, filename: str = METRICS_FILE) -> None:
+        self.filename = filename
+        self.path: Path | None = Path(output_dir) / filename if output_dir is not None else None
+        self.is_main = int(os.environ.get("RANK", "0")) == 0  # refined by the Trainer's state at every call
+
+    def _sync(self, args: Any, state: Any) -> None:
+        self.is_main = bool(state.is_world_process_zero)
+        if self.path is None:
+            self.path = Path(args.output_dir) / self.filename
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sync(args, state)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        self._sync(args, state)
+        if logs:
+            self.write({"step": int(state.global_step), **logs})
+
+    def event(self, step: int, kind: str, **fields: Any) -> None:
+        """Record a guard event at optimizer step ``step``: ``{"step": step, "event": kind, **fields}``."""
+        self.write({"step": int(step), "event": kind, **fields})
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row as a JSON line and fsync it (main process only; no-op before the path is known)."""
+        if not self.is_main or self.path is None:
+            return
+        line = json.dumps(encode_value(row), allow_nan=False) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as f:
+            if f.tell() > 0:  # a torn last line (the process died mid-write) gets its own line ending
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,247 @@
+"""steadyrl doctor on synthetic histories: each failure mode is named with its step range; noisy healthy runs pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from steadyrl.cli import main
+from steadyrl.evidence import DoctorConfig, History, diagnose, format_findings
+
+N = 200
+
+
+def healthy_rows(seed: int = 0, n: int = N) -> list[dict[str, Any]]:
+    """A run that learns: reward up with noise, entropy down 25%, KL settling, heavy-tailed grad norms, two GEPO
+    skips, a NaN reward now and then, eval accuracy up every 20 steps, then the Trainer's final summary row."""
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    for t in range(1, n + 1):
+        rows.append(
+            {
+                "step": t,
+                "loss": float(rng.normal(0, 0.05)),
+                "grad_norm": float(np.exp(rng.normal(-0.5, 1.0))),
+                "reward": float(0.2 + 0.4 * (1 - np.exp(-t / 80)) + rng.normal(0, 0.08)),
+                "reward_std": float(abs(rng.normal(0.3, 0.05))),
+                "entropy": float(1.0 - 0.25 * t / n + rng.normal(0, 0.1)),
+                "kl": float(0.02 * (1 - np.exp(-t / 30)) + abs(rng.normal(0, 0.004))),
+                "gepo/adv_std": float(0.9 + rng.normal(0, 0.06)),
+                "gepo/skipped_steps": int(t >= 57) + int(t >= 131),
+                "gepo/nonfinite_rewards": float(rng.poisson(0.3)),
+                "completions/mean_length": float(50 + 5 * t / n + rng.normal(0, 4)),
+                "completions/clipped_ratio": float(max(0.0, 0.05 + rng.normal(0, 0.03))),
+            }
+        )
+        if t % 20 == 0:
+            rows.append({"step": t, "eval/accuracy": float(0.2 + 0.3 * t / n + rng.normal(0, 0.03))})
+    rows.append({"step": n, "train_runtime": 100.0, "train_loss": 0.01, "epoch": 1.0})
+    return rows
+
+
+def hard_crash_rows() -> list[dict[str, Any]]:
+    """Healthy for 60 steps, a 1000x grad-norm jump at 61, NaN loss and grad norm at 63-65, then nothing."""
+    rows = [r for r in healthy_rows(1) if r["step"] <= 62 and "train_runtime" not in r]
+    for r in rows:
+        if r["step"] == 61 and "grad_norm" in r:
+            r["grad_norm"] = 1000.0 * float(np.median([x["grad_norm"] for x in rows[:60] if "grad_norm" in x]))
+    for t in (63, 64, 65):
+        rows.append({"step": t, "loss": float("nan"), "grad_norm": float("nan"), "reward": 0.4, "entropy": 0.9})
+    return rows
+
+
+def collapse_rows(seed: int = 2) -> list[dict[str, Any]]:
+    """Entropy decays to 5% from step 50, KL climbs, reward stays flat, the repetition filter fires more and more."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(1, N + 1):
+        decay = np.exp(-max(0, t - 50) / 30)
+        rows.append(
+            {
+                "step": t,
+                "loss": float(rng.normal(0, 0.05)),
+                "grad_norm": float(np.exp(rng.normal(-0.5, 0.4))),
+                "reward": float(0.3 + rng.normal(0, 0.05)),
+                "entropy": float(0.05 + 0.95 * decay + rng.normal(0, 0.02)),
+                "kl": float(0.01 + 0.2 * (1 - decay) + abs(rng.normal(0, 0.005))),
+                "quatro/filtered/repetition": float(rng.poisson(0.2 + 8 * (1 - decay))),
+                "completions/mean_length": float(40 + rng.normal(0, 3)),
+            }
+        )
+    rows.append({"step": N, "train_runtime": 100.0, "train_loss": 0.01})
+    return rows
+
+
+def hacking_rows(seed: int = 3) -> list[dict[str, Any]]:
+    """Reward climbs all run; eval accuracy peaks at step 80 and falls to 0.25; completions grow 3x long."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for t in range(1, N + 1):
+        rows.append(
+            {
+                "step": t,
+                "reward": float(0.1 + 0.8 * t / N + rng.normal(0, 0.05)),
+                "entropy": float(0.9 + rng.normal(0, 0.05)),
+                "grad_norm": float(np.exp(rng.normal(-0.5, 0.4))),
+                "completions/mean_length": float(40 * (1 + 2 * t / N) + rng.normal(0, 3)),
+            }
+        )
+        if t % 20 == 0:
+            accuracy = 0.3 + 0.25 * t / 80 if t <= 80 else 0.55 - 0.3 * (t - 80) / 120
+            rows.append({"step": t, "eval/accuracy": float(accuracy)})
+    rows.append({"step": N, "train_runtime": 100.0, "train_loss": 0.01})
+    return rows
+
+
+def only(findings, mode):
+    found = [f for f in findings if f.mode == mode]
+    assert len(found) == 1, [f.headline for f in findings]
+    return found[0]
+
+
+def evidence_for(finding, metric):
+    matches = [e for e in finding.evidence if e.metric == metric]
+    assert matches, [str(e) for e in finding.evidence]
+    return matches[0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_noisy_healthy_run_has_no_finding(seed):
+    history = History(rows=healthy_rows(seed))
+    assert diagnose(history) == []
+
+
+def test_healthy_text_names_steps_and_metrics():
+    text = format_findings([], History(rows=healthy_rows()))
+    assert text.startswith(f"healthy: no failure mode found ({N} steps, metrics checked: loss, grad_norm, reward,")
+    assert "finished at step 200" in text
+
+
+def test_hard_crash_is_named_with_the_spike_and_the_nan_steps():
+    history = History(rows=hard_crash_rows())
+    findings = diagnose(history)
+    assert [f.mode for f in findings] == ["hard_crash"]
+    crash = findings[0]
+    assert crash.severity == "problem"
+    assert "died at step 65" in crash.summary
+    loss = evidence_for(crash, "loss")
+    assert (loss.first_step, loss.last_step) == (63, 65)
+    assert "3 non-finite of 65 logged" in loss.detail
+    spike = evidence_for(crash, "grad_norm")
+    jump = [e for e in crash.evidence if e.metric == "grad_norm" and "jump" in e.detail]
+    assert spike and (jump[0].first_step, jump[0].last_step) == (61, 61)
+    assert any(c.startswith("guards.gepo.enabled: true and guards.gepo.spike.enabled: true") for c in crash.changes)
+    assert any(c.startswith("trainer.learning_rate") for c in crash.changes)
+    text = format_findings(findings, history)
+    assert "PROBLEM [hard_crash] hard crash" in text and "grad_norm, step 61:" in text and "loss, steps 63-65:" in text
+
+
+def test_nonfinite_step_that_was_skipped_is_only_a_warning():
+    rows = [r for r in healthy_rows(4) if "train_runtime" not in r]
+    for r in rows:
+        if r["step"] == 90 and "loss" in r:
+            r["loss"], r["grad_norm"], r["gepo/skipped_steps"] = float("nan"), float("inf"), 3
+        elif r["step"] > 90 and "gepo/skipped_steps" in r:
+            r["gepo/skipped_steps"] += 1
+    finding = only(diagnose(History(rows=rows)), "hard_crash")
+    assert finding.severity == "warning"
+    grad = evidence_for(finding, "grad_norm")
+    assert (grad.first_step, grad.last_step) == (90, 90) and "every one a skipped step" in grad.detail
+
+
+def test_advantage_std_rising_steadily_is_a_crash_precursor():
+    rows = healthy_rows(5)
+    for r in rows:
+        if "gepo/adv_std" in r and r["step"] > 160:
+            r["gepo/adv_std"] *= 1 + 3 * (r["step"] - 160) / 40  # 0.9 -> 3.6 over the last 40 steps
+    finding = only(diagnose(History(rows=rows)), "hard_crash")
+    adv = evidence_for(finding, "gepo/adv_std")
+    assert finding.severity == "warning" and (adv.first_step, adv.last_step) == (161, 200)
+
+
+def test_rollbacks_from_counter_and_events():
+    rows = healthy_rows(6)
+    for r in rows:
+        if "loss" in r:
+            r["opefo/rollbacks"] = int(r["step"] >= 70) + int(r["step"] >= 120) + int(r["step"] >= 150)
+    events = [{"step": 70, "event": "rollback", "cause": "nonfinite loss"}]
+    finding = only(diagnose(History(rows=rows, events=events)), "hard_crash")
+    roll = evidence_for(finding, "opefo/rollbacks")
+    assert finding.severity == "problem"  # 3 rollbacks = DoctorConfig.rollbacks_problem
+    assert (roll.first_step, roll.last_step) == (70, 150) and "causes: nonfinite loss" in roll.detail
+
+
+def test_entropy_collapse_is_named_with_kl_repetition_and_flat_reward():
+    findings = diagnose(History(rows=collapse_rows()))
+    assert [f.mode for f in findings] == ["entropy_collapse"]
+    collapse = findings[0]
+    assert collapse.severity == "problem"
+    assert "KL rising" in collapse.summary and "repetition filter counts rising" in collapse.summary
+    assert "reward flat" in collapse.summary
+    entropy = evidence_for(collapse, "entropy")
+    assert (entropy.first_step, entropy.last_step) == (1, N)
+    assert evidence_for(collapse, "quatro/filtered/repetition")
+    assert any(c.startswith("guards.quatro.entropy") for c in collapse.changes)
+    assert any("trainer.beta" in c and "guards.quatro.kl.target" in c for c in collapse.changes)
+
+
+def test_entropy_falling_while_reward_rises_is_only_a_warning():
+    rows = healthy_rows(7)
+    for r in rows:
+        if "entropy" in r:
+            r["entropy"] = float(np.exp(-r["step"] / 60))  # 1.0 -> 0.04
+    finding = only(diagnose(History(rows=rows)), "entropy_collapse")
+    assert finding.severity == "warning" and "while reward still rises" in finding.summary
+
+
+def test_reward_hacking_is_named_with_the_eval_peak():
+    findings = diagnose(History(rows=hacking_rows()))
+    assert [f.mode for f in findings] == ["reward_hacking"]
+    hacking = findings[0]
+    assert hacking.severity == "problem"
+    accuracy = evidence_for(hacking, "eval/accuracy")
+    assert (accuracy.first_step, accuracy.last_step) == (80, 200)
+    assert "best 0.55 at step 80 -> 0.25" in accuracy.detail
+    assert "completion length grew" in hacking.summary
+    assert any("checkpoint nearest step 80" in c for c in hacking.changes)
+
+
+def test_thresholds_come_from_the_config():
+    history = History(rows=[r for r in hard_crash_rows() if r["step"] <= 60])  # healthy prefix only
+    assert diagnose(history) == []
+    rows = [r for r in hard_crash_rows() if r["step"] <= 61]  # the 1000x jump at 61, no NaN yet
+    assert only(diagnose(History(rows=rows)), "hard_crash").severity == "warning"
+    assert diagnose(History(rows=rows), DoctorConfig(spike_ratio=10_000.0)) == []
+
+
+# ----------------------------------------------------------------------------------------------- cli
+
+
+def write_jsonl(folder: Path, rows: list[dict[str, Any]]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "".join(
+        json.dumps({k: (str(v) if isinstance(v, float) and not np.isfinite(v) else v) for k, v in r.items()}) + "\n"
+        for r in rows
+    )
+    (folder / "metrics.jsonl").write_text(text)
+    return folder
+
+
+def test_cli_doctor_exit_codes(tmp_path, capsys):
+    assert main(["doctor", str(write_jsonl(tmp_path / "ok", healthy_rows()))]) == 0
+    assert capsys.readouterr().out.startswith("healthy: no failure mode found (200 steps")
+
+    assert main(["doctor", str(write_jsonl(tmp_path / "crash", hard_crash_rows()))]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM [hard_crash]" in out and "no final row: still running or died at step 65" in out
+
+    (tmp_path / "empty").mkdir()
+    assert main(["doctor", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "no training logs" in err and "metrics.jsonl" in err and "trainer_state.json" in err
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert not (tmp_path / "empty" / "report").exists()
