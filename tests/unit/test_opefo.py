@@ -1,0 +1,598 @@
+"""OPEFO: exp_avg_sq floor by hand and sampled, error feedback schedule/rescale/merge/state, rank splits, rollback."""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from steadyrl.guards.opefo import (
+    ErrorFeedback,
+    ErrorFeedbackConfig,
+    FloorConfig,
+    OpefoConfig,
+    RollbackConfig,
+    RollbackLimitError,
+    RollbackPolicy,
+    SecondMomentFloor,
+    SnapshotStore,
+    distributed_ops,
+    optimizer_state_finite,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+class FakeRanks:
+    """``world`` ranks as threads; reduce_sum / all_gather meet at a barrier and combine in rank order."""
+
+    def __init__(self, world: int = 2) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.slots: list[Any] = [None] * world
+
+    def _exchange(self, rank: int, t: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]):
+        self.slots[rank] = t.clone()
+        self.barrier.wait()
+        out = combine(list(self.slots))
+        self.barrier.wait()
+        return out
+
+    def reduce_sum(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            return self._exchange(rank, t, lambda ts: sum(ts[1:], ts[0].clone()))
+
+        return fn
+
+    def all_gather(self, rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: self._exchange(rank, t, torch.cat)
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        results: list[Any] = [None] * self.world
+        errors: list[BaseException] = []
+
+        def target(rank: int) -> None:
+            try:
+                results[rank] = fn(rank)
+            except BaseException as exc:  # re-raised in the test thread
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def adamw_with_v(
+    *groups: list[list[float]] | list[torch.Tensor], dtype: torch.dtype = torch.float32
+) -> torch.optim.AdamW:
+    """A real AdamW after one step, one param group per argument, each param's exp_avg_sq set to the given list."""
+    params = [[torch.nn.Parameter(torch.zeros(len(v), dtype=dtype)) for v in g] for g in groups]
+    opt = torch.optim.AdamW([{"params": ps} for ps in params], lr=1e-3)
+    for ps in params:
+        for p in ps:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    for ps, g in zip(params, groups, strict=True):
+        for p, v in zip(ps, g, strict=True):
+            opt.state[p]["exp_avg_sq"].copy_(torch.as_tensor(v, dtype=dtype))
+    return opt
+
+
+def v_of(opt: torch.optim.Optimizer, group: int = 0) -> torch.Tensor:
+    params = [p for p in opt.param_groups[group]["params"] if p in opt.state]
+    return torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
+
+
+def lists(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.clone() for t in ts]
+
+
+E8 = [i * 1e-8 for i in range(20)]  # 0, 1e-8, ..., 19e-8: one tiny entry in 20 (5 %)
+
+
+# --------------------------------------------------------------------------------------------------- floor
+
+
+def test_floor_config_validation_and_defaults():
+    c = OpefoConfig()
+    assert not c.enabled and c.floor.interval == 100 and c.floor.trigger_frac == 0.01 and c.floor.percentile == 10
+    assert c.error_feedback.weights == (0.3, 0.3, 0.2, 0.2)
+    assert (c.rollback.snapshot_interval, c.rollback.recovery_lr_factor, c.rollback.recovery_steps) == (500, 0.3, 100)
+    with pytest.raises(ValueError, match=r"percentile must be in \(0, 100\), got 100"):
+        FloorConfig(percentile=100)
+    with pytest.raises(ValueError, match=r"interval must be >= 1.*trigger_frac must be in"):
+        FloorConfig(interval=0, trigger_frac=1.0)
+    with pytest.raises(ValueError, match="sample_size must be >= 1"):
+        FloorConfig(sample_size=0)
+
+
+def test_floor_by_hand_over_two_params_one_group_and_a_param_without_state():
+    # group 0: [0, 1..19] x 1e-8 split over two params; group 1 healthy; one param never got a gradient
+    opt = adamw_with_v([E8[:9], E8[9:]], [[1.0, 2.0, 3.0]])
+    stateless = torch.nn.Parameter(torch.zeros(4))
+    opt.param_groups[0]["params"].append(stateless)
+    floor = SecondMomentFloor()
+    m = floor.maybe_apply(opt, 100)
+    # percentile over the 19 entries above tiny, linear: position 0.1 * 18 = 1.8 -> 2 + 0.8 * (3 - 2) = 2.8 (x1e-8)
+    assert m["opefo/floor_value/0"] == pytest.approx(2.8e-8, rel=1e-6)
+    assert m["opefo/tiny_frac/0"] == 0.05 and m["opefo/floor_raised_frac/0"] == 3 / 20  # 0, 1e-8, 2e-8 raised
+    assert (m["opefo/floor_triggered"], m["opefo/tiny_frac/1"], m["opefo/floor_value/1"]) == (1.0, 0.0, 0.0)
+    expected = torch.tensor(E8).clamp(min=m["opefo/floor_value/0"])
+    assert torch.equal(v_of(opt, 0)[:20], expected)
+    assert v_of(opt, 0)[:3].tolist() == [v_of(opt, 0)[0].item()] * 3
+    assert torch.equal(v_of(opt, 1), torch.tensor([1.0, 2.0, 3.0]))
+    assert stateless not in opt.state and floor.floored_groups == 1
+
+
+def test_floor_literal_seed_rule_and_strict_trigger_and_off_steps():
+    opt = adamw_with_v([E8])
+    m = SecondMomentFloor(FloorConfig(exclude_tiny=False)).maybe_apply(opt, 200)
+    # all 20 entries: position 0.1 * 19 = 1.9 -> 1 + 0.9 * (2 - 1) = 1.9 (x1e-8); 0 and 1e-8 raised
+    assert m["opefo/floor_value/0"] == pytest.approx(1.9e-8, rel=1e-6) and m["opefo/floor_raised_frac/0"] == 0.1
+    opt = adamw_with_v([E8])
+    assert SecondMomentFloor(FloorConfig(trigger_frac=0.05)).maybe_apply(opt, 100)["opefo/floor_triggered"] == 0.0
+    floor = SecondMomentFloor()
+    for step in (0, 50, 150, -100):
+        assert floor.maybe_apply(opt, step) == {}
+    assert SecondMomentFloor(FloorConfig(enabled=False)).maybe_apply(opt, 100) == {}
+    assert torch.equal(v_of(opt), torch.tensor(E8)) and floor.checks == 0
+
+
+def test_floor_bf16_state_and_nonfinite_entries_are_left_alone():
+    values = [0.0, 0.0, *range(1, 19)]
+    opt = adamw_with_v([values], dtype=torch.bfloat16)
+    m = SecondMomentFloor().maybe_apply(opt, 100)
+    # above tiny: 1..18, position 0.1 * 17 = 1.7 -> 2.7; bf16 rounds the floor when it is written
+    assert m["opefo/floor_value/0"] == pytest.approx(2.7) and m["opefo/tiny_frac/0"] == 0.1
+    out = v_of(opt)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.tensor(values, dtype=torch.bfloat16).clamp(min=2.7))
+    opt = adamw_with_v([[NAN, INF, 0.0, 0.0, *range(1, 17)]])
+    m = SecondMomentFloor().maybe_apply(opt, 100)
+    # tiny: the two zeros (2/20); percentile over the 16 finite entries above tiny: 1 + 0.1 * 15 = 2.5
+    assert m["opefo/tiny_frac/0"] == 0.1 and m["opefo/floor_value/0"] == 2.5
+    out = v_of(opt)
+    assert math.isnan(out[0]) and out[1] == INF and out[2:6].tolist() == [2.5] * 4 and out[6] == 3.0
+
+
+def big_state(sizes: list[int], seed: int = 0) -> torch.optim.AdamW:
+    g = torch.Generator().manual_seed(seed)
+    values = [(torch.rand(n, generator=g) + 1e-3) * (torch.rand(n, generator=g) >= 0.02) for n in sizes]
+    return adamw_with_v(values)
+
+
+def test_sampled_percentile_is_accurate_and_deterministic():
+    opt = big_state([600_000, 400_000])
+    before = v_of(opt).clone()
+    healthy = before[before > 1e-20]
+    m = SecondMomentFloor().maybe_apply(opt, 300)
+    q = m["opefo/floor_value/0"]
+    assert m["opefo/tiny_frac/0"] == pytest.approx(0.02, abs=0.001)
+    # rank of the estimate among the entries above tiny: 0.10 +- sqrt(0.1 * 0.9 / 64000) = 0.0012 (1 sigma)
+    assert (healthy < q).double().mean().item() == pytest.approx(0.10, abs=0.006)
+    assert torch.equal(v_of(opt), before.clamp(min=q))
+    assert m["opefo/floor_raised_frac/0"] == pytest.approx((before < q).double().mean().item())
+    # deterministic in (seed, step): a fresh instance on the same state agrees; another step draws another sample
+    again, other = big_state([600_000, 400_000]), big_state([600_000, 400_000])
+    assert SecondMomentFloor().maybe_apply(again, 300)["opefo/floor_value/0"] == q
+    assert SecondMomentFloor().maybe_apply(other, 400)["opefo/floor_value/0"] != q
+
+
+def test_two_ranks_exact_mode_equals_one_process():
+    values = [0.0, 0.0, 5.0, *range(1, 28)]  # 30 entries, 2 tiny
+    single = adamw_with_v([values])
+    m1 = SecondMomentFloor().maybe_apply(single, 100)
+    ranks = FakeRanks(2)
+    parts = [values[:17], values[17:]]  # unequal partitions, like ZeRO-2 slices
+
+    def rank_fn(rank: int):
+        opt = adamw_with_v([parts[rank]])
+        floor = SecondMomentFloor(reduce_sum=ranks.reduce_sum(rank), all_gather=ranks.all_gather(rank))
+        return floor.maybe_apply(opt, 100), v_of(opt)
+
+    (m_a, v_a), (m_b, v_b) = ranks.run(rank_fn)
+    assert m_a == m_b == m1
+    assert torch.equal(torch.cat([v_a, v_b]), v_of(single))
+
+
+def test_two_ranks_sampled_mode_decide_the_same():
+    ranks = FakeRanks(2)
+    sizes = [[120_000], [80_000]]
+
+    def rank_fn(rank: int):
+        opt = big_state(sizes[rank], seed=rank)
+        floor = SecondMomentFloor(FloorConfig(sample_size=4096), ranks.reduce_sum(rank), ranks.all_gather(rank))
+        return floor.maybe_apply(opt, 100)
+
+    m_a, m_b = ranks.run(rank_fn)
+    assert m_a == m_b and m_a["opefo/floor_triggered"] == 1.0
+    assert m_a["opefo/floor_value/0"] == pytest.approx(0.1, abs=0.03)  # uniform(0.001, 1.001): p10 ~ 0.101
+
+
+# ------------------------------------------------------------------------------------------ error feedback
+
+
+def test_error_feedback_config_validation():
+    assert ErrorFeedbackConfig(weights=[0.5, 0.5]).weights == (0.5, 0.5)  # a YAML list becomes a tuple
+    with pytest.raises(ValueError, match=r"weights must sum to 1 \(\+-1e-6\), got \[0.5, 0.4\]"):
+        ErrorFeedbackConfig(weights=(0.5, 0.4))
+    with pytest.raises(ValueError, match="weights must all be > 0"):
+        ErrorFeedbackConfig(weights=(1.2, -0.2))
+    with pytest.raises(ValueError, match="must not be empty"):
+        ErrorFeedbackConfig(weights=())
+
+
+def test_four_steps_inject_the_residual_direction_with_total_weight_one():
+    gen = torch.Generator().manual_seed(1)
+    r = [torch.randn(3, 2, generator=gen), None, torch.randn(5, generator=gen)]
+    g0 = [torch.randn(3, 2, generator=gen), torch.randn(4, generator=gen), torch.randn(5, generator=gen)]
+    ef = ErrorFeedback()
+    assert ef.store(lists(*r)) and ef.pending
+    r_norm = math.sqrt(sum(float(t.square().sum()) for t in r if t is not None))
+    total = [torch.zeros_like(t) for t in g0]
+    weights = []
+    for _ in range(4):
+        g = lists(*g0)
+        g_norm = math.sqrt(sum(float(t.square().sum()) for t in g0))
+        m = ef.apply(g)
+        weights.append(m["opefo/ef_weight"])
+        assert m["opefo/ef_pending"] == 1.0
+        assert m["opefo/ef_injected_norm"] == pytest.approx(m["opefo/ef_weight"] * g_norm, rel=1e-6)
+        for acc, after, before in zip(total, g, g0, strict=True):
+            acc += (after - before) / g_norm
+    assert weights == [0.3, 0.3, 0.2, 0.2] and not ef.pending and ef.completed == 1
+    assert torch.allclose(total[0], r[0] / r_norm, atol=1e-6) and torch.allclose(total[2], r[2] / r_norm, atol=1e-6)
+    assert torch.equal(total[1], torch.zeros(4))  # no residual in that slot
+    g = lists(*g0)
+    assert ef.apply(g) == {"opefo/ef_pending": 0.0, "opefo/ef_weight": 0.0, "opefo/ef_injected_norm": 0.0}
+    assert all(torch.equal(a, b) for a, b in zip(g, g0, strict=True))
+
+
+def test_norm_20_residual_into_norm_2_gradient_adds_0_6():
+    ef = ErrorFeedback()
+    ef.store([torch.tensor([12.0, 0.0]), torch.tensor([16.0])])  # ||r|| = 20
+    g = [torch.tensor([0.0, 2.0]), torch.tensor([0.0])]  # ||g|| = 2
+    m = ef.apply(g)
+    # g += 0.3 * 2 * r / 20 = 0.03 * r
+    assert m == pytest.approx({"opefo/ef_pending": 1.0, "opefo/ef_weight": 0.3, "opefo/ef_injected_norm": 0.6})
+    assert torch.allclose(g[0], torch.tensor([0.36, 2.0])) and torch.allclose(g[1], torch.tensor([0.48]))
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_nonfinite_residual_is_rejected_and_a_pending_one_is_kept(bad):
+    ef = ErrorFeedback()
+    assert not ef.store([torch.tensor([1.0, bad])]) and not ef.pending and ef.rejected_nonfinite == 1
+    ef.store([torch.tensor([3.0, 4.0])])
+    ef.apply([torch.tensor([1.0, 0.0])])
+    assert not ef.store([torch.tensor([bad, 0.0])])
+    assert ef.position == 1 and ef.rejected_nonfinite == 2 and ef.stored == 1
+    g = [torch.tensor([0.0, 10.0])]
+    assert ef.apply(g)["opefo/ef_weight"] == 0.3  # the second weight, on the old residual
+    assert torch.allclose(g[0], torch.tensor([1.8, 12.4]))  # + 0.3 * 10 * [0.6, 0.8]
+
+
+def test_zero_residual_is_rejected_and_zero_gradient_defers_the_schedule():
+    ef = ErrorFeedback()
+    assert not ef.store([torch.zeros(3), None]) and ef.rejected_zero == 1 and not ef.pending
+    ef.store([torch.tensor([0.0, 0.0, 2.0]), None])
+    g = [torch.zeros(3), None]
+    m = ef.apply(g)
+    assert m == {"opefo/ef_pending": 1.0, "opefo/ef_weight": 0.0, "opefo/ef_injected_norm": 0.0}
+    assert torch.equal(g[0], torch.zeros(3)) and ef.position == 0 and ef.deferred == 1
+    assert ef.apply([torch.tensor([NAN, 0.0, 0.0]), None])["opefo/ef_weight"] == 0.0 and ef.position == 0
+    assert ef.apply([torch.tensor([1.0, 0.0, 0.0]), None])["opefo/ef_weight"] == 0.3  # schedule resumes intact
+
+
+def test_second_skip_merges_the_remaining_fraction_into_one_buffer():
+    ef = ErrorFeedback()
+    ef.store([torch.tensor([3.0, 4.0])])  # direction [0.6, 0.8]
+    buffer = ef._residual[0]
+    ef.apply([torch.tensor([1.0, 0.0])])
+    ef.apply([torch.tensor([1.0, 0.0])])  # 0.6 injected, R = 0.4 left
+    assert ef.store([torch.tensor([0.0, -10.0])])  # direction [0, -1]
+    # merged: 0.4 * [0.6, 0.8] + [0, -1] = [0.24, -0.68], in the same buffer; schedule restarts
+    assert ef._residual[0] is buffer and torch.allclose(buffer, torch.tensor([0.24, -0.68]))
+    assert (ef.position, ef.merged, ef.stored) == (0, 1, 2)
+    g = [torch.tensor([2.0, 0.0])]
+    ef.apply(g)
+    n = math.hypot(0.24, 0.68)
+    assert torch.allclose(g[0], torch.tensor([2.0 + 0.6 * 0.24 / n, -0.6 * 0.68 / n]))
+    weights = [ef.apply([torch.tensor([1.0, 0.0])])["opefo/ef_weight"] for _ in range(4)]
+    assert weights == [0.3, 0.2, 0.2, 0.0]
+
+
+def test_merge_with_none_slots_and_exact_cancellation():
+    ef = ErrorFeedback()
+    ef.store([torch.tensor([2.0]), None])
+    ef.store([None, torch.tensor([0.0, 5.0])])  # R = 1: [1] and [0, 1]
+    assert torch.equal(ef._residual[0], torch.tensor([1.0])) and torch.equal(ef._residual[1], torch.tensor([0.0, 1.0]))
+    ef = ErrorFeedback()
+    ef.store([torch.tensor([2.0])])
+    assert not ef.store([torch.tensor([-4.0])]) and not ef.pending  # 1 * [1] + [-1] = 0: nothing left
+
+
+def test_slot_mismatch_is_an_error():
+    ef = ErrorFeedback()
+    ef.store([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ValueError, match="got 1 gradients but holds a residual of 2"):
+        ef.apply([torch.ones(2)])
+    with pytest.raises(ValueError, match=r"gradient 1 has shape \(4,\), the residual \(3,\)"):
+        ef.store([torch.ones(2), torch.ones(4)])
+
+
+def test_disabled_error_feedback_does_nothing():
+    ef = ErrorFeedback(ErrorFeedbackConfig(enabled=False))
+    assert not ef.store([torch.ones(2)]) and ef.apply([torch.ones(2)])["opefo/ef_pending"] == 0.0
+
+
+def test_state_round_trip_mid_schedule_gives_identical_gradients():
+    gen = torch.Generator().manual_seed(3)
+    steps = [[torch.randn(4, 3, generator=gen), torch.randn(2, generator=gen)] for _ in range(5)]
+    a = ErrorFeedback()
+    a.store([torch.randn(4, 3, generator=gen), torch.randn(2, generator=gen)])
+    a.apply(lists(*steps[0]))
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = ErrorFeedback()
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert b.position == 1 and b.stored == 1 and all(r.device.type == "cpu" for r in b._residual)
+    for grads in steps[1:]:
+        ga, gb = lists(*grads), lists(*grads)
+        assert a.apply(ga) == b.apply(gb)
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+    assert not a.pending and not b.pending
+    c = ErrorFeedback(ErrorFeedbackConfig(weights=(1.0,)))
+    c.load_state_dict(a.state_dict() | {"position": 1, "residual": [torch.ones(1)], "slot_sq": torch.ones(1)})
+    assert not c.pending  # the saved position is past the configured schedule: dropped
+
+
+def test_two_rank_split_equals_one_process():
+    gen = torch.Generator().manual_seed(7)
+
+    def draw() -> list[torch.Tensor | None]:
+        return [torch.randn(10, generator=gen, dtype=torch.float64), None, torch.randn(7, generator=gen).double()]
+
+    r1, r2 = draw(), draw()
+    grads = [draw() for _ in range(6)]
+
+    def run(ef: ErrorFeedback, part: Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]]):
+        ef.store(part(r1))
+        outs = []
+        for k, g in enumerate(grads):
+            if k == 2:
+                ef.store(part(r2))  # a second skip mid-schedule: merge
+            g = part(g)
+            outs.append((ef.apply(g), g))
+        return outs
+
+    single = run(ErrorFeedback(), lambda ts: lists(*ts))
+    ranks = FakeRanks(2)
+
+    def half(rank: int) -> Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]]:
+        return lambda ts: [None if t is None else t.tensor_split(2)[rank].clone() for t in ts]
+
+    split = ranks.run(lambda rank: run(ErrorFeedback(reduce_sum=ranks.reduce_sum(rank)), half(rank)))
+    for k, (m, g) in enumerate(single):
+        (m0, g0), (m1, g1) = split[0][k], split[1][k]
+        assert m0 == m1 and m0 == pytest.approx(m, rel=1e-12)
+        for full, a, b in zip(g, g0, g1, strict=True):
+            if full is None:
+                assert a is None and b is None
+            else:
+                assert torch.allclose(torch.cat([a, b]), full, rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    r=st.lists(st.floats(-1e3, 1e3), min_size=4, max_size=4),
+    g=st.lists(st.floats(-1e3, 1e3), min_size=4, max_size=4),
+    steps=st.integers(0, 3),
+)
+def test_every_injected_piece_is_w_times_the_gradient_norm(r, g, steps):
+    rt, gt = torch.tensor(r, dtype=torch.float64), torch.tensor(g, dtype=torch.float64)
+    assume(rt.norm() > 1e-6 and gt.norm() > 1e-6)
+    ef = ErrorFeedback()
+    ef.store([rt])
+    for _ in range(steps):
+        ef.apply([torch.ones(4, dtype=torch.float64)])
+    before = gt.clone()
+    m = ef.apply([gt])
+    w = (0.3, 0.3, 0.2, 0.2)[steps]
+    assert torch.isfinite(gt).all()
+    assert (gt - before).norm().item() == pytest.approx(w * before.norm().item(), rel=1e-9)
+    assert m["opefo/ef_injected_norm"] == pytest.approx(w * before.norm().item(), rel=1e-9)
+
+
+# -------------------------------------------------------------------------------------------------- rollback
+
+
+def test_optimizer_state_finite_checks_both_moments_and_every_rank():
+    opt = adamw_with_v([[1.0, 2.0]], [[3.0]])
+    assert optimizer_state_finite(opt)
+    p = opt.param_groups[1]["params"][0]
+    opt.state[p]["exp_avg"][0] = -INF
+    assert not optimizer_state_finite(opt) and optimizer_state_finite(opt, keys=("exp_avg_sq",))
+    opt.state[p]["exp_avg"][0] = 0.0
+    opt.state[p]["exp_avg_sq"][0] = NAN
+    assert not optimizer_state_finite(opt)
+    ranks = FakeRanks(2)
+    healthy = adamw_with_v([[1.0]])
+    verdicts = ranks.run(lambda rank: optimizer_state_finite((opt, healthy)[rank], reduce_sum=ranks.reduce_sum(rank)))
+    assert verdicts == [False, False]  # one rank's NaN: both ranks see it
+
+
+def test_rollback_config_validation():
+    with pytest.raises(ValueError, match="storage must be one of memory, disk, got 'tape'"):
+        RollbackConfig(storage="tape")
+    with pytest.raises(ValueError, match=r"recovery_lr_factor must be in \(0, 1\], got 0.*rollback_window must be"):
+        RollbackConfig(recovery_lr_factor=0.0, rollback_window=0)
+    with pytest.raises(ValueError, match=r"snapshot_interval must be >= 1.*check_interval must be >= 1"):
+        RollbackConfig(snapshot_interval=0, check_interval=0)
+
+
+def payload() -> dict[str, Any]:
+    return {"weights": {"w": torch.arange(4.0)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}, "rng": [1, 2]}
+
+
+def test_memory_snapshot_is_a_deep_copy_both_ways():
+    store = SnapshotStore()
+    assert store.latest_step is None
+    with pytest.raises(LookupError, match="no snapshot"):
+        store.load()
+    p = payload()
+    store.save(500, p)
+    p["weights"]["w"].add_(100.0)  # training goes on: the snapshot must not move
+    p["rng"].append(3)
+    step, loaded = store.load()
+    assert step == 500 and store.latest_step == 500
+    assert torch.equal(loaded["weights"]["w"], torch.arange(4.0)) and loaded["rng"] == [1, 2]
+    loaded["optimizer"]["state"][0]["exp_avg"].mul_(0)  # restored state trained on: the snapshot must not move
+    assert torch.equal(store.load()[1]["optimizer"]["state"][0]["exp_avg"], torch.ones(2))
+    store.clear()
+    assert store.latest_step is None
+
+
+def test_disk_snapshot_is_atomic_and_keeps_only_the_latest(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="needs a directory"):
+        SnapshotStore("disk")
+    with pytest.raises(ValueError, match="must be one of memory, disk"):
+        SnapshotStore("tape")
+    store = SnapshotStore("disk", tmp_path / "rank0")
+    assert store.latest_step is None
+    store.save(500, payload())
+    store.save(1000, payload() | {"rng": [9]})
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["snapshot-000000001000.pt"]
+    assert SnapshotStore("disk", tmp_path / "rank0").latest_step == 1000  # seen by a new store too
+    step, loaded = store.load()
+    assert step == 1000 and loaded["rng"] == [9] and torch.equal(loaded["weights"]["w"], torch.arange(4.0))
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        store.save(1500, payload())
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["snapshot-000000001000.pt"]  # no temp left
+    assert store.load()[0] == 1000
+    store.clear()
+    assert store.latest_step is None and list((tmp_path / "rank0").iterdir()) == []
+
+
+def test_rollback_policy_recovery_and_limit():
+    policy = RollbackPolicy(RollbackConfig(recovery_steps=100, max_rollbacks=2, rollback_window=1000))
+    assert policy.lr_factor(0) == 1.0 and not policy.recovery_active(0)
+    policy.record(500, "nonfinite exp_avg_sq")
+    assert policy.lr_factor(500) == 0.3 and policy.lr_factor(599) == 0.3 and policy.lr_factor(600) == 1.0
+    policy.record(1200, "nonfinite loss")
+    policy.record(1600, "nonfinite loss")  # 500 is out of the window (1600 - 500 >= 1000): 2 within, allowed
+    assert policy.rollbacks == 3 and [s for s, _ in policy.recent] == [1200, 1600]
+    state = policy.state_dict()
+    with pytest.raises(
+        RollbackLimitError,
+        match=r"step 1700: rollback #4 \(cause: nonfinite exp_avg\) makes 3 rollbacks within 1000 steps "
+        r"\(at steps 1200, 1600, 1700; max_rollbacks=2\)\. .*lower the learning rate",
+    ):
+        policy.record(1700, "nonfinite exp_avg")
+    restored = RollbackPolicy(RollbackConfig(recovery_steps=100, max_rollbacks=2, rollback_window=1000))
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state and restored.lr_factor(1650) == 0.3 and restored.lr_factor(1700) == 1.0
+    off = RollbackPolicy(RollbackConfig(enabled=False))
+    off.record(10, "x")
+    assert off.lr_factor(10) == 1.0
+
+
+# ------------------------------------------------------------------------------------------ torch.distributed
+
+
+def test_distributed_ops_on_a_one_process_gloo_group(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        reduce_sum, all_gather = distributed_ops()
+        x = torch.tensor([1.0, 2.0])
+        assert torch.equal(reduce_sum(x), x) and reduce_sum(x) is not x
+        assert torch.equal(all_gather(torch.arange(3.0)), torch.arange(3.0))
+        assert all_gather(torch.zeros(0)).numel() == 0
+        with pytest.raises(ValueError, match="1-D"):
+            all_gather(torch.zeros(2, 2))
+        opt = big_state([50_000])
+        floor = SecondMomentFloor(FloorConfig(sample_size=1000), reduce_sum, all_gather)
+        assert floor.maybe_apply(opt, 100)["opefo/floor_triggered"] == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_process_worker(rank: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    try:
+        reduce_sum, all_gather = distributed_ops()
+        summed = reduce_sum(torch.tensor([1.0 + rank, 10.0]))
+        gathered = all_gather(torch.arange(3.0) if rank == 0 else torch.tensor([7.0]))
+        empty_one = all_gather(torch.zeros(0) if rank == 0 else torch.tensor([5.0]))
+        param = torch.nn.Parameter(torch.zeros(30_000 if rank == 0 else 20_000))
+        opt = torch.optim.AdamW([param])  # state set by hand: no optimizer step in the worker (slow first call)
+        opt.state[param]["exp_avg_sq"] = torch.rand(param.numel()) * (torch.arange(param.numel()) % 20 > 0)
+        m = SecondMomentFloor(FloorConfig(sample_size=2000), reduce_sum, all_gather).maybe_apply(opt, 100)
+        torch.save((summed.tolist(), gathered.tolist(), empty_one.tolist(), m), f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_distributed_ops_on_two_gloo_processes(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_process_worker, args=(str(tmp_path),), nprocs=2)
+    (s0, g0, e0, m0), (s1, g1, e1, m1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert s0 == s1 == [3.0, 20.0]
+    assert g0 == g1 == [0.0, 1.0, 2.0, 7.0] and e0 == e1 == [5.0]
+    assert m0 == m1 and m0["opefo/floor_triggered"] == 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.floats(0.0, 1e3), min_size=2, max_size=60),
+    zeros=st.integers(1, 10),
+    percentile=st.floats(1.0, 99.0),
+)
+def test_floor_property_exact_mode(values, zeros, percentile):
+    state = [0.0] * zeros + values
+    assume(any(v > 1e-20 for v in state))
+    opt = adamw_with_v([state], dtype=torch.float64)
+    before = v_of(opt).clone()
+    m = SecondMomentFloor(FloorConfig(percentile=percentile)).maybe_apply(opt, 100)
+    q = torch.quantile(before[before > 1e-20], percentile / 100).item()
+    assert m["opefo/floor_triggered"] == 1.0 and m["opefo/floor_value/0"] == q
+    after = v_of(opt)
+    assert torch.equal(after, before.clamp(min=q)) and (after >= q).all()
+
+
+def test_bf16_gradients_keep_a_bf16_residual():
+    ef = ErrorFeedback()
+    ef.store([torch.tensor([3.0, 4.0], dtype=torch.bfloat16)])
+    assert ef._residual[0].dtype == torch.bfloat16
+    g = [torch.tensor([0.0, 8.0], dtype=torch.bfloat16)]
+    assert ef.apply(g)["opefo/ef_injected_norm"] == pytest.approx(2.4)
+    assert torch.equal(g[0], torch.tensor([1.44, 9.92], dtype=torch.bfloat16))  # + 0.3 * 8 * [0.6, 0.8]
