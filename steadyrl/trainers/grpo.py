@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 GUARD_STATE_FILE = "steadyrl_state.pt"
 RANK_STATE_FILE = "steadyrl_rank{rank}.pt"
 COMPLETE_MARKER = "steadyrl_complete.json"
+STAGING_DIR = ".staging"
 
 
 class SteadyGRPOTrainer(GRPOTrainer):
@@ -95,6 +97,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self.beta_base = self.beta
         self.beta_factors: dict[str, float] = {}
         self.guard_seconds = 0.0
+        self._steady_staging: Path | None = None
         self.add_callback(_GuardClock(self))
 
     @contextlib.contextmanager
@@ -294,10 +297,39 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ 4: state in checkpoints
 
+    def _get_output_dir(self, trial):
+        if self._steady_staging is not None:  # inside _save_checkpoint: every checkpoint file goes to staging
+            return str(self._steady_staging)
+        return super()._get_output_dir(trial)
+
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        save_steady_state(self, folder)
+        """Write the checkpoint into a staging folder, then move it into place in one rename.
+
+        TRL/transformers write ``checkpoint-N`` under ``<output_dir>/.staging``; steadyrl adds its guard state
+        and per-rank rollout buffers and, once every rank is past a barrier, the main process writes the
+        completion marker and renames the folder to ``<output_dir>/checkpoint-N``. A crash at any point leaves
+        either the previous complete checkpoints untouched or the new one complete: ``resume: auto`` never
+        sees a half-written folder. Rotation (``save_total_limit``) counts complete checkpoints only, so the
+        newest complete one is never deleted; leftovers of a crashed save are removed.
+        """
+        acc = self.accelerator
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = run_dir / STAGING_DIR
+        if acc.is_main_process and (staging_root / name).exists():
+            shutil.rmtree(staging_root / name)  # left by a save that crashed
+        acc.wait_for_everyone()
+        self._steady_staging = staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._steady_staging = None
+        save_steady_state(self, staging_root / name)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            publish_checkpoint(staging_root / name, run_dir / name, self.state.global_step, acc.num_processes)
+            rotate_complete_checkpoints(run_dir, self.args.save_total_limit)
+        acc.wait_for_everyone()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -329,7 +361,7 @@ class _GuardClock(TrainerCallback):
 
 
 def save_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
-    """Write guard state (main process) and this rank's rollout buffer, then the completion marker.
+    """Write guard state (main process) and this rank's rollout buffer into a checkpoint folder.
 
     The rollout buffer (``_buffered_inputs`` and the micro-step counter) makes a resume inside a generation
     window (``steps_per_generation > 1``) exact: the resumed run trains on the same rollouts instead of
@@ -342,10 +374,58 @@ def save_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
     if acc.is_main_process:
         guards = {name: obj.state_dict() for name, obj in trainer.stateful.items()}
         torch.save({"guards": guards, "counters": dict(trainer.steady_counters)}, folder / GUARD_STATE_FILE)
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        marker = {"global_step": trainer.state.global_step, "num_processes": acc.num_processes}
-        (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
+
+
+def publish_checkpoint(staged: Path, final: Path, global_step: int, num_processes: int) -> None:
+    """Mark a fully written staged checkpoint complete and rename it into place (main process only).
+
+    An existing ``final`` (a stale folder from a crashed run, or the same step saved again) is first moved
+    aside, so there is no moment at which neither the old nor the new folder exists under a checkpoint name
+    that ``resume: auto`` would pick.
+    """
+    marker = {"global_step": global_step, "num_processes": num_processes}
+    (staged / COMPLETE_MARKER).write_text(json.dumps(marker))
+    _fsync_tree(staged)
+    trash = None
+    if final.exists():
+        trash = final.parent / STAGING_DIR / f"{final.name}.old"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(final, trash)
+    os.replace(staged, final)
+    _fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def rotate_complete_checkpoints(run_dir: Path, save_total_limit: int | None) -> None:
+    """Keep the newest ``save_total_limit`` complete checkpoints; delete older ones and incomplete leftovers."""
+    numbered = sorted(_checkpoint_folders(run_dir), reverse=True)
+    complete = [folder for _, folder in numbered if is_complete_checkpoint(folder)]
+    for _, folder in numbered:
+        if not is_complete_checkpoint(folder):
+            logger.warning("removing incomplete checkpoint %s (left by a crashed save)", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+    if save_total_limit is not None and save_total_limit > 0:
+        for folder in complete[save_total_limit:]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file of a freshly written checkpoint to disk before it is published."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
@@ -376,17 +456,21 @@ def is_complete_checkpoint(folder: Path) -> bool:
     return (folder / "trainer_state.json").is_file() and (folder / COMPLETE_MARKER).is_file()
 
 
+def _checkpoint_folders(run_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    for child in run_dir.iterdir():
+        prefix, _, number = child.name.partition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and number.isdigit() and child.is_dir():
+            out.append((int(number), child))
+    return out
+
+
 def find_resume_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     """The newest complete ``checkpoint-N`` folder in ``output_dir``, or None (start fresh)."""
     root = Path(output_dir)
     if not root.is_dir():
         return None
-    candidates = []
-    for child in root.iterdir():
-        prefix, _, number = child.name.partition("-")
-        if prefix == PREFIX_CHECKPOINT_DIR and number.isdigit() and child.is_dir():
-            candidates.append((int(number), child))
-    for _, folder in sorted(candidates, reverse=True):
+    for _, folder in sorted(_checkpoint_folders(root), reverse=True):
         if is_complete_checkpoint(folder):
             return folder
         logger.warning("ignoring incomplete checkpoint %s", folder)

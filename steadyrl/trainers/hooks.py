@@ -14,6 +14,8 @@ How each is overridden (never by copying the body):
 - ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance
   ratios of that loss; count a non-finite loss (the step guard then skips the step it would poison).
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
+  ``_save_checkpoint`` makes the parent write into a staging folder (``_get_output_dir`` answers the staging
+  root while it runs) and publishes the finished checkpoint with one rename.
 
 Two private details of accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
 - ``AcceleratedOptimizer._is_overflow`` is what ``accelerator.optimizer_step_was_skipped`` reports; a vetoed
@@ -43,6 +45,7 @@ HOOKED_METHODS: dict[str, str] = {
         "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"
     ),
     "_compute_loss": "(self, model, inputs)",
+    "_get_output_dir": "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str",
     "_save_checkpoint": "(self, model, trial)",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
 }
