@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
+from transformers import TrainerCallback
 
 from steadyrl.tasks.arithmetic import exact_match
 
@@ -46,3 +48,32 @@ def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
 
     trainer._prepare_inputs = poisoned
     return lambda: setattr(trainer, "_prepare_inputs", original)
+
+
+class CorruptOptimizerState(TrainerCallback):
+    """Write ``value`` (inf by default) into one Adam moment at the end of optimizer step ``step``.
+
+    The entry is the first element of ``key`` (``exp_avg_sq``) of the first parameter the innermost optimizer
+    holds state for (under ZeRO-2: this rank's first partition). ``rank``: only that process (``RANK``), or
+    every process when None. It runs after steadyrl's own step-end work (snapshot, checks), so the next
+    step trains on the corrupted state and the next check finds it.
+    """
+
+    def __init__(self, step: int = 2, value: float = float("inf"), rank: int | None = None, key: str = "exp_avg_sq"):
+        self.step, self.value, self.rank, self.key = step, value, rank, key
+        self.fired = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        import os
+
+        from steadyrl.trainers.opefo_runtime import optimizer_chain
+
+        if state.global_step != self.step or self.fired:
+            return
+        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+            return
+        base = optimizer_chain(optimizer)[-1]
+        first = next(st for st in base.state.values() if self.key in st)
+        with torch.no_grad():
+            first[self.key].view(-1)[0] = self.value
+        self.fired = True

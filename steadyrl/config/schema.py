@@ -22,6 +22,7 @@ from typing import Any
 from steadyrl.config.loader import ConfigError, Origins
 from steadyrl.guards.grade import GradeConfig
 from steadyrl.guards.monitor import MonitorConfig
+from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
 from steadyrl.guards.spike import SpikeConfig
 
 ALGORITHMS = ("grpo", "sft")
@@ -128,9 +129,34 @@ class GradeSection(GradeConfig):
 
 
 @dataclass
+class OpefoErrorFeedbackSection:
+    """Feed a skipped step's gradient back over the next steps, each piece rescaled to the current gradient."""
+
+    enabled: bool = True
+    weights: list[float] = field(default_factory=lambda: [0.3, 0.3, 0.2, 0.2])
+
+    def __post_init__(self) -> None:
+        ErrorFeedbackConfig(self.enabled, tuple(self.weights))  # its range checks
+
+
+@dataclass
+class OpefoSection:
+    """OPEFO optimizer-state protection: exp_avg_sq floor, error feedback, snapshots with automatic rollback."""
+
+    enabled: bool = False
+    floor: FloorConfig = field(default_factory=FloorConfig)
+    error_feedback: OpefoErrorFeedbackSection = field(default_factory=OpefoErrorFeedbackSection)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+
+    def to_config(self) -> OpefoConfig:
+        ef = ErrorFeedbackConfig(self.error_feedback.enabled, tuple(self.error_feedback.weights))
+        return OpefoConfig(self.enabled, self.floor, ef, self.rollback)
+
+
+@dataclass
 class GuardsSection:
     gepo: GepoSection = field(default_factory=GepoSection)
-    opefo: GuardSection = field(default_factory=GuardSection)
+    opefo: OpefoSection = field(default_factory=OpefoSection)
     quatro: GuardSection = field(default_factory=GuardSection)
     grade: GradeSection = field(default_factory=GradeSection)
 
@@ -343,7 +369,7 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
     t = cfg.trainer
     world_size = world_size or world_size_from_env()
 
-    for layer in ("opefo", "quatro"):
+    for layer in ("quatro",):
         if getattr(cfg.guards, layer).enabled:
             raise ConfigError(
                 f"guards.{layer}.enabled: the {layer.upper()} layer is not part of this steadyrl version yet; "
@@ -458,7 +484,7 @@ def _check_guards(cfg: RunConfig) -> None:
                 "guards.grade.kl_compensation scales the KL coefficient, but trainer.beta is 0 (no KL term, and TRL "
                 "then loads no reference model); set trainer.beta > 0 or guards.grade.kl_compensation=false"
             )
-    if gepo.enabled:
+    if gepo.enabled or cfg.guards.opefo.enabled:
         if _deepspeed_launch():
             stage = _deepspeed_zero_stage()
             if stage is not None and stage not in (1, 2):
@@ -468,8 +494,8 @@ def _check_guards(cfg: RunConfig) -> None:
                 )
         elif float(t.get("max_grad_norm", 1.0)) <= 0:
             raise ConfigError(
-                "guards.gepo (spike skip and finite checks) needs trainer.max_grad_norm > 0 (the Trainer asks for "
-                "the gradient norm only when it clips); set e.g. trainer.max_grad_norm=1.0"
+                "guards.gepo (spike skip and finite checks) and guards.opefo need trainer.max_grad_norm > 0 (the "
+                "Trainer asks for the gradient norm only when it clips); set e.g. trainer.max_grad_norm=1.0"
             )
 
 

@@ -427,6 +427,10 @@ class ErrorFeedback:
     def _free(self) -> None:
         self._residual, self._slot_sq, self._norm, self._position = None, None, 0.0, 0
 
+    def clear(self) -> None:
+        """Drop a pending residual (e.g. after a rollback: it belongs to the state that was abandoned)."""
+        self._free()
+
     def state_dict(self) -> dict[str, Any]:
         """Pending residual (CPU copies), its position and norm, counters."""
 

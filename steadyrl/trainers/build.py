@@ -136,6 +136,13 @@ def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
         if not g.gepo.spike.enabled:  # finite checks stay: a non-finite gradient norm still skips the step
             spike = dataclasses.replace(spike, spike_factor=math.inf)
         out["step_guards"] = [SpikeGuard(spike)]
+    if g.opefo.enabled:
+        from steadyrl.trainers.opefo_runtime import OpefoRuntime
+
+        out["opefo"] = OpefoRuntime(g.opefo.to_config())
+        out["finite_checks"] = True
+        if "step_guards" not in out:  # OPEFO alone: a non-finite gradient must still never reach Adam's moments
+            out["step_guards"] = [SpikeGuard(SpikeConfig(spike_factor=math.inf))]
     return out
 
 
@@ -187,6 +194,9 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         callbacks=[load_object(s, f"callbacks[{i}]")() for i, s in enumerate(cfg.callbacks)]
         + list(extra_callbacks or []),
     )
+    from steadyrl.callbacks.metrics_log import MetricsLog
+
+    common["callbacks"] = [MetricsLog(), *common["callbacks"]]  # metrics.jsonl: every row, crash-safe
     if cfg.algorithm != "sft" and cfg.guards.gepo.enabled and cfg.guards.gepo.monitor.enabled:
         from steadyrl.callbacks.monitor import SignalMonitor
 

@@ -35,6 +35,7 @@ from steadyrl.guards.base import (
     StepGuard,
     combine_decisions,
 )
+from steadyrl.trainers.opefo_runtime import OpefoRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         logprob_min: clamp every per-token log-prob (policy, old and reference) at this floor (seed 000 §6.1:
             -100); None leaves TRL's values untouched.
         finite_checks: count non-finite log-probs, importance ratios and losses per step (``gepo/nonfinite_*``).
+        opefo: the OPEFO optimizer layer (``OpefoRuntime``): error feedback of skipped gradients, second-moment
+            floor, snapshots and automatic rollback. Needs at least one step guard (the skip it feeds back).
         kl_compensation: (lo, hi): multiply the KL coefficient by the reward processor's ``kl_compensation(lo,
             hi)`` (GRADE: raw_std / scaled_std) after every generation batch, so the KL term keeps its weight
             relative to the rescaled rewards. ``beta_factors`` holds every factor; ``beta`` is their product
@@ -73,6 +76,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         logprob_min: float | None = None,
         finite_checks: bool = False,
         kl_compensation: tuple[float, float] | None = None,
+        opefo: OpefoRuntime | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -97,8 +101,20 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self.beta_base = self.beta
         self.beta_factors: dict[str, float] = {}
         self.guard_seconds = 0.0
+        self.opefo = opefo
+        self.rank_stateful: dict[str, Any] = {}
+        if opefo is not None:
+            self.stateful.setdefault("opefo", opefo)
+            self.rank_stateful["opefo"] = opefo
         self._steady_staging: Path | None = None
-        self.add_callback(_GuardClock(self))
+        # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
+        self.callback_handler.callbacks.insert(0, _GuardClock(self))
+
+    def emit_event(self, kind: str, **fields: Any) -> None:
+        """A discrete event (skip, rollback, ...) for callbacks that record them (``MetricsLog.event``)."""
+        for callback in self.callback_handler.callbacks:
+            if callable(getattr(callback, "event", None)):
+                callback.event(self.state.global_step, kind, **fields)
 
     @contextlib.contextmanager
     def guard_timer(self) -> Iterator[None]:
@@ -201,7 +217,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
         finally:
             self._steady_loss_inputs = None
         # A non-finite loss makes the gradient, hence the global norm, non-finite: the step guard skips that step.
-        self._guard_metric("gepo/nonfinite_loss", float(not torch.isfinite(loss.detach())))
+        finite = bool(torch.isfinite(loss.detach()))
+        self._guard_metric("gepo/nonfinite_loss", float(not finite))
+        if not finite and self.opefo is not None:
+            self.opefo.on_nonfinite_loss()
         return loss
 
     # ------------------------------------------------------------------ 3: optimizer-step decision
@@ -220,8 +239,13 @@ class SteadyGRPOTrainer(GRPOTrainer):
             decision = self._decide_optimizer_step(norm, grads)
         if decision.skip:
             model.zero_grad(set_to_none=True)  # with every .grad None, optimizer.step() changes nothing
-        elif self.args.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)
+        else:
+            if self.opefo is not None:
+                with self.guard_timer():
+                    if self.opefo.feed_back(grads):  # error feedback changed the gradients: norm them again
+                        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            if self.args.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, norm)
         if getattr(self.optimizer, "scaler", None) is None and hasattr(self.optimizer, "_is_overflow"):
             # Tell the Trainer the step was skipped so it does not advance the LR schedule, exactly as it does
             # for an fp16 overflow and for a step DeepSpeed skipped (see ``install_deepspeed_step_hook``).
@@ -239,7 +263,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
         if decision.skip:
             for guard in self.step_guards:
                 guard.on_skip(gradients, decision, step)
+            if self.opefo is not None:
+                self.opefo.on_skip(gradients)
             self.steady_counters["skipped_steps"] += 1
+            self.emit_event("skip", reason=decision.reason, grad_norm=float(norm))
             for reason in decision.reason.split(","):
                 self.steady_counters[f"skipped_{reason}"] += 1
             logger.warning("step %d: optimizer step skipped (%s, grad norm %.4g)", step, decision.reason, float(norm))
@@ -281,6 +308,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 norm = torch.full_like(norm, float("nan"))
             grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
             pending["skip"] = self._decide_optimizer_step(norm, grads).skip
+            if not pending["skip"] and self.opefo is not None and self.opefo.feed_back(grads):
+                scaled = original_norm(*args, **kwargs)  # error feedback changed the partition: norm it again
             return scaled
 
         def update_scale(has_overflow: bool) -> None:
@@ -346,6 +375,8 @@ class _GuardClock(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer.install_deepspeed_step_hook()
+        if self.trainer.opefo is not None:
+            self.trainer.opefo.attach(self.trainer)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
@@ -353,6 +384,8 @@ class _GuardClock(TrainerCallback):
             for obj in (trainer.reward_processor, trainer.advantage_fn, *trainer.step_guards):
                 if obj is not None and callable(getattr(obj, "step", None)):
                     obj.step()
+            if trainer.opefo is not None:
+                trainer.opefo.on_step_end()
         if trainer.step_guards or trainer._rewrites_advantages():
             # seconds spent in steadyrl's guard code during this optimizer step (its whole overhead but the
             # checks in the log-prob hook, which are a few elementwise ops)
@@ -369,7 +402,11 @@ def save_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
     """
     acc = trainer.accelerator
     folder.mkdir(parents=True, exist_ok=True)
-    rank_state = {"step": trainer._step, "buffered_inputs": trainer._buffered_inputs}
+    rank_state = {
+        "step": trainer._step,
+        "buffered_inputs": trainer._buffered_inputs,
+        "guards": {name: obj.rank_state_dict() for name, obj in trainer.rank_stateful.items()},
+    }
     torch.save(rank_state, folder / RANK_STATE_FILE.format(rank=acc.process_index))
     if acc.is_main_process:
         guards = {name: obj.state_dict() for name, obj in trainer.stateful.items()}
@@ -435,6 +472,9 @@ def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
         rank_state = torch.load(rank_file, map_location=acc.device, weights_only=False)
         trainer._step = rank_state["step"]
         trainer._buffered_inputs = rank_state["buffered_inputs"]
+        for name, obj in trainer.rank_stateful.items():
+            if name in rank_state.get("guards", {}):
+                obj.load_rank_state_dict(rank_state["guards"][name])
     else:
         logger.warning("%s has no rollout buffer for rank %d: resuming with fresh rollouts", folder, acc.process_index)
     state_file = folder / GUARD_STATE_FILE

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from steadyrl.faults import CorruptOptimizerState
+
 
 def _optimizer_chain(optimizer) -> list:
     """The optimizer and every optimizer it wraps (accelerate wrapper -> DeepSpeed ZeRO -> torch AdamW)."""
@@ -81,3 +83,28 @@ class SpikeGradOnRank1(TrainerCallback):
             return
         param = next(p for p in getattr(model, "module", model).parameters() if p.requires_grad)
         param.register_hook(lambda g: g * 1e6 if state.global_step == 2 else g)
+
+
+class NanMomentOnRank1(CorruptOptimizerState):
+    """NaN written into rank 1's exp_avg_sq (its ZeRO partition, or its DDP replica) at the end of step 2."""
+
+    def __init__(self) -> None:
+        super().__init__(step=2, value=float("nan"), rank=1)
+
+
+class KillDuringSave(TrainerCallback):
+    """SIGKILLs this process in the middle of writing checkpoint-4: right before its optimizer.pt is written
+    (the model weights of that checkpoint are already on disk)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import signal
+
+        original = torch.save
+
+        def save(obj, f, *a, **kw):
+            path = str(f)
+            if "checkpoint-4" in path and path.endswith("optimizer.pt"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(obj, f, *a, **kw)
+
+        torch.save = save

@@ -139,3 +139,30 @@ def test_zero2_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_
             assert all(torch.equal(m0[k], m1[k]) for k in ("exp_avg", "exp_avg_sq"))
         assert any(not torch.equal(v, d["per_step"][3]["weights"][k]) for k, v in after["weights"].items())
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
+
+
+@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
+def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, tmp_path, accelerate_config):
+    """NaN in rank 1's Adam state only (after step 2): rank 1's step-3 update is NaN, the all-reduced check finds
+    it, both ranks restore their own part of the step-2 snapshot together and finish with equal, finite weights."""
+    if accelerate_config == "zero2.yaml":
+        pytest.importorskip("deepspeed")
+    dumps, proc = launch(
+        accelerate_config,
+        tiny_model_dir,
+        tmp_path / "rollback",
+        "trainer.max_steps=4",
+        "trainer.save_steps=4",
+        "trainer.max_grad_norm=1.0",
+        "guards.opefo.enabled=true",
+        "guards.opefo.rollback.check_interval=1",
+        "guards.opefo.rollback.snapshot_interval=1",
+        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:NanMomentOnRank1]",
+    )
+    assert [d["global_step"] for d in dumps] == [4, 4]
+    assert proc.stderr.count("step 3: OPEFO rollback #1 to the snapshot of step 2 (cause: non-finite") == 2
+    for d in dumps:  # after step 3 every rank is back at its step-2 state
+        assert_same_weights(d["per_step"][1]["weights"], d["per_step"][2]["weights"])
+        assert all(torch.isfinite(m["exp_avg_sq"]).all() for m in d["per_step"][-1]["moments"])
+    assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
+    assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())

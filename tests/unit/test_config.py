@@ -204,9 +204,7 @@ def test_yaml_no_read_as_boolean_gets_a_quoting_hint(base: Path) -> None:
 
 def test_spike_skip_needs_clipping_outside_deepspeed(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    with pytest.raises(
-        ConfigError, match=r"guards.gepo \(spike skip and finite checks\) needs trainer.max_grad_norm > 0"
-    ):
+    with pytest.raises(ConfigError, match=r"and guards.opefo need trainer.max_grad_norm > 0"):
         load_config(base, ["guards.gepo.enabled=true", "trainer.max_grad_norm=0"])
 
 

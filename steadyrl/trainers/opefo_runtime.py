@@ -1,0 +1,251 @@
+"""OPEFO inside a running SteadyGRPOTrainer: when to floor, feed back, snapshot, check and roll back.
+
+The pure pieces (``steadyrl.guards.opefo``) know nothing about the Trainer; this module decides when they run
+and where their tensors live:
+
+- the optimizer they work on is the innermost torch optimizer (AdamW): under DDP it holds every parameter's
+  moments (identical on all ranks), under DeepSpeed ZeRO-1/2 it holds this rank's flat fp32 partitions;
+- cross-rank sums: under ZeRO the floor and error feedback reduce over ranks (each holds a different slice);
+  under DDP every rank holds the same state, so they run locally. The finiteness checks always reduce, so a
+  NaN on one rank makes every rank roll back together;
+- error feedback: ``on_skip`` stores the skipped gradient (this rank's partition under ZeRO), ``feed_back``
+  injects it on the next taken steps, after the skip decision and before clipping;
+- after every optimizer step (``on_step_end``): the second-moment floor every ``floor.interval`` steps; a
+  finiteness check of parameters and Adam moments every ``rollback.check_interval`` steps and at once after a
+  step with a non-finite loss or a skip; on failure a rollback; otherwise a healthy snapshot every
+  ``rollback.snapshot_interval`` steps (and one when training starts, so there is always one to go back to).
+
+A rollback restores, on every rank, the trainable weights, the optimizer state (under ZeRO also the fp32
+master partitions) and every guard's state from the latest healthy snapshot, drops a pending error-feedback
+residual, and scales the learning rate by ``recovery_lr_factor`` for ``recovery_steps`` steps (on top of the
+schedule, which is not rewound). Training continues forward: ``global_step``, the data position, the LR
+schedule and the RNG streams are not rewound, so the steps between the snapshot and the failure are lost
+updates and the batch that caused it is never seen again. Snapshots therefore hold weights, optimizer state and
+guard states only; a scheduler or RNG state in them would never be used.
+
+Memory: a snapshot is one copy of the trainable weights plus the Adam moments held by this rank (CPU RAM for
+``storage: memory``, a file per rank for ``disk``); error feedback holds one copy of this rank's gradients
+while a residual is pending.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadyrl.guards.opefo import (
+    ErrorFeedback,
+    OpefoConfig,
+    RollbackPolicy,
+    SecondMomentFloor,
+    SnapshotStore,
+    distributed_ops,
+    optimizer_state_finite,
+)
+
+logger = logging.getLogger("steadyrl.opefo")
+
+
+def optimizer_chain(optimizer: Any) -> list[Any]:
+    """The optimizer and every optimizer it wraps (accelerate wrapper -> DeepSpeed ZeRO -> torch AdamW)."""
+    chain = [optimizer]
+    while getattr(chain[-1], "optimizer", None) is not None and chain[-1].optimizer is not chain[-1]:
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class OpefoRuntime:
+    """OPEFO's schedule inside the trainer. Stateful: its ``state_dict`` goes to the checkpoint's guard state
+    (main process); the error-feedback residual is per rank and goes to the rank files (``rank_state_dict``)."""
+
+    def __init__(self, config: OpefoConfig) -> None:
+        self.config = config
+        self.policy = RollbackPolicy(config.rollback)
+        # The collectives are bound in ``attach`` (they depend on the backend); until then, identity.
+        self._reduce_partitioned = _identity
+        self._gather_partitioned = _identity
+        self._reduce_all = _identity
+        self.floor = SecondMomentFloor(
+            config.floor,
+            reduce_sum=lambda t: self._reduce_partitioned(t),
+            all_gather=lambda t: self._gather_partitioned(t),
+        )
+        self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
+        self.store: SnapshotStore | None = None
+        self.trainer: Any = None
+        self.base: torch.optim.Optimizer | None = None
+        self.zero: Any = None
+        self._check_now: str | None = None
+        self._lr_scaled: list[float] | None = None
+        self._last_factor = 1.0
+
+    # ------------------------------------------------------------------ setup
+
+    def attach(self, trainer: Any) -> None:
+        """Bind to the prepared optimizer (called at train begin, after any resume) and take the first snapshot."""
+        self.trainer = trainer
+        chain = optimizer_chain(trainer.optimizer)
+        self.base = chain[-1]
+        self.zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            reduce_sum, all_gather = distributed_ops()
+            self._reduce_all = reduce_sum
+            if self.zero is not None:
+                self._reduce_partitioned, self._gather_partitioned = reduce_sum, all_gather
+        rb = self.config.rollback
+        if rb.enabled:
+            rank = trainer.accelerator.process_index
+            directory = None
+            if rb.storage == "disk":
+                base = Path(rb.snapshot_dir) if rb.snapshot_dir else Path(trainer.args.output_dir) / "opefo_snapshots"
+                directory = base / f"rank{rank}"
+            self.store = SnapshotStore(rb.storage, directory)
+            self.store.clear()  # a snapshot from an earlier run of this output_dir is not this run's state
+            self._snapshot(trainer.state.global_step)
+
+    # ------------------------------------------------------------------ error feedback
+
+    def on_skip(self, gradients: list[torch.Tensor | None]) -> None:
+        stored = self.feedback.store(gradients)
+        self._check_now = "skipped step"
+        if stored:
+            logger.info("step %d: skipped gradient kept for error feedback", self.trainer.state.global_step)
+
+    def feed_back(self, gradients: list[torch.Tensor | None]) -> bool:
+        """Inject the pending residual's next piece into this step's gradients; True when it changed them."""
+        if not self.feedback.pending:
+            return False
+        metrics = self.feedback.apply(gradients)
+        for name, value in metrics.items():
+            self.trainer._guard_metric(name, value)
+        return metrics.get("opefo/ef_weight", 0.0) > 0.0
+
+    def on_nonfinite_loss(self) -> None:
+        self._check_now = "non-finite loss"
+
+    # ------------------------------------------------------------------ after each optimizer step
+
+    def on_step_end(self) -> None:
+        trainer, step = self.trainer, self.trainer.state.global_step
+        rb = self.config.rollback
+        if self.config.floor.enabled:
+            for name, value in self.floor.maybe_apply(self.base, step).items():
+                trainer._guard_metric(name, value)
+        if rb.enabled:
+            due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
+            if self._check_now is not None or due:
+                cause = self._health_problem()
+                if cause is not None:
+                    trigger = f" after a {self._check_now}" if self._check_now else ""
+                    self._roll_back(step, cause + trigger)
+                elif step % rb.snapshot_interval == 0:
+                    self._snapshot(step)
+            self._check_now = None
+            self._apply_lr_factor(step)
+            trainer._guard_metric("opefo/rollbacks", float(self.policy.rollbacks))
+            trainer._guard_metric("opefo/recovery_active", float(self.policy.recovery_active(step)))
+        trainer._guard_metric("opefo/ef_pending", float(self.feedback.pending))
+
+    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+
+    def _health_problem(self) -> str | None:
+        """None when every rank's trainable weights and Adam moments are finite, else the cause (same on all ranks)."""
+        params = self._trainable()
+        bad = torch.zeros(1, dtype=torch.float64, device=params[0][1].device if params else "cpu")
+        with torch.no_grad():
+            for _, p in params:
+                lo, hi = torch.aminmax(p.detach())
+                bad += (~(torch.isfinite(lo) & torch.isfinite(hi))).to(bad.device, torch.float64)
+        bad_params = int(self._reduce_all(bad).item())
+        state_ok = optimizer_state_finite(self.base, reduce_sum=self._reduce_all)
+        causes = []
+        if bad_params:
+            causes.append(f"non-finite parameters ({bad_params} tensor(s) over all ranks)")
+        if not state_ok:
+            causes.append("non-finite optimizer state (exp_avg / exp_avg_sq)")
+        return " and ".join(causes) or None
+
+    # ------------------------------------------------------------------ snapshots and rollback
+
+    def _payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "params": {n: p.detach() for n, p in self._trainable()},
+            "optimizer": self.base.state_dict(),
+            "guards": {name: obj.state_dict() for name, obj in self.trainer.stateful.items() if obj is not self},
+        }
+        if self.zero is not None:
+            payload["fp32_partitions"] = [t.detach() for t in self.zero.single_partition_of_fp32_groups]
+        return payload
+
+    def _snapshot(self, step: int) -> None:
+        assert self.store is not None
+        self.store.save(step, self._payload())
+
+    def _roll_back(self, step: int, cause: str) -> None:
+        assert self.store is not None
+        snap_step, payload = self.store.load()
+        self.policy.record(step, cause)  # raises RollbackLimitError past max_rollbacks within the window
+        with torch.no_grad():
+            for name, p in self._trainable():
+                p.copy_(payload["params"][name].to(p.device))
+            if self.zero is not None:
+                for live, saved in zip(
+                    self.zero.single_partition_of_fp32_groups, payload["fp32_partitions"], strict=True
+                ):
+                    live.copy_(saved.to(live.device))
+        self.base.load_state_dict(payload["optimizer"])
+        for name, obj in self.trainer.stateful.items():
+            if obj is not self and name in payload["guards"]:
+                obj.load_state_dict(payload["guards"][name])
+        self.feedback.clear()
+        rb = self.config.rollback
+        logger.warning(
+            "step %d: OPEFO rollback #%d to the snapshot of step %d (cause: %s); learning rate x%g for %d steps",
+            step, self.policy.rollbacks, snap_step, cause, rb.recovery_lr_factor, rb.recovery_steps,
+        )  # fmt: skip
+        self.trainer.emit_event("rollback", cause=cause, snapshot_step=snap_step)
+
+    def _apply_lr_factor(self, step: int) -> None:
+        """Scale the LR the schedule just set by the recovery factor (the schedule itself runs on unchanged).
+
+        HF schedules are ``LambdaLR``s: each ``step()`` sets ``lr = base_lr * lambda(step)``, so the scaling never
+        compounds. A schedule that leaves ``lr`` untouched is detected (the value is still the one set here) and
+        un-scaled first.
+        """
+        groups = self.trainer.optimizer.param_groups
+        factor = self.policy.lr_factor(step)  # recovery_steps optimizer steps after the rollback
+        current = [g["lr"] for g in groups]
+        if self._lr_scaled is not None:
+            current = [
+                lr / self._last_factor if lr == mine else lr for lr, mine in zip(current, self._lr_scaled, strict=True)
+            ]
+        if factor == 1.0 and self._lr_scaled is None:
+            return
+        for g, lr in zip(groups, current, strict=True):
+            g["lr"] = lr * factor
+        self._lr_scaled = None if factor == 1.0 else [g["lr"] for g in groups]
+        self._last_factor = factor
+        self.trainer._guard_metric("opefo/lr_factor", factor)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict(), "floor": self.floor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.floor.load_state_dict(state["floor"])
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"feedback": self.feedback.state_dict()}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        self.feedback.load_state_dict(state["feedback"])
