@@ -52,6 +52,49 @@ def greedy_completions(
     return completions, ids
 
 
+def greedy_scores(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dataset: Dataset,
+    reward_fns: dict[str, Callable[..., list[float | None]]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    reward_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Greedy completions of every row of ``dataset`` and each reward's score for each of them.
+
+    Rewards are called as TRL calls them: ``fn(prompts=, completions=, completion_ids=, **columns)`` with the
+    dataset's other columns, plus ``reward_kwargs`` (e.g. ``trainer_state``). Conversational prompts get
+    their completions as ``[{"role": "assistant", "content": ...}]``.
+    Returns ``{"prompts", "completions", "completion_ids", "scores": {name: [float | None per row]}}``;
+    an empty dataset gives empty lists and calls neither the model nor the rewards.
+    """
+    if len(dataset) == 0:
+        return {"prompts": [], "completions": [], "completion_ids": [], "scores": {name: [] for name in reward_fns}}
+    prompts = list(dataset["prompt"])
+    completions, ids = greedy_completions(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+    )
+    columns = {c: list(dataset[c]) for c in dataset.column_names if c not in TRL_REWARD_KWARGS | {"prompt"}}
+    if isinstance(prompts[0], list):
+        completions_arg: list[Any] = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        completions_arg = completions
+    scores = {
+        name: list(
+            fn(prompts=prompts, completions=completions_arg, completion_ids=ids, **columns, **(reward_kwargs or {}))
+        )
+        for name, fn in reward_fns.items()
+    }
+    return {"prompts": prompts, "completions": completions, "completion_ids": ids, "scores": scores}
+
+
+def finite_scores(scores: Sequence[float | None]) -> list[float]:
+    """The scores that count towards a mean: ``None`` (unscorable) and NaN left out."""
+    return [float(s) for s in scores if s is not None and s == s]
+
+
 def evaluate_rewards(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -68,22 +111,14 @@ def evaluate_rewards(
     """
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
-    prompts = list(dataset["prompt"])
-    completions, ids = greedy_completions(
-        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
-    )
-    columns = {c: list(dataset[c]) for c in dataset.column_names if c not in TRL_REWARD_KWARGS | {"prompt"}}
-    if isinstance(prompts[0], list):
-        completions_arg: list[Any] = [[{"role": "assistant", "content": c}] for c in completions]
-    else:
-        completions_arg = completions
+    out = greedy_scores(model, tokenizer, dataset, reward_fns, max_new_tokens=max_new_tokens, batch_size=batch_size)
     means = {}
-    for name, fn in reward_fns.items():
-        scores = fn(prompts=prompts, completions=completions_arg, completion_ids=ids, **columns)
-        finite = [float(s) for s in scores if s is not None and s == s]
+    for name, scores in out["scores"].items():
+        finite = finite_scores(scores)
         means[name] = sum(finite) / len(finite) if finite else float("nan")
+    ids = out["completion_ids"]
     return {
         "rewards": means,
         "mean_length": sum(len(i) for i in ids) / max(len(ids), 1),
-        "samples": list(zip(prompts[:5], completions[:5], strict=True)),
+        "samples": list(zip(out["prompts"][:5], out["completions"][:5], strict=True)),
     }

@@ -1,0 +1,257 @@
+"""PeriodicEval: greedy eval on held-out prompts every ``every`` optimizer steps, logged beside training metrics.
+
+After optimizer step k (k a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval
+set and scores it with the run's reward functions; score sums and counts are all-reduced, so every rank logs
+the same row (seed 000 §6.4: reward hacking caught during training is far cheaper than after it):
+
+    {"eval/reward": 0.31, "eval/accuracy": 0.31, "eval/reward/exact_match": 0.31,
+     "eval/mean_length": 3.0, "eval/num_samples": 200, "step": 10}
+
+When it runs: at the start of step k+1 (``on_step_begin``, ``global_step`` is still k) or at the end of training
+when step k was the last one. So the row comes after step k's training row and after any checkpoint or
+rollback of step k, never between them: callbacks that summarise the newest row per step, such as
+``SignalMonitor``, see training rows first. A run resumed from checkpoint-k evaluates step k again (that
+checkpoint was written before the eval row). Evaluation never moves the training RNG stream: the torch,
+CUDA, numpy and Python RNG states are saved before it and restored after it.
+
+Left out: sampled (pass@k) eval; ZeRO-3 and FSDP, whose sharded parameters need every rank in each forward
+(lockstep generation) -- these raise. The model as callbacks receive it (``Trainer.model``) is the bare
+model under DDP and DeepSpeed ZeRO-1/2, whose parameters are replicated, so each rank generates on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from transformers import Trainer, TrainerCallback
+
+from steadyrl.evaluation import finite_scores, greedy_scores
+
+logger = logging.getLogger("steadyrl.eval")
+
+LogFn = Callable[[dict[str, float]], None]
+
+
+def trainer_log_fn(trainer: Trainer) -> LogFn:
+    """The ``log_fn`` to give PeriodicEval: ``transformers.Trainer.log`` bound to ``trainer``.
+
+    The base method appends the row (plus ``step`` and ``epoch``) to ``state.log_history`` and fires
+    ``on_log``, so report_to backends and ``MetricsLog`` see it. Not ``trainer.log`` itself: TRL's
+    ``GRPOTrainer.log`` (and ``SFTTrainer.log``) merge the averages of their ``_metrics`` buffers into the row
+    and clear them, so an eval row logged inside a logging interval would take the training metrics of the
+    steps before it and the next training row would miss them.
+    """
+    return functools.partial(Trainer.log, trainer)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the torch (CPU and every initialised CUDA device), numpy and Python RNG states on exit."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    numpy_state = np.random.get_state()
+    python_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+def _bare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model without DDP / DeepSpeed engine wrappers; refuses parameters sharded across ranks."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+        model = model.module
+    if "FullyShardedDataParallel" in type(model).__name__ or "FSDP" in type(model).__name__:
+        raise NotImplementedError("PeriodicEval: FSDP shards parameters across ranks; use DDP or ZeRO-1/2")
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise NotImplementedError("PeriodicEval: DeepSpeed ZeRO-3 shards parameters across ranks; use ZeRO-1/2")
+    return model
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def contiguous_shard(n: int, rank: int, world: int) -> tuple[int, int]:
+    """``(start, stop)`` of ``rank``'s rows: ``Dataset.shard(world, rank, contiguous=True)``'s split of ``n`` rows.
+
+    The first ``n % world`` ranks get one row more; a rank past the end gets an empty range (``Dataset.shard``
+    raises IndexError there instead).
+    """
+    size, extra = divmod(n, world)
+    start = rank * size + min(rank, extra)
+    return start, start + size + (rank < extra)
+
+
+def _noop(*_: Any, **__: Any) -> None:
+    return None
+
+
+class PeriodicEval(TrainerCallback):
+    """Greedy eval every ``every`` optimizer steps, scored with ``reward_fns``, logged as ``eval/...``.
+
+    eval_dataset: held-out rows with a ``prompt`` column (text or messages) and the columns the rewards need.
+    reward_fns: name -> TRL-style reward function; each one's mean is logged as ``eval/reward/<name>``.
+    metric: the reward logged as ``eval/accuracy`` (the task's exact-match); None takes the first reward.
+    reward_weights: name -> weight; when given ``eval/reward`` is the weighted sum of the reward means (what
+        GRPO's training ``reward`` is), otherwise the mean of ``metric``.
+    max_samples: score the first ``max_samples`` rows only (taken before sharding, so the scored set does
+        not depend on the number of ranks).
+    num_samples_to_log: prompt -> completion pairs from rank 0's shard written to the ``steadyrl.eval`` log.
+    log_fn: called with each eval row on every rank; pass ``trainer_log_fn(trainer)``. Without it the row is
+        appended to ``state.log_history`` only (no ``on_log``: report_to and ``MetricsLog`` do not see it).
+    eval_on_start: also evaluate before the first optimizer step (step 0).
+    """
+
+    def __init__(
+        self,
+        eval_dataset: Dataset,
+        reward_fns: Mapping[str, Callable[..., list[float | None]]],
+        tokenizer: Any,
+        *,
+        every: int,
+        metric: str | None = None,
+        max_new_tokens: int = 16,
+        batch_size: int = 64,
+        max_samples: int | None = None,
+        num_samples_to_log: int = 3,
+        reward_weights: Mapping[str, float] | None = None,
+        log_fn: LogFn | None = None,
+        eval_on_start: bool = False,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"PeriodicEval: every={every} must be >= 1 (leave the callback out to turn it off)")
+        if not reward_fns:
+            raise ValueError("PeriodicEval: needs at least one reward function")
+        not_callable = [name for name, fn in reward_fns.items() if not callable(fn)]
+        if not_callable:
+            raise TypeError(f"PeriodicEval: rewards {not_callable} are not callable (reward models are not supported)")
+        metric = next(iter(reward_fns)) if metric is None else metric
+        if metric not in reward_fns:
+            raise ValueError(f"PeriodicEval: metric {metric!r} is not one of the rewards {sorted(reward_fns)}")
+        if reward_weights is not None and set(reward_weights) != set(reward_fns):
+            raise ValueError(
+                f"PeriodicEval: reward_weights names {sorted(reward_weights)} differ from rewards {sorted(reward_fns)}"
+            )
+        if "prompt" not in eval_dataset.column_names:
+            raise ValueError(f"PeriodicEval: eval_dataset needs a 'prompt' column; it has {eval_dataset.column_names}")
+        if max_samples is not None:
+            eval_dataset = eval_dataset.select(range(min(max_samples, len(eval_dataset))))
+        self.eval_dataset = eval_dataset
+        self.reward_fns = dict(reward_fns)
+        self.tokenizer = tokenizer
+        self.every = every
+        self.metric = metric
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        self.num_samples_to_log = num_samples_to_log
+        self.reward_weights = dict(reward_weights) if reward_weights is not None else None
+        self.log_fn = log_fn
+        self.eval_on_start = eval_on_start
+        self._last_step: int | None = None  # the step last evaluated by this process
+
+    def _due(self, step: int) -> bool:
+        return step % self.every == 0 and (step > 0 or self.eval_on_start) and step != self._last_step
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _bare_model(kwargs["model"])  # ZeRO-3 / FSDP fail here, not after the first ``every`` steps
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._due(state.global_step):
+            self.run(kwargs["model"], state)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._due(state.global_step):  # the last step, when no further step began
+            self.run(kwargs["model"], state)
+
+    def run(self, model: torch.nn.Module, state: Any) -> dict[str, float]:
+        """Evaluate now (on every rank: it all-reduces), log the row and return it."""
+        self._last_step = int(state.global_step)
+        with preserved_rng():
+            metrics, samples = self.evaluate(model, trainer_state=state)
+        if state.is_world_process_zero:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+            logger.info("eval at step %d: %s", state.global_step, shown)
+            for prompt, completion, score in samples:
+                logger.info(
+                    "eval sample at step %d: %r -> %r (%s=%.4g)",
+                    state.global_step,
+                    prompt,
+                    completion,
+                    self.metric,
+                    score,
+                )
+        if self.log_fn is not None:
+            self.log_fn(dict(metrics))
+        else:
+            state.log_history.append({**metrics, "step": state.global_step})
+        return metrics
+
+    def evaluate(
+        self, model: torch.nn.Module, trainer_state: Any = None
+    ) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
+        """Score this rank's shard and all-reduce: (the ``eval/...`` row, this rank's first sample triples).
+
+        Means leave out ``None`` and NaN scores, as ``evaluate_rewards`` does; a reward with no countable score
+        on any rank gives NaN. Does not restore the RNG (``run`` does).
+        """
+        model = _bare_model(model)
+        rank, world = _rank_and_world()
+        start, stop = contiguous_shard(len(self.eval_dataset), rank, world)
+        shard = self.eval_dataset.select(range(start, stop) if stop > start else [])  # range(1, 1) raises
+        out = greedy_scores(
+            model,
+            self.tokenizer,
+            shard,
+            self.reward_fns,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            reward_kwargs={"trainer_state": trainer_state, "log_extra": _noop, "log_metric": _noop},
+        )
+        totals: list[float] = []
+        for name in self.reward_fns:  # same order on every rank: dicts keep insertion order
+            finite = finite_scores(out["scores"][name])
+            totals += [sum(finite), float(len(finite))]
+        totals += [float(sum(len(ids) for ids in out["completion_ids"])), float(len(out["completion_ids"]))]
+        summed = torch.tensor(totals, dtype=torch.float64, device=next(model.parameters()).device)
+        if world > 1:
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        values = summed.tolist()
+        means = {
+            name: values[2 * i] / values[2 * i + 1] if values[2 * i + 1] else math.nan
+            for i, name in enumerate(self.reward_fns)
+        }
+        length_sum, rows = values[-2:]
+        if self.reward_weights is None:
+            reward = means[self.metric]
+        else:  # nan-skipping like TRL's nansum over reward functions
+            reward = sum(self.reward_weights[n] * m for n, m in means.items() if not math.isnan(m))
+        metrics = {
+            "eval/reward": reward,
+            "eval/accuracy": means[self.metric],
+            **{f"eval/reward/{name}": mean for name, mean in means.items()},
+            "eval/mean_length": length_sum / rows if rows else math.nan,
+            "eval/num_samples": int(rows),
+        }
+        metric_scores = out["scores"][self.metric]
+        samples = [
+            (p, c, math.nan if s is None else float(s))
+            for p, c, s in zip(out["prompts"], out["completions"], metric_scores, strict=True)
+        ][: self.num_samples_to_log]
+        return metrics, samples
