@@ -1,0 +1,524 @@
+"""QUATRO: adaptive KL, entropy floor, rollout filters, masked advantages, replay buffer (hand-made inputs)."""
+
+from __future__ import annotations
+
+import io
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from steadyrl.guards.advantages import group_normalized_advantages
+from steadyrl.guards.base import Stateful
+from steadyrl.guards.gepo import robust_group_advantages
+from steadyrl.guards.quatro import (
+    FILTER_REASONS,
+    AdaptiveKL,
+    EntropyConfig,
+    EntropyFloor,
+    FilterConfig,
+    KLConfig,
+    LengthConfig,
+    NearDuplicateConfig,
+    ParrotConfig,
+    RepetitionConfig,
+    ReplayBuffer,
+    ReplayConfig,
+    RolloutFilter,
+    ZeroVarianceConfig,
+    ZScoreConfig,
+    jaccard,
+    masked_group_advantages,
+    ngrams,
+    parrot_share,
+    repeat_share,
+    replay_importance_ratio_mean,
+)
+
+NAN = float("nan")
+finite_or_nan = st.one_of(st.floats(min_value=0.0, max_value=10.0), st.just(NAN))
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def roundtrip(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------ adaptive KL
+
+
+def test_kl_validation_names_the_fix():
+    with pytest.raises(ValueError, match=r"Set trainer.beta > 0"):
+        AdaptiveKL(KLConfig(), 0.0)
+    with pytest.raises(ValueError, match=r"trainer.beta=2.0 is outside \[guards.quatro.kl.beta_min"):
+        AdaptiveKL(KLConfig(), 2.0)
+    with pytest.raises(ValueError, match=r"up must be finite and > 1.*down must be in \(0, 1\)"):
+        KLConfig(up=1.0, down=1.0)
+    with pytest.raises(ValueError, match="update_every must be >= 1"):
+        KLConfig(update_every=0)
+    assert isinstance(AdaptiveKL(None, 0.04), Stateful)
+
+
+def test_kl_moves_beta_toward_the_target_each_step():
+    kl = AdaptiveKL(KLConfig(target=0.02), beta0=0.04)
+    assert (kl.beta, kl.factor) == (0.04, 1.0)
+    assert kl.observe(0.03)  # above: x 1.2
+    assert kl.beta == 0.04 * 1.2 and kl.coef == kl.beta and kl.factor == 0.04 * 1.2 / 0.04
+    kl.observe(0.01)  # below: x 0.8
+    assert kl.beta == 0.04 * 1.2 * 0.8
+    kl.observe(0.02)  # equal: unchanged
+    assert kl.beta == 0.04 * 1.2 * 0.8
+    assert kl.metrics() == {
+        "quatro/kl_coef": 0.04 * 1.2 * 0.8,
+        "quatro/kl_factor": 0.04 * 1.2 * 0.8 / 0.04,
+        "quatro/kl_mean": 0.02,
+        "quatro/kl_target": 0.02,
+        "quatro/kl_nan": 0.0,
+    }
+
+
+def test_kl_window_mean_nan_and_clamps():
+    kl = AdaptiveKL(KLConfig(update_every=3, beta_max=0.05), beta0=0.045)
+    assert not kl.observe(0.01) and not kl.observe(NAN)
+    assert kl.observe(0.05)  # window mean of the finite values (0.01 + 0.05) / 2 = 0.03 > 0.02
+    assert kl.beta == 0.05 and kl.last_mean == (0.01 + 0.05) / 2 and kl.nan_count == 1  # 0.054 clamped to 0.05
+    for value in (NAN, NAN, NAN):  # a window without a finite value changes nothing
+        assert not kl.observe(value)
+    assert kl.beta == 0.05 and kl.nan_count == 4
+    kl = AdaptiveKL(KLConfig(beta_min=0.01), beta0=0.011)
+    kl.observe(0.0)
+    assert kl.beta == 0.01  # 0.0088 clamped up to beta_min
+
+
+def test_kl_disabled_only_measures():
+    kl = AdaptiveKL(KLConfig(enabled=False), beta0=0.04)
+    kl.observe(1.0)
+    assert kl.beta == 0.04 and kl.metrics()["quatro/kl_mean"] == 1.0
+
+
+def test_kl_state_round_trip_mid_window():
+    a = AdaptiveKL(KLConfig(update_every=2), beta0=0.04)
+    for value in (0.05, 0.01, 0.1):
+        a.observe(value)
+    b = AdaptiveKL(KLConfig(update_every=2), beta0=0.04)
+    b.load_state_dict(roundtrip(a.state_dict()))
+    for value in (0.001, NAN, 0.3, 0.2):
+        assert a.observe(value) == b.observe(value)
+        assert a.beta == b.beta and a.state_dict() == b.state_dict()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(st.floats(min_value=0.0, max_value=5.0), st.just(NAN)), max_size=60))
+def test_kl_beta_stays_in_bounds(values):
+    kl = AdaptiveKL(KLConfig(beta_min=1e-3, beta_max=0.2), beta0=0.04)
+    for value in values:
+        kl.observe(value)
+        assert 1e-3 <= kl.beta <= 0.2 and kl.factor == kl.beta / 0.04
+
+
+# ---------------------------------------------------------------------------------------------- entropy floor
+
+
+def test_entropy_floor_by_hand():
+    cfg = EntropyConfig(baseline_steps=2, floor_ratio=0.8, window=2, coef_delta=0.001, coef_max=0.0025, hysteresis=1.1)
+    f = EntropyFloor(cfg)
+    assert isinstance(f, Stateful)
+    f.observe(1.0)
+    assert math.isnan(f.metrics()["quatro/entropy_floor"]) and f.baseline is None
+    f.observe(1.0)
+    assert (f.baseline, f.floor) == (1.0, 0.8)
+    expected = [  # (entropy, window mean, active, bonus)
+        (0.6, 0.8, False, 0.0),  # mean == floor: not below it
+        (0.6, 0.6, True, 0.001),  # below the floor: on, the bonus ramps up
+        (0.7, 0.65, True, 0.002),
+        (0.9, 0.8, True, 0.0025),  # above the floor but not above floor x 1.1: still on; bonus capped
+        (0.95, 0.925, False, 0.002),  # above 0.88: off, the bonus ramps down
+        (1.0, 0.975, False, 0.001),
+        (1.0, 1.0, False, 0.0),
+        (1.0, 1.0, False, 0.0),
+    ]
+    for value, mean, active, bonus in expected:
+        assert f.observe(value) is None
+        assert f.window_mean() == pytest.approx(mean, abs=1e-12)
+        assert (f.active, f.bonus, f.clip_scale()) == (active, bonus, 0.5 if active else 1.0)
+    assert f.metrics() == {
+        "quatro/entropy": 1.0,
+        "quatro/entropy_floor": 0.8,
+        "quatro/entropy_bonus": 0.0,
+        "quatro/floor_active": 0.0,
+    }
+    assert f.activations == 1
+
+
+def test_entropy_still_falling_while_active_warns_to_lower_the_kl_target():
+    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=2))
+    f.observe(1.0)  # baseline 1, floor 0.8
+    assert f.observe(0.5) is None and f.active  # window mean 0.75: on; reference 0.75
+    assert f.observe(0.4) is None  # 1 step after activation
+    warning = f.observe(0.3)  # 2 steps: window mean 0.35 < 0.75
+    assert warning is not None and f.warning == warning and f.warnings == 1
+    assert "guards.quatro.kl.target" in warning and "0.75 -> 0.35" in warning
+    assert f.observe(0.6) is None and f.warning is None  # the next check compares with 0.35
+    assert f.observe(0.6) is None and f.active  # 0.6 > 0.35: recovering, no warning; 0.6 < 0.84: still on
+
+
+def test_entropy_nan_is_ignored_and_disabled_never_activates():
+    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1))
+    f.observe(NAN)
+    assert (f.nan_count, f.steps, f.baseline) == (1, 0, None)
+    f.observe(1.0)
+    f.observe(NAN)
+    assert f.window_mean() == 1.0 and f.nan_count == 2
+    off = EntropyFloor(EntropyConfig(enabled=False, baseline_steps=1, window=1))
+    for value in (1.0, 0.1, 0.01):
+        off.observe(value)
+    assert not off.active and off.bonus == 0.0 and off.floor == 0.8
+
+
+def test_entropy_state_round_trip():
+    cfg = EntropyConfig(baseline_steps=3, window=4)
+    a = EntropyFloor(cfg)
+    for value in (2.0, 2.1, 1.9, 1.2, 1.1):
+        a.observe(value)
+    b = EntropyFloor(cfg)
+    b.load_state_dict(roundtrip(a.state_dict()))
+    for value in (1.0, 0.9, NAN, 2.5, 2.5, 2.5, 0.1):
+        assert a.observe(value) == b.observe(value)
+        assert a.metrics() == b.metrics() and a.clip_scale() == b.clip_scale()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(finite_or_nan, max_size=80))
+def test_entropy_bonus_bounded_and_a_multiple_of_delta(values):
+    cfg = EntropyConfig(baseline_steps=3, window=5, coef_delta=0.002, coef_max=0.01)
+    f = EntropyFloor(cfg)
+    for value in values:
+        f.observe(value)
+        assert 0.0 <= f.bonus <= 0.01 and f.bonus == f.level * 0.002
+        assert f.clip_scale() == (0.5 if f.active else 1.0)
+
+
+def test_entropy_config_validation():
+    with pytest.raises(ValueError, match=r"floor_ratio must be in \(0, 1\].*hysteresis must be finite and >= 1"):
+        EntropyConfig(floor_ratio=1.5, hysteresis=0.9)
+
+
+# ---------------------------------------------------------------------------------------------------- filters
+
+
+def only(**changes) -> FilterConfig:
+    """A FilterConfig with every filter off except the ones given."""
+    off = {
+        "zscore": ZScoreConfig(enabled=False),
+        "length": LengthConfig(enabled=False),
+        "parrot": ParrotConfig(enabled=False),
+        "repetition": RepetitionConfig(enabled=False),
+        "near_duplicate": NearDuplicateConfig(enabled=False),
+        "zero_variance": ZeroVarianceConfig(enabled=False),
+    }
+    off.update(changes)
+    return FilterConfig(**off)
+
+
+def test_ngram_measures_by_hand():
+    assert ngrams([1, 2, 3], 2) == [(1, 2), (2, 3)] and ngrams([1], 2) == []
+    prompt = [1, 2, 3, 4, 5, 6]
+    assert parrot_share(prompt, [2, 3, 4, 5, 6, 9], 4) == 2 / 3  # (2345) (3456) in the prompt, (4569) not
+    assert parrot_share(prompt, prompt, 4) == 1.0 and parrot_share(prompt, [1, 2], 4) == 0.0
+    assert repeat_share([7, 7, 7, 7, 7], 3) == 1 - 1 / 3
+    assert repeat_share([1, 2, 3, 1, 2, 3], 3) == 1 - 3 / 4
+    assert repeat_share([1, 2], 3) == 0.0
+    assert jaccard({(1, 2), (2, 3)}, {(1, 2), (2, 4)}) == 1 / 3 and jaccard(set(), set()) == 1.0
+
+
+def test_zscore_drops_only_the_outlier_and_ignores_nan():
+    rewards = [0, 1, 0.5, 0] * 4 + [0, 1, 0.5, 40] + [NAN, 0, 1, 0.5]
+    finite = [r for r in rewards if not math.isnan(r)]
+    mean, std = statistics.fmean(finite), statistics.stdev(finite)
+    assert (40 - mean) / std > 3.5 and all(abs(r - mean) / std < 3.5 for r in finite if r != 40)
+    n = len(rewards)
+    result = RolloutFilter()(t(*rewards), [[100]] * n, [[i] for i in range(n)], 4)
+    assert result.keep.tolist() == [i != 19 for i in range(n)]
+    assert result.reasons == dict.fromkeys(FILTER_REASONS, 0) | {"zscore": 1}
+    assert list(result.reasons) == list(FILTER_REASONS) and result.warning is None
+    assert result.zero_variance_groups.tolist() == [False] * 6
+
+
+def test_zscore_keeps_a_rare_success_of_pass_fail_rewards():
+    rewards = t(*([0.0] * 19 + [1.0]))  # z of the success: 0.95 / 0.2236 = 4.25
+    prompts, completions = [[1]] * 20, [[i] for i in range(20)]
+    kept = RolloutFilter(only(zscore=ZScoreConfig()))(rewards, prompts, completions, 4)
+    assert kept.keep.all()  # only 2 distinct values: the filter does not run
+    strict = RolloutFilter(only(zscore=ZScoreConfig(min_distinct=1)))(rewards, prompts, completions, 4)
+    assert strict.keep.tolist() == [True] * 19 + [False]
+
+
+def test_length_fixed_and_rolling_range():
+    filt = RolloutFilter(only(length=LengthConfig(min_tokens=2, max_tokens=4, rolling=False)))
+    completions = [[1], [1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]
+    assert filt(t(0, 1, 0, 1), [[9]] * 4, completions, 2).keep.tolist() == [False, True, True, False]
+
+    cfg = LengthConfig(percentile_low=25, percentile_high=75, history=10, min_history=4)
+    filt = RolloutFilter(only(length=cfg))
+    completions = [[1] * n for n in (1, 2, 3, 4)]
+    first = filt(t(0, 1, 0, 1), [[9]] * 4, completions, 2)
+    assert first.keep.all() and filt.length_range() == (1.75, 3.25)  # history [1, 2, 3, 4], linear quantiles
+    second = filt(t(0, 1, 0, 1), [[9]] * 4, completions, 2)
+    assert second.keep.tolist() == [False, True, True, False] and second.reasons["length"] == 2
+
+    restored = RolloutFilter(only(length=cfg))
+    restored.load_state_dict(roundtrip(filt.state_dict()))
+    third = [[1] * n for n in (2, 5, 1, 3)]
+    assert (
+        restored(t(0, 1, 0, 1), [[9]] * 4, third, 2).keep.tolist()
+        == filt(t(0, 1, 0, 1), [[9]] * 4, third, 2).keep.tolist()
+    )
+    assert restored.state_dict() == filt.state_dict()
+
+
+def test_parrot_repetition_and_reason_order():
+    p1, p2 = [1, 2, 3, 4, 5, 6], [1, 2, 3] * 3
+    rows = [
+        (p1, [2, 3, 4, 5, 6, 9]),  # parrot 2/3, repeat 0: kept
+        (p1, [1, 2, 3, 4, 5, 6]),  # parrot 1: dropped
+        (p1, [7, 7, 7, 7, 7]),  # repeat 1 - 1/3: dropped
+        (p1, [1, 2, 3, 1, 2, 3]),  # repeat 1 - 3/4: kept
+        (p2, [1, 2, 3] * 4),  # parrot 1 and repeat 1 - 3/10: counted under parrot, the earlier filter
+        (p2, [1, 1, 1, 1, 1, 1]),  # parrot 0 ((1 1 1 1) is not in the prompt), repeat 1 - 1/4: dropped
+    ]
+    shares = [(parrot_share(p, c, 4), repeat_share(c, 3)) for p, c in rows]
+    assert shares == [(2 / 3, 0.0), (1.0, 0.0), (0.0, 1 - 1 / 3), (0.0, 1 - 3 / 4), (1.0, 1 - 3 / 10), (0.0, 0.75)]
+    cfg = only(parrot=ParrotConfig(n=4, max_overlap=0.7), repetition=RepetitionConfig(n=3, max_repeat_share=0.5))
+    result = RolloutFilter(cfg)(t(*range(6)), [p for p, _ in rows], [c for _, c in rows], 2)
+    assert result.keep.tolist() == [True, False, False, True, False, False]
+    assert (result.reasons["parrot"], result.reasons["repetition"]) == (2, 2)
+
+
+def test_near_duplicates_keep_the_first_kept_member():
+    cfg = only(
+        near_duplicate=NearDuplicateConfig(enabled=True, n=2, max_jaccard=0.5),
+        length=LengthConfig(max_tokens=4, rolling=False),
+    )
+    completions = [
+        [1, 2, 3, 4],
+        [1, 2, 3, 5],  # Jaccard with row 0: 2/4 = 0.5, not above: kept
+        [1, 2, 3, 4],  # duplicate of row 0
+        [9],  # shorter than n: one gram (9,)
+        [1, 2, 3, 4, 5],  # dropped by length (that filter comes first), so it represents no cluster
+        [1, 2, 3, 4],  # Jaccard 3/4 with row 4, but row 4 is gone: kept
+        [5],
+        [5],  # identical short completion: duplicate
+    ]
+    assert jaccard({(1, 2), (2, 3), (3, 4), (4, 5)}, {(1, 2), (2, 3), (3, 4)}) == 0.75
+    result = RolloutFilter(cfg)(t(*range(8)), [[0]] * 8, completions, 4)
+    assert result.keep.tolist() == [True, True, False, True, False, True, True, False]
+    assert result.reasons["length"] == 1 and result.reasons["near_duplicate"] == 2
+
+
+def test_zero_variance_groups_after_the_other_filters():
+    rewards = t(1, 1, 0, 1, NAN, 1, 2, 2, 0, 5, 3, 3)
+    completions = [[1, 2]] * 8 + [[1, 2], [], [1, 2], [1, 2]]
+    cfg = only(length=LengthConfig(min_tokens=1, rolling=False), zero_variance=ZeroVarianceConfig())
+    result = RolloutFilter(cfg)(rewards, [[0]] * 12, completions, 2)
+    # groups: [1 1] equal; [0 1] signal; [NaN 1] one finite; [2 2] equal; [0 (5 dropped)] one left; [3 3] equal
+    assert result.zero_variance_groups.tolist() == [True, False, True, True, True, True]
+    assert result.keep.tolist() == [False, False, True, True] + [False] * 8
+    assert result.reasons["length"] == 1 and result.reasons["zero_variance"] == 9
+    assert result.warning is not None and "dropped 10 of 12" in result.warning
+    assert "guards.quatro.filters.max_drop_share=0.5" in result.warning and "zero_variance 9" in result.warning
+    off = RolloutFilter(only())(rewards, [[0]] * 12, completions, 2)
+    assert off.keep.all() and off.zero_variance_groups.tolist() == [True, False, True, True, False, True]
+    assert result.metrics()["quatro/filtered/zero_variance"] == 9.0
+    assert result.metrics()["quatro/filtered_share"] == 10 / 12 and result.metrics()["quatro/zero_variance_groups"] == 5
+
+
+def test_filter_input_checks_and_tensor_token_ids():
+    filt = RolloutFilter()
+    with pytest.raises(ValueError, match="does not divide"):
+        filt(t(1, 2, 3), [[1]] * 3, [[1]] * 3, 2)
+    with pytest.raises(ValueError, match="one of each per row"):
+        filt(t(1, 2), [[1]], [[1], [2]], 1)
+    with pytest.raises(ValueError, match=r"parrot.max_overlap must be in \[0, 1\]"):
+        FilterConfig(parrot=ParrotConfig(max_overlap=2.0))
+    with pytest.raises(ValueError, match=r"length.min_history must be in"):
+        FilterConfig(length=LengthConfig(history=4, min_history=8))
+    result = filt(t(0, 1), [torch.tensor([1, 2, 3, 4])] * 2, [torch.tensor([1, 2, 3, 4]), torch.tensor([5])], 2)
+    assert result.keep.tolist() == [False, False]  # parrot, then the group has 1 member left
+    assert result.reasons["parrot"] == 1 and result.reasons["zero_variance"] == 1
+
+
+# ----------------------------------------------------------------------------------------- masked advantages
+
+
+def test_masked_group_advantages_exact():
+    rewards = t(1, 2, 3, 4, 5, 5, 9, 0, 1, 0, 1, NAN)
+    keep = torch.tensor([1, 1, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1], dtype=torch.bool)
+    adv = masked_group_advantages(rewards, keep, 4, group_normalized_advantages)
+    mean, std = 7 / 3, math.sqrt(7 / 3)  # kept [1, 2, 4]: unbiased variance (16 + 1 + 25) / 9 / 2 = 7 / 3
+    mean3, std3 = 2 / 3, math.sqrt(1 / 3)  # kept [1, 0, 1] (NaN unscorable)
+    expected = [(1 - mean) / (std + 1e-4), (2 - mean) / (std + 1e-4), 0.0, (4 - mean) / (std + 1e-4)]
+    expected += [0.0] * 4  # one kept member: no signal
+    expected += [(1 - mean3) / (std3 + 1e-4), (0 - mean3) / (std3 + 1e-4), (1 - mean3) / (std3 + 1e-4), 0.0]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float32), rtol=0, atol=1e-6)
+    assert adv[2] == 0 and adv[4] == 0 and adv[11] == 0  # exactly zero
+    robust = masked_group_advantages(rewards, keep, 4, robust_group_advantages)
+    torch.testing.assert_close(robust[:4], robust_group_advantages(t(1, 2, NAN, 4).view(1, 4))[0].nan_to_num(0.0))
+    assert robust[4:8].eq(0).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(finite_or_nan, st.booleans()), min_size=4, max_size=4).map(lambda x: x * 2))
+def test_masked_advantages_are_finite_and_zero_on_dropped_rows(rows):
+    rewards = t(*(r for r, _ in rows))
+    keep = torch.tensor([k for _, k in rows])
+    for fn in (group_normalized_advantages, robust_group_advantages):
+        adv = masked_group_advantages(rewards, keep, 4, fn)
+        assert torch.isfinite(adv).all() and adv[~keep].eq(0).all()
+
+
+# ----------------------------------------------------------------------------------------------------- replay
+
+PAD = 99
+
+
+def make_batch(prompts: list[list[int]], completions: list[list[int]], advantages: list[float], ref: bool = True):
+    """A TRL-shaped batch: prompts left-padded, completions right-padded, log-probs = -(token id) / 10."""
+    pw, cw = max(map(len, prompts)), max(map(len, completions))
+    batch = {
+        "prompt_ids": torch.tensor([[PAD] * (pw - len(p)) + p for p in prompts]),
+        "prompt_mask": torch.tensor([[0] * (pw - len(p)) + [1] * len(p) for p in prompts]),
+        "completion_ids": torch.tensor([c + [PAD] * (cw - len(c)) for c in completions]),
+        "completion_mask": torch.tensor([[1] * len(c) + [0] * (cw - len(c)) for c in completions]),
+        "advantages": torch.tensor(advantages),
+        "old_per_token_logps": torch.tensor([[-x / 10 for x in c] + [0.0] * (cw - len(c)) for c in completions]),
+        "num_items_in_batch": torch.tensor(17),
+    }
+    if ref:
+        batch["ref_per_token_logps"] = batch["old_per_token_logps"] - 1.0
+        batch["ref_per_token_logps"][batch["completion_mask"] == 0] = 0.0
+    return batch
+
+
+def test_replay_stores_only_rows_with_a_learning_signal():
+    buf = ReplayBuffer(ReplayConfig(), seed=0, pad_token_id=PAD)
+    batch = make_batch([[1, 2], [3], [4], [5]], [[6, 7], [8], [9], [10]], [0.5, 0.0, -1e-7, -2.0])
+    batch["completion_mask"][3] = 0  # masked out (e.g. filtered): no token, no gradient
+    assert buf.add(batch, step=3) == 1 and len(buf) == 1  # row 0 only
+    with pytest.raises(ValueError, match=r"old_per_token_logps.*sampling policy's log-probs"):
+        buf.add({k: v for k, v in batch.items() if k != "old_per_token_logps"}, 4)
+    with pytest.raises(ValueError, match=r"does not know how to pad the batch keys \['pixel_values'\]"):
+        buf.add({**batch, "pixel_values": torch.zeros(4, 3)}, 4)
+    assert isinstance(buf, Stateful)
+
+
+def test_replay_fifo_by_micro_batch():
+    buf = ReplayBuffer(ReplayConfig(capacity=2), seed=0, pad_token_id=PAD)
+    for step, adv in enumerate((1.0, 2.0, 0.0)):  # the last micro-batch has no signal row but still counts
+        buf.add(make_batch([[1]], [[2]], [adv]), step)
+    assert buf.num_batches == 2 and len(buf) == 1
+    _, info = buf.mix(make_batch([[1]] * 4, [[2]] * 4, [0.0] * 4), step=5)
+    assert info.ages == [4]  # the step-1 row; the step-0 row was evicted
+
+
+def test_replay_mix_exact_padding_and_positions():
+    buf = ReplayBuffer(ReplayConfig(replay_ratio=0.3), seed=0, pad_token_id=PAD)
+    buf.add(make_batch([[1, 2, 3], [4]], [[5, 6, 7, 8], [9]], [1.5, 0.0]), step=2)  # stores row 0 only
+    fresh = make_batch([[11], [12, 13]], [[14, 15], [16]], [-0.1, 0.05])
+    fresh_copy = {k: v.clone() for k, v in fresh.items()}
+    # round_half_up(0.3 x 2) = 1 row; the fresh row with the smallest |advantage| (row 1, 0.05) is replaced
+    mixed, info = buf.mix(fresh, step=7)
+    assert (info.replay_frac, info.replay_age_mean, info.indices, info.ages) == (0.5, 5.0, [1], [5])
+    assert info.mask(2).tolist() == [False, True] and info.metrics()["quatro/replay_frac"] == 0.5
+    assert mixed["prompt_ids"].tolist() == [[PAD, PAD, 11], [1, 2, 3]]  # widened to 3, left-padded
+    assert mixed["prompt_mask"].tolist() == [[0, 0, 1], [1, 1, 1]]
+    assert mixed["completion_ids"].tolist() == [[14, 15, PAD, PAD], [5, 6, 7, 8]]  # widened to 4, right-padded
+    assert mixed["completion_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    torch.testing.assert_close(mixed["advantages"], torch.tensor([-0.1, 1.5]))
+    torch.testing.assert_close(
+        mixed["old_per_token_logps"], torch.tensor([[-1.4, -1.5, 0, 0], [-0.5, -0.6, -0.7, -0.8]])
+    )
+    torch.testing.assert_close(
+        mixed["ref_per_token_logps"], torch.tensor([[-2.4, -2.5, 0, 0], [-1.5, -1.6, -1.7, -1.8]])
+    )
+    assert mixed["num_items_in_batch"] is fresh["num_items_in_batch"]
+    assert all(torch.equal(fresh[k], fresh_copy[k]) for k in fresh)  # the input batch is untouched
+
+
+def test_replay_trims_stored_rows_and_replays_what_it_has():
+    buf = ReplayBuffer(ReplayConfig(replay_ratio=0.3), seed=1, pad_token_id=PAD)
+    buf.add(make_batch([[1], [2, 3, 4, 5]], [[6], [7, 8, 9, 10, 11]], [1.0, 0.0]), step=0)  # row 0, width 1+1
+    fresh = make_batch([[21, 22]] * 10, [[23, 24, 25]] * 10, [float(i) for i in range(10)])
+    mixed, info = buf.mix(fresh, step=1)
+    assert info.indices == [0] and info.replay_frac == 0.1  # 3 wanted, 1 stored
+    assert mixed["prompt_ids"].shape == (10, 2) and mixed["completion_ids"].shape == (10, 3)  # no widening needed
+    assert mixed["prompt_ids"][0].tolist() == [PAD, 1] and mixed["completion_ids"][0].tolist() == [6, PAD, PAD]
+
+
+def test_replay_fraction_is_the_configured_share():
+    buf = ReplayBuffer(ReplayConfig(replay_ratio=0.3), seed=0, pad_token_id=PAD)
+    for step in range(3):
+        buf.add(make_batch([[1]] * 8, [[2, 3]] * 8, [float(i + 1) for i in range(8)]), step)
+    for size, k in ((10, 3), (8, 2), (5, 2), (2, 1)):  # round half up: 2.4 -> 2, 1.5 -> 2, 0.6 -> 1
+        mixed, info = buf.mix(make_batch([[4]] * size, [[5]] * size, [1.0] * size), step=3)
+        assert len(info.indices) == k and info.replay_frac == k / size and mixed["advantages"].shape == (size,)
+        assert info.indices == list(range(k))  # all |advantage| tie: the lowest indices are replaced
+    assert buf.mix(make_batch([[4]], [[5]], [1.0]), 3)[1].indices == []  # 0.3 x 1 rounds to 0
+
+
+def test_replay_key_mismatch_and_disabled():
+    buf = ReplayBuffer(ReplayConfig(), seed=0, pad_token_id=PAD)
+    buf.add(make_batch([[1]], [[2]], [1.0], ref=False), 0)
+    with pytest.raises(ValueError, match="replay needs the same keys in every batch"):
+        buf.mix(make_batch([[1]] * 4, [[2]] * 4, [0.0] * 4, ref=True), 1)
+    off = ReplayBuffer(ReplayConfig(enabled=False), seed=0)
+    batch = make_batch([[1]] * 4, [[2]] * 4, [1.0] * 4)
+    assert off.add(batch, 0) == 0 and len(off) == 0
+    mixed, info = off.mix(batch, 1)
+    assert info.indices == [] and all(mixed[k] is batch[k] for k in batch)
+
+
+def test_replay_per_token_advantages():
+    buf = ReplayBuffer(ReplayConfig(replay_ratio=0.5), seed=0, pad_token_id=PAD)
+    stored = make_batch([[1]], [[2, 3, 4]], [0.0])
+    stored["advantages"] = torch.tensor([[0.0, 0.5, -0.25]])
+    assert buf.add(stored, 0) == 1
+    fresh = make_batch([[1], [1]], [[5], [6]], [0.0, 0.0])
+    fresh["advantages"] = torch.tensor([[0.3], [0.1]])
+    mixed, info = buf.mix(fresh, 2)
+    assert info.indices == [1]
+    assert mixed["advantages"].tolist() == [[0.30000001192092896, 0.0, 0.0], [0.0, 0.5, -0.25]]
+
+
+def test_replay_state_round_trip_gives_identical_mixes():
+    cfg = ReplayConfig(capacity=3, replay_ratio=0.3)
+    a = ReplayBuffer(cfg, seed=5, pad_token_id=PAD)
+    for step in range(4):
+        a.add(make_batch([[step, 1], [2]] * 3, [[3], [step, 4, 5]] * 3, [1.0, -1.0, 2.0, 0.0, 0.5, 3.0]), step)
+    a.mix(make_batch([[7]] * 10, [[8]] * 10, [0.1] * 10), 4)  # advance the generator
+    b = ReplayBuffer(cfg, seed=0, pad_token_id=PAD)
+    b.load_state_dict(roundtrip(a.state_dict()))
+    assert len(b) == len(a) and b.num_batches == 3
+    for step in (5, 6):
+        fresh = make_batch([[7, 7]] * 10, [[8]] * 10, [float(i) for i in range(10)])
+        (ma, ia), (mb, ib) = a.mix(fresh, step), b.mix(fresh, step)
+        assert ia == ib and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_replay_config_validation_and_importance_ratio_metric():
+    with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\)"):
+        ReplayConfig(replay_ratio=1.0)
+    cur = torch.tensor([[0.0, math.log(2.0)], [math.log(4.0), 0.0]])
+    old = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    assert replay_importance_ratio_mean(cur, old, mask, torch.tensor([True, False])) == pytest.approx(1.5)
+    assert replay_importance_ratio_mean(cur, old, mask, torch.tensor([True, True])) == pytest.approx(7 / 3)
+    assert math.isnan(replay_importance_ratio_mean(cur, old, mask, torch.tensor([False, False])))
