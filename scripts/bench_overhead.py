@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import statistics
 import subprocess
@@ -26,22 +27,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {
     "GRADE + GEPO": ["guards.grade.enabled=true", "guards.gepo.enabled=true"],
-}
+    # OPEFO with its real schedule compressed so a 20-step run pays for every part: a check every step, a
+    # snapshot every 5 steps, the floor scan every 5 steps
+    "OPEFO": [
+        "guards.opefo.enabled=true", "guards.opefo.rollback.check_interval=1",
+        "guards.opefo.rollback.snapshot_interval=5", "guards.opefo.floor.interval=5",
+    ],
+    "all (GRADE + GEPO + OPEFO)": [
+        "guards.grade.enabled=true", "guards.gepo.enabled=true", "guards.opefo.enabled=true",
+        "guards.opefo.rollback.check_interval=1", "guards.opefo.rollback.snapshot_interval=5",
+        "guards.opefo.floor.interval=5",
+    ],
+}  # fmt: skip
 
 
-def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> tuple[float, float]:
-    """(seconds per optimizer step, guard seconds per optimizer step) of one short run."""
+def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> tuple[float, float, float]:
+    """(seconds per optimizer step, guard seconds per optimizer step, peak RSS in MiB) of one short run."""
     cmd = [
         sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", 'trainer.save_strategy="no"',
-        "trainer.logging_steps=1", "eval.enabled=false", *extra,
+        "trainer.logging_steps=1", "eval.enabled=false", "callbacks=[steadyrl.callbacks.memory:PeakMemory]", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     rows = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{'")]
     (summary,) = [row for row in rows if "train_runtime" in row]
     guard = sum(float(row.get("steadyrl/guard_seconds", 0.0)) for row in rows)
-    return float(summary["train_runtime"]) / steps, guard / steps
+    rss = json.loads((out / "peak_memory_rank0.json").read_text())["peak_rss_gib"] * 1024
+    return float(summary["train_runtime"]) / steps, guard / steps, rss
 
 
 def main() -> None:
@@ -53,28 +66,32 @@ def main() -> None:
     args = ap.parse_args()
     print(
         "| layers | seconds per step off (median) | on (median) | ratio on/off (median, min-max over repeats) "
-        "| guard code share of a step (median, min-max) |"
+        "| guard code share of a step (median, min-max) | peak RSS on - off, MiB (median) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for name, overrides in LAYERS.items():
-        off_all, on_all, ratios, shares = [], [], [], []
+        off_all, on_all, ratios, shares, rss_delta = [], [], [], [], []
         for r in range(args.repeats):
             order = [("off", []), ("on", overrides)]
             if r % 2:
                 order.reverse()
             medians: dict[str, float] = {}
+            rss: dict[str, float] = {}
             for label, extra in order:
-                seconds, guard = seconds_per_step(args.sft, Path(args.out) / f"{label}-{r}", args.steps, extra)
+                run_dir = Path(args.out) / f"{label}-{r}"
+                seconds, guard, rss[label] = seconds_per_step(args.sft, run_dir, args.steps, extra)
                 medians[label] = seconds
                 if label == "on":
                     shares.append(guard / seconds)
+            rss_delta.append(rss["on"] - rss["off"])
             off_all.append(medians["off"])
             on_all.append(medians["on"])
             ratios.append(medians["on"] / medians["off"])
         print(
             f"| {name} | {statistics.median(off_all):.4f} | {statistics.median(on_all):.4f} | "
             f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | "
-            f"{100 * statistics.median(shares):.2f}% ({100 * min(shares):.2f}-{100 * max(shares):.2f}%) |"
+            f"{100 * statistics.median(shares):.2f}% ({100 * min(shares):.2f}-{100 * max(shares):.2f}%) | "
+            f"{statistics.median(rss_delta):+.1f} |"
         )
 
 

@@ -12,6 +12,8 @@ steadyrl sft configs/tiny/sft.yaml > runs-sft.log 2>&1 || { tail -40 runs-sft.lo
 steadyrl train configs/tiny/grpo.yaml > runs-grpo.log 2>&1 || { tail -40 runs-grpo.log; exit 1; }
 mkdir -p runs && mv runs-sft.log runs/tiny-sft/train.log && mv runs-grpo.log runs/tiny-grpo/train.log
 echo "wall time $(( $(date +%s) - start )) s; logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log"
+steadyrl report runs/tiny-grpo > /dev/null && echo "plots: runs/tiny-grpo/report/report.md"
+steadyrl doctor runs/tiny-grpo || true   # exit 1 means it found a problem; the demo still prints its result
 python - <<'PY'
 import json
 sft_r = json.load(open("runs/tiny-sft/eval_results.json"))

@@ -163,13 +163,21 @@ class GuardsSection:
 
 @dataclass
 class EvalSection:
-    """``eval``: greedy decoding of the eval split, scored with the run's rewards, at the end of training."""
+    """``eval``: greedy decoding of the eval split, scored with the run's rewards: at the end of training, and
+    every ``every`` optimizer steps during it (``eval/*`` metrics; 0 = only at the end)."""
 
     enabled: bool = True
     max_new_tokens: int = 16
     batch_size: int = 64
     metric: str | None = None  # reward name reported as accuracy; default: the first reward
     max_samples: int | None = None
+    every: int = 0
+    samples_to_log: int = 3  # prompt -> completion lines in the log at each periodic eval
+    on_start: bool = False  # also evaluate before the first step
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0 (0 = no periodic eval), got {self.every}")
 
 
 @dataclass

@@ -209,6 +209,22 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
         trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), **guard_kwargs(cfg), **common)
+    fns = {n: f for n, f in rewards.items() if callable(f)}
+    if cfg.algorithm != "sft" and cfg.eval.enabled and cfg.eval.every > 0:
+        from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
+
+        if eval_ds is None or not fns:
+            raise ConfigError("eval.every > 0 needs an eval split (data.eval_split or data.eval_path) and a `fn` reward")
+        weights = {r.resolved_name: r.weight for r in cfg.rewards} if len(fns) == len(rewards) else None
+        trainer.add_callback(
+            PeriodicEval(
+                eval_ds, fns, tokenizer,
+                every=cfg.eval.every, metric=cfg.eval.metric, max_new_tokens=cfg.eval.max_new_tokens,
+                batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples,
+                num_samples_to_log=cfg.eval.samples_to_log, reward_weights=weights,
+                eval_on_start=cfg.eval.on_start, log_fn=trainer_log_fn(trainer),
+            )
+        )  # fmt: skip
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards
     return trainer

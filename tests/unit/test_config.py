@@ -155,8 +155,21 @@ def test_missing_resume_path(base: Path) -> None:
 
 
 def test_guard_layers_not_yet_available_say_so(base: Path) -> None:
-    with pytest.raises(ConfigError, match=r"guards.opefo.enabled: .*not part of this steadyrl version"):
-        load_config(base, ["guards.opefo.enabled=true"])
+    with pytest.raises(ConfigError, match=r"guards.quatro.enabled: .*not part of this steadyrl version"):
+        load_config(base, ["guards.quatro.enabled=true"])
+
+
+def test_opefo_section_validates_its_parts(base: Path) -> None:
+    cfg = load_config(base, ["guards.opefo.enabled=true", "guards.opefo.rollback.storage=disk"])
+    opefo = cfg.guards.opefo.to_config()
+    assert opefo.enabled and opefo.error_feedback.weights == (0.3, 0.3, 0.2, 0.2)
+    assert opefo.rollback.storage == "disk" and opefo.floor.interval == 100
+    with pytest.raises(
+        ConfigError, match=r"guards.opefo.rollback: invalid RollbackConfig: storage must be one of memory, disk"
+    ):
+        load_config(base, ["guards.opefo.enabled=true", "guards.opefo.rollback.storage=tape"])
+    with pytest.raises(ConfigError, match=r"guards.opefo.error_feedback"):
+        load_config(base, ["guards.opefo.error_feedback.weights=[0.5, 0.6]"])
 
 
 def test_broken_reward_function_fails_at_validation(base: Path) -> None:
