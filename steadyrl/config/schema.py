@@ -23,6 +23,7 @@ from steadyrl.config.loader import ConfigError, Origins
 from steadyrl.guards.grade import GradeConfig
 from steadyrl.guards.monitor import MonitorConfig
 from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
+from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
 from steadyrl.guards.spike import SpikeConfig
 
 ALGORITHMS = ("grpo", "sft")
@@ -87,13 +88,6 @@ class PeftSection:
 
 
 @dataclass
-class GuardSection:
-    """A defence layer not implemented yet: only the slot exists, and enabling it is an error."""
-
-    enabled: bool = False
-
-
-@dataclass
 class GepoAdvantageSection:
     """Median/MAD group advantages with tanh soft clipping (replaces TRL's mean/std advantage)."""
 
@@ -154,10 +148,46 @@ class OpefoSection:
 
 
 @dataclass
+class QuatroFiltersSection(FilterConfig):
+    """Rollout quality filters before advantages; ``enabled: false`` turns all of them off at once."""
+
+    enabled: bool = True
+
+    def to_config(self) -> FilterConfig:
+        return FilterConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(FilterConfig)})
+
+
+@dataclass
+class QuatroReplaySection(ReplayConfig):
+    """Rollout replay (off by default: not wired into the trainer in this version, enabling it is an error)."""
+
+    enabled: bool = False
+
+
+@dataclass
+class QuatroSection:
+    """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters (and replay)."""
+
+    enabled: bool = False
+    kl: KLConfig = field(default_factory=KLConfig)
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
+    replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
+
+    def to_config(self) -> QuatroConfig:
+        """The enabled parts (replay is rejected by the contradiction checks while it is not wired)."""
+        return QuatroConfig(
+            kl=self.kl if self.kl.enabled else None,
+            entropy=self.entropy if self.entropy.enabled else None,
+            filters=self.filters.to_config() if self.filters.enabled else None,
+        )
+
+
+@dataclass
 class GuardsSection:
     gepo: GepoSection = field(default_factory=GepoSection)
     opefo: OpefoSection = field(default_factory=OpefoSection)
-    quatro: GuardSection = field(default_factory=GuardSection)
+    quatro: QuatroSection = field(default_factory=QuatroSection)
     grade: GradeSection = field(default_factory=GradeSection)
 
 
@@ -377,13 +407,6 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
     t = cfg.trainer
     world_size = world_size or world_size_from_env()
 
-    for layer in ("quatro",):
-        if getattr(cfg.guards, layer).enabled:
-            raise ConfigError(
-                f"guards.{layer}.enabled: the {layer.upper()} layer is not part of this steadyrl version yet; "
-                f"set guards.{layer}.enabled=false"
-            )
-
     if t.get("bf16") and not _bf16_supported():
         raise ConfigError(
             "trainer.bf16 is true, but this machine has no GPU with bf16 support; set trainer.bf16=false "
@@ -492,6 +515,7 @@ def _check_guards(cfg: RunConfig) -> None:
                 "guards.grade.kl_compensation scales the KL coefficient, but trainer.beta is 0 (no KL term, and TRL "
                 "then loads no reference model); set trainer.beta > 0 or guards.grade.kl_compensation=false"
             )
+    _check_quatro(cfg)
     if gepo.enabled or cfg.guards.opefo.enabled:
         if _deepspeed_launch():
             stage = _deepspeed_zero_stage()
@@ -505,6 +529,41 @@ def _check_guards(cfg: RunConfig) -> None:
                 "guards.gepo (spike skip and finite checks) and guards.opefo need trainer.max_grad_norm > 0 (the "
                 "Trainer asks for the gradient norm only when it clips); set e.g. trainer.max_grad_norm=1.0"
             )
+
+
+def _check_quatro(cfg: RunConfig) -> None:
+    """QUATRO's settings against the trainer's: a KL to control, one entropy controller, no replay yet."""
+    q, t = cfg.guards.quatro, cfg.trainer
+    if not q.enabled:
+        return
+    if q.replay.enabled:
+        raise ConfigError(
+            "guards.quatro.replay.enabled: rollout replay is not wired into the trainer in this steadyrl version yet; "
+            "set guards.quatro.replay.enabled=false"
+        )
+    beta = float(t.get("beta", 0.0))
+    if q.kl.enabled:
+        if beta <= 0.0:
+            raise ConfigError(
+                "guards.quatro.kl adapts the KL coefficient, but trainer.beta is 0 (no KL term, and TRL then loads no "
+                "reference model); set trainer.beta > 0 (e.g. 0.04) or guards.quatro.kl.enabled=false"
+            )
+        if not q.kl.beta_min <= beta <= q.kl.beta_max:
+            raise ConfigError(
+                f"trainer.beta={beta} is outside [guards.quatro.kl.beta_min={q.kl.beta_min}, "
+                f"guards.quatro.kl.beta_max={q.kl.beta_max}]; move trainer.beta into the range or widen it"
+            )
+    if q.entropy.enabled and t.get("use_adaptive_entropy"):
+        raise ConfigError(
+            "trainer.use_adaptive_entropy and guards.quatro.entropy both drive TRL's entropy_coef; keep one: set "
+            "trainer.use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"
+        )
+    rewrites = q.filters.enabled
+    if rewrites and t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise ConfigError(
+            "guards.quatro.filters work on the weighted sum of rewards; set "
+            "trainer.multi_objective_aggregation=sum_then_normalize or guards.quatro.filters.enabled=false"
+        )
 
 
 def _deepspeed_launch() -> bool:

@@ -937,3 +937,15 @@ def replay_importance_ratio_mean(
         return NAN
     ratio = torch.exp(per_token_logps.detach().double() - old_per_token_logps.detach().double())
     return float(ratio[selected].mean())
+
+
+# ----------------------------------------------------------------------------------------------------- layer
+
+
+@dataclass
+class QuatroConfig:
+    """The parts of QUATRO a trainer runs; None turns a part off (``guards.quatro`` -> ``QuatroSection.to_config``)."""
+
+    kl: KLConfig | None = None
+    entropy: EntropyConfig | None = None
+    filters: FilterConfig | None = None

@@ -143,6 +143,10 @@ def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
         out["finite_checks"] = True
         if "step_guards" not in out:  # OPEFO alone: a non-finite gradient must still never reach Adam's moments
             out["step_guards"] = [SpikeGuard(SpikeConfig(spike_factor=math.inf))]
+    if g.quatro.enabled:
+        from steadyrl.trainers.quatro_runtime import QuatroRuntime
+
+        out["quatro"] = QuatroRuntime(g.quatro.to_config())
     return out
 
 
@@ -214,7 +218,9 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
 
         if eval_ds is None or not fns:
-            raise ConfigError("eval.every > 0 needs an eval split (data.eval_split or data.eval_path) and a `fn` reward")
+            raise ConfigError(
+                "eval.every > 0 needs an eval split (data.eval_split or data.eval_path) and a `fn` reward"
+            )
         weights = {r.resolved_name: r.weight for r in cfg.rewards} if len(fns) == len(rewards) else None
         trainer.add_callback(
             PeriodicEval(

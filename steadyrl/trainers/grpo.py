@@ -35,7 +35,9 @@ from steadyrl.guards.base import (
     StepGuard,
     combine_decisions,
 )
+from steadyrl.guards.quatro import masked_group_advantages
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
+from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class SteadyGRPOTrainer(GRPOTrainer):
             hi)`` (GRADE: raw_std / scaled_std) after every generation batch, so the KL term keeps its weight
             relative to the rescaled rewards. ``beta_factors`` holds every factor; ``beta`` is their product
             times ``beta_base``.
+        quatro: the QUATRO loop layer (``QuatroRuntime``): adaptive KL coefficient (the ``quatro_kl`` factor of
+            ``beta``), entropy floor (TRL's entropy bonus and clip range), rollout quality filters (dropped rows get
+            zero advantage and a zero completion mask).
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         finite_checks: bool = False,
         kl_compensation: tuple[float, float] | None = None,
         opefo: OpefoRuntime | None = None,
+        quatro: QuatroRuntime | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -106,6 +112,11 @@ class SteadyGRPOTrainer(GRPOTrainer):
         if opefo is not None:
             self.stateful.setdefault("opefo", opefo)
             self.rank_stateful["opefo"] = opefo
+        self.quatro = quatro
+        self._quatro_completion_ids: list[Any] | None = None
+        if quatro is not None:
+            quatro.bind(self)
+            self.stateful.setdefault("quatro", quatro)
         self._steady_staging: Path | None = None
         # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
         self.callback_handler.callbacks.insert(0, _GuardClock(self))
@@ -133,7 +144,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 1+2: rewards -> advantages
 
     def _rewrites_advantages(self) -> bool:
-        return self.reward_processor is not None or self.advantage_fn is not None
+        filters = self.quatro is not None and self.quatro.filters_on
+        return self.reward_processor is not None or self.advantage_fn is not None or filters
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -141,6 +153,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             # rewards_per_func is already gathered over processes; gather the prompts to match its rows.
             with self.guard_timer():
                 self._steady_scores = (rewards_per_func, gather_object(list(prompts)))
+                if self.quatro is not None and self.quatro.filters_on:
+                    self._quatro_completion_ids = [list(ids) for ids in completion_ids_list]  # unpadded, this rank
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
@@ -152,28 +166,72 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self._steady_scores = None
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        with self.guard_timer():
-            advantages = self.compute_advantages(rewards_per_func, prompts, num_generations)
         local = len(inputs)
         start = self.accelerator.process_index * local
-        output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
+        keep = None
+        with self.guard_timer():
+            completion_ids, self._quatro_completion_ids = self._quatro_completion_ids, None
+            if completion_ids is not None and mode == "train":
+                keep = self._filter_rows(output, rewards_per_func, completion_ids, num_generations)
+            advantages = self.compute_advantages(rewards_per_func, prompts, num_generations, keep=keep)
+            output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
+            if keep is not None:
+                self._mask_dropped_rows(output, keep[start : start + local])
         return output
 
-    def compute_advantages(
-        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int
+    def _filter_rows(
+        self, output: dict[str, Any], rewards_per_func: torch.Tensor, completion_ids: list[Any], num_generations: int
     ) -> torch.Tensor:
-        """Gathered rewards (N, num_funcs) -> advantages (N,), through the reward processor and advantage fn.
+        """QUATRO's rollout filters over the whole generation batch: (N,) bool keep mask, identical on all ranks."""
+        rows = zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in rows]
+        prompts, completions = gather_object(prompt_ids), gather_object(completion_ids)
+        rewards = self._weighted_rewards(rewards_per_func)
+        return self.quatro.filter_rows(rewards, prompts, completions, num_generations).keep
 
-        The weighted sum and the NaN handling for unscorable rows are TRL's (``sum_then_normalize``).
+    def _mask_dropped_rows(self, output: dict[str, Any], keep_local: torch.Tensor) -> None:
+        """Dropped rows of this rank leave the loss: completion mask 0 (advantage is already 0).
+
+        ``num_items_in_batch`` (TRL: the generation batch's loss tokens over all ranks, the normaliser of
+        dapo/cispo/vespo) is recounted without them. The other loss types normalise per micro-batch: bnpo by the
+        micro-batch's mask sum (dropped rows leave it), grpo/sapo by a per-row mean averaged over all B rows (a
+        dropped row still counts as a row with loss 0, like a zero-advantage row), dr_grpo by the constant
+        B x max_completion_length (unchanged).
         """
-        # inf is as unscorable as NaN: TRL would let one inf zero its whole group's advantages.
+        mask = output["completion_mask"]
+        output["completion_mask"] = mask * keep_local.to(device=mask.device, dtype=mask.dtype).unsqueeze(1)
+        if "num_items_in_batch" in output:
+            loss_mask = output["completion_mask"]
+            if output.get("tool_mask") is not None:
+                loss_mask = loss_mask * output["tool_mask"]
+            old = output["num_items_in_batch"]
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum().to(old.dtype)
+
+    def _weighted_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """(N, num_funcs) -> (N,): TRL's weighted sum (``sum_then_normalize``); NaN where every function is NaN.
+
+        inf is as unscorable as NaN: TRL would let one inf zero its whole group's advantages.
+        """
         nonfinite = ~torch.isfinite(rewards_per_func) & ~torch.isnan(rewards_per_func)
         if nonfinite.any():
             rewards_per_func = rewards_per_func.masked_fill(nonfinite, torch.nan)
-        self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
         weights = self.reward_weights.to(rewards_per_func.device)
         rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        return rewards
+
+    def compute_advantages(
+        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Gathered rewards (N, num_funcs) -> advantages (N,), through the reward processor and advantage fn.
+
+        ``keep`` (N,) bool, from QUATRO's rollout filters: dropped rows are NaN (unscorable) for the reward
+        processor, leave their group's statistics and get advantage 0 (``masked_group_advantages``).
+        """
+        self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
+        rewards = self._weighted_rewards(rewards_per_func)
+        if keep is not None:
+            rewards = rewards.masked_fill(~keep.to(rewards.device), torch.nan)
         if self.reward_processor is not None:
             rewards = self.reward_processor(rewards, prompts, num_generations)
             for name, value in getattr(self.reward_processor, "metrics", dict)().items():
@@ -184,7 +242,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 self._guard_metric("grade/kl_factor", factor)
                 self._guard_metric("grade/beta", self.beta)
         advantage_fn = self.advantage_fn or partial(group_normalized_advantages, scale_rewards=self.scale_rewards)
-        advantages = advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
+        if keep is None:
+            advantages = advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
+        else:
+            advantages = masked_group_advantages(rewards, keep, num_generations, advantage_fn)
         self._guard_metric("gepo/adv_std", float(advantages.std()) if advantages.numel() > 1 else 0.0)
         self._guard_metric("gepo/adv_max_abs", float(advantages.abs().max()))
         return advantages
@@ -209,13 +270,17 @@ class SteadyGRPOTrainer(GRPOTrainer):
         return logps, entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
-        if not self.finite_checks:
+        if not self.finite_checks and self.quatro is None:
             return super()._compute_loss(model, inputs)
-        self._steady_loss_inputs = inputs
+        self._steady_loss_inputs = inputs if self.finite_checks else None
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self._steady_loss_inputs = None
+        if self.quatro is not None and self.model.training:
+            self.quatro.record_micro_batch(inputs)  # TRL's kl / entropy of this micro-batch, for the controllers
+        if not self.finite_checks:
+            return loss
         # A non-finite loss makes the gradient, hence the global norm, non-finite: the step guard skips that step.
         finite = bool(torch.isfinite(loss.detach()))
         self._guard_metric("gepo/nonfinite_loss", float(not finite))
@@ -386,7 +451,9 @@ class _GuardClock(TrainerCallback):
                     obj.step()
             if trainer.opefo is not None:
                 trainer.opefo.on_step_end()
-        if trainer.step_guards or trainer._rewrites_advantages():
+            if trainer.quatro is not None:
+                trainer.quatro.on_step_end()
+        if trainer.step_guards or trainer._rewrites_advantages() or trainer.quatro is not None:
             # seconds spent in steadyrl's guard code during this optimizer step (its whole overhead but the
             # checks in the log-prob hook, which are a few elementwise ops)
             trainer._guard_metric("steadyrl/guard_seconds", trainer.guard_seconds - self._last_guard_seconds)

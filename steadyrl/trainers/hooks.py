@@ -12,12 +12,17 @@ How each is overridden (never by copying the body):
 - ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
   count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
 - ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance
-  ratios of that loss; count a non-finite loss (the step guard then skips the step it would poison).
+  ratios of that loss; count a non-finite loss (the step guard then skips the step it would poison); hand TRL's
+  just-logged ``kl`` / ``entropy`` of the micro-batch to QUATRO's controllers.
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
   ``_save_checkpoint`` makes the parent write into a staging folder (``_get_output_dir`` answers the staging
   root while it runs) and publishes the finished checkpoint with one rename.
 
-Two private details of accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
+Private details of TRL, accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
+- TRL ``GRPOTrainer``: ``_entropy_bonus_enabled`` is fixed in ``__init__`` and gates the entropy term in
+  ``_compute_loss``, which reads ``self.entropy_coef`` and clamps with ``self.epsilon_low/high`` on every call;
+  QUATRO's entropy floor switches the flag on and rewrites the three attributes between steps. ``_metrics["train"]``
+  gets one ``kl`` (when beta != 0) and one ``entropy`` entry per micro-batch.
 - ``AcceleratedOptimizer._is_overflow`` is what ``accelerator.optimizer_step_was_skipped`` reports; a vetoed
   step sets it so the Trainer leaves the LR schedule alone (as for an fp16 overflow).
 - ``DeepSpeedZeroOptimizer.step`` (ZeRO-1/2) calls ``scaled_global_norm()``, then ``_update_scale(overflow)``,
@@ -75,7 +80,7 @@ def internals_problems() -> list[str]:
     """The accelerate / DeepSpeed internals above that are missing or no longer behave as relied on."""
     from accelerate.optimizer import AcceleratedOptimizer
 
-    problems = []
+    problems = _trl_problems()
     if "self._is_overflow" not in inspect.getsource(AcceleratedOptimizer.__init__):
         problems.append("accelerate: AcceleratedOptimizer no longer sets _is_overflow")
     if "return self._is_overflow" not in inspect.getsource(AcceleratedOptimizer.step_was_skipped.fget):
@@ -96,4 +101,25 @@ def internals_problems() -> list[str]:
     positions = [step.find(s) for s in order]
     if -1 in positions or positions != sorted(positions):
         problems.append(f"deepspeed: DeepSpeedZeroOptimizer.step no longer runs {' -> '.join(order)} in that order")
+    return problems
+
+
+def _trl_problems() -> list[str]:
+    """TRL internals QUATRO's entropy floor and KL controller rely on (see the module docstring)."""
+    from trl import GRPOTrainer
+
+    problems = []
+    init, loss = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer._compute_loss)
+    if "self._entropy_bonus_enabled =" not in init:
+        problems.append("trl: GRPOTrainer.__init__ no longer sets _entropy_bonus_enabled")
+    expected = [
+        "if self._entropy_bonus_enabled:",
+        "apply_coef = self.entropy_coef",
+        "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",
+        'self._metrics[mode]["kl"].append(',
+        'self._metrics[mode]["entropy"].append(',
+    ]
+    for text in expected:
+        if text not in loss:
+            problems.append(f"trl: GRPOTrainer._compute_loss no longer contains {text!r}")
     return problems

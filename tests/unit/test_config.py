@@ -154,9 +154,35 @@ def test_missing_resume_path(base: Path) -> None:
     assert load_config(base, ["trainer.resume_from_checkpoint=auto"]).trainer["resume_from_checkpoint"] == "auto"
 
 
-def test_guard_layers_not_yet_available_say_so(base: Path) -> None:
-    with pytest.raises(ConfigError, match=r"guards.quatro.enabled: .*not part of this steadyrl version"):
+def test_quatro_section_builds_its_parts(base: Path) -> None:
+    on = ["guards.quatro.enabled=true", "trainer.beta=0.04"]
+    cfg = load_config(base, [*on, "guards.quatro.filters.repetition.n=5", "guards.quatro.kl.target=0.01"])
+    q = cfg.guards.quatro
+    assert q.kl.target == 0.01 and q.entropy.floor_ratio == 0.8 and not q.replay.enabled
+    filters = q.filters.to_config()
+    assert type(filters).__name__ == "FilterConfig" and filters.repetition.n == 5 and filters.max_drop_share == 0.5
+    from steadyrl.trainers.build import guard_kwargs
+
+    runtime = guard_kwargs(cfg)["quatro"]
+    assert runtime.config.kl.target == 0.01 and runtime.filter.config.repetition.n == 5 and runtime.entropy is not None
+    off = load_config(base, [*on, "guards.quatro.filters.enabled=false", "guards.quatro.entropy.enabled=false"])
+    assert guard_kwargs(off)["quatro"].filter is None and guard_kwargs(off)["quatro"].entropy is None
+    with pytest.raises(ConfigError, match=r"guards.quatro.filters: invalid FilterConfig: parrot.max_overlap"):
+        load_config(base, [*on, "guards.quatro.filters.parrot.max_overlap=1.5"])
+    with pytest.raises(ConfigError, match=r"guards.quatro.kl: invalid KLConfig: up must be finite and > 1"):
+        load_config(base, [*on, "guards.quatro.kl.up=0.9"])
+
+
+def test_quatro_contradictions_name_the_fix(base: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.beta is 0 .* set trainer.beta > 0 .*kl.enabled=false"):
         load_config(base, ["guards.quatro.enabled=true"])
+    assert load_config(base, ["guards.quatro.enabled=true", "guards.quatro.kl.enabled=false"]).guards.quatro.enabled
+    with pytest.raises(ConfigError, match=r"trainer.beta=2.0 is outside \[guards.quatro.kl.beta_min"):
+        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=2.0"])
+    with pytest.raises(ConfigError, match=r"use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"):
+        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=0.04", "trainer.use_adaptive_entropy=true"])
+    with pytest.raises(ConfigError, match=r"replay is not wired .* set guards.quatro.replay.enabled=false"):
+        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.replay.enabled=true"])
 
 
 def test_opefo_section_validates_its_parts(base: Path) -> None:

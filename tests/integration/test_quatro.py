@@ -1,0 +1,207 @@
+"""QUATRO in real tiny GRPO runs: adaptive KL, entropy floor, rollout filters, exact resume."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer, TrainerCallback
+
+from steadyrl.faults import repetition_reward
+from steadyrl.guards.grade import GradeConfig, GradeScaler
+from steadyrl.guards.quatro import (
+    EntropyConfig,
+    FilterConfig,
+    KLConfig,
+    LengthConfig,
+    ParrotConfig,
+    QuatroConfig,
+    RepetitionConfig,
+    ZeroVarianceConfig,
+    ZScoreConfig,
+    repeat_share,
+)
+from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.quatro_runtime import QuatroRuntime
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
+
+pytestmark = pytest.mark.slow
+
+
+class AfterGuards(TrainerCallback):
+    """What steadyrl set at each step end (it runs first): beta, its factors, entropy_coef, epsilon."""
+
+    def __init__(self, trainer):
+        self.trainer, self.rows = trainer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        self.rows.append(dict(beta=t.beta, factors=dict(t.beta_factors), coef=t.entropy_coef, eps=t.epsilon_low))
+
+
+def _trainer(model_dir, out, quatro, reward=byte_mean, **args):
+    trainer = SteadyGRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[reward],
+        args=grpo_args(out, **args),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        quatro=quatro,
+    )
+    after = AfterGuards(trainer)
+    trainer.add_callback(after)
+    return trainer, after
+
+
+def test_adaptive_kl_moves_beta_toward_the_target_and_composes_with_grade(tiny_model_dir, tmp_path):
+    """Target 1e-9: step 1's KL is 0 (policy == reference) -> beta x 0.8; afterwards KL > target -> x 1.2 each
+    step. The effective beta is beta_base x quatro_kl x grade at every step."""
+    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=1e-9)))
+    trainer = SteadyGRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=[byte_mean],
+        args=grpo_args(tmp_path / "kl", max_steps=5, beta=0.04),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        reward_processor=GradeScaler(GradeConfig()),
+        kl_compensation=(0.5, 2.0),
+        quatro=quatro,
+    )
+    after = AfterGuards(trainer)
+    trainer.add_callback(after)
+    trainer.train()
+    history = trainer.state.log_history
+    kl_logged = per_step(history, "kl")  # TRL's metric (one micro-batch per step: equal to quatro/kl_mean)
+    assert per_step(history, "quatro/kl_mean") == pytest.approx(kl_logged, rel=1e-6, abs=1e-12)
+    assert kl_logged[0] == 0.0 and all(k > 1e-9 for k in kl_logged[1:])
+    expected, coef = [], 0.04
+    for k in kl_logged:
+        coef *= 1.2 if k > 1e-9 else 0.8
+        expected.append(coef)
+    assert per_step(history, "quatro/kl_coef") == pytest.approx(expected, rel=1e-12)
+    assert per_step(history, "quatro/kl_target") == [1e-9] * 5
+    for row in after.rows:
+        assert set(row["factors"]) == {"grade", "quatro_kl"}
+        assert row["beta"] == pytest.approx(0.04 * row["factors"]["grade"] * row["factors"]["quatro_kl"], rel=1e-12)
+    assert [r["factors"]["quatro_kl"] for r in after.rows] == pytest.approx([c / 0.04 for c in expected], rel=1e-12)
+    assert per_step(history, "quatro/beta") == pytest.approx([r["beta"] for r in after.rows], rel=1e-12)
+
+
+def test_entropy_floor_activates_on_a_collapsing_run(tiny_model_dir, tmp_path):
+    """A reward that pays for repeating one character, lr 3e-2: entropy falls below 0.95 x its 2-step baseline.
+    While the floor is active the next steps run with TRL's entropy bonus > 0 and epsilon x 0.5."""
+    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, coef_delta=0.01, coef_max=0.05)
+    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    trainer, after = _trainer(
+        tiny_model_dir, tmp_path / "ent", quatro, reward=repetition_reward, max_steps=10, learning_rate=3e-2,
+        max_completion_length=8,
+    )  # fmt: skip
+    assert trainer._entropy_bonus_enabled and trainer.entropy_coef == 0.0
+    trainer.train()
+    history = trainer.state.log_history
+    active = per_step(history, "quatro/floor_active")
+    bonus = per_step(history, "quatro/entropy_bonus")
+    assert len(active) == 10 and max(active) == 1.0, per_step(history, "quatro/entropy")
+    floor = per_step(history, "quatro/entropy_floor")
+    assert len(floor) == 10 - 1  # NaN (not logged) until the baseline exists, i.e. at step 1
+    for row, on, b in zip(after.rows, active, bonus, strict=True):
+        assert row["coef"] == b
+        assert row["eps"] == pytest.approx(0.2 * (0.5 if on else 1.0))
+        if on:
+            assert b > 0
+    # TRL logs the entropy_coef it applied: the step after the floor turned on runs with a positive bonus
+    first = active.index(1.0)
+    assert first + 1 < 10 and per_step(history, "entropy_coef")[first + 1] == pytest.approx(0.01)
+
+
+class Recorder:
+    """Wraps ``_generate_and_score_completions`` to keep each generation batch's output."""
+
+    def __init__(self, trainer):
+        self.outputs = []
+        original = trainer._generate_and_score_completions
+
+        def wrapped(inputs):
+            out = original(inputs)
+            self.outputs.append({k: v.detach().clone() for k, v in out.items() if torch.is_tensor(v)})
+            return out
+
+        trainer._generate_and_score_completions = wrapped
+
+
+def _only_repetition(n: int = 1, share: float = 0.0) -> FilterConfig:
+    return FilterConfig(
+        zscore=ZScoreConfig(enabled=False),
+        length=LengthConfig(enabled=False),
+        parrot=ParrotConfig(enabled=False),
+        repetition=RepetitionConfig(n=n, max_repeat_share=share),
+        zero_variance=ZeroVarianceConfig(enabled=False),
+        max_drop_share=1.0,
+    )
+
+
+def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path):
+    """Repetition filter alone (n=1, share > 0: any token twice): the per-step count equals the number of completions
+    with a repeated token (recomputed here from the token ids); those rows train with advantage 0 and mask 0, and
+    num_items_in_batch counts only the kept rows' tokens."""
+    quatro = QuatroRuntime(QuatroConfig(filters=_only_repetition()))
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / "rep", quatro, max_steps=4, max_completion_length=16)
+    recorder = Recorder(trainer)
+    ids_per_step = []
+    original = trainer._calculate_rewards
+
+    def calc(inputs, prompts, completions, completion_ids_list):
+        ids_per_step.append([list(ids) for ids in completion_ids_list])
+        return original(inputs, prompts, completions, completion_ids_list)
+
+    trainer._calculate_rewards = calc
+    trainer.train()
+    counts = per_step(trainer.state.log_history, "quatro/filtered/repetition")
+    expected = [sum(repeat_share(ids, 1) > 0.0 for ids in step) for step in ids_per_step]
+    assert counts == expected and sum(expected) > 0 and all(c < 8 for c in expected), expected
+    for ids, out in zip(ids_per_step, recorder.outputs, strict=True):
+        dropped = torch.tensor([repeat_share(c, 1) > 0.0 for c in ids])
+        assert torch.all(out["completion_mask"][dropped] == 0)
+        assert torch.all(out["advantages"][dropped] == 0)
+        kept_lengths = out["completion_mask"][~dropped].sum(dim=1)
+        assert torch.equal(kept_lengths, torch.tensor([len(c) for c, d in zip(ids, dropped, strict=True) if not d]))
+        assert int(out["num_items_in_batch"]) == int(kept_lengths.sum())
+        # the kept rows of a group are normalised among themselves: each group with >= 2 kept rows has mean 0
+        for g in range(2):
+            rows = slice(4 * g, 4 * g + 4)
+            kept = ~dropped[rows]
+            if kept.sum() >= 2:
+                assert float(out["advantages"][rows][kept].mean()) == pytest.approx(0.0, abs=1e-5)
+
+
+def _all_on():
+    entropy = EntropyConfig(baseline_steps=2, window=2, floor_ratio=1.0, coef_delta=0.01)
+    return QuatroRuntime(QuatroConfig(kl=KLConfig(target=1e-3), entropy=entropy, filters=_only_repetition()))
+
+
+def test_resume_is_exact_with_quatro_kl_entropy_and_filters_on(tiny_model_dir, tmp_path):
+    """6 straight steps == 3 + resume + 3 (torch.equal weights, identical logged rows), controllers restored."""
+    common = dict(max_steps=6, save_steps=3, save_strategy="steps", beta=0.04, max_completion_length=8)
+    straight, _ = _trainer(tiny_model_dir, tmp_path / "straight", _all_on(), **common)
+    straight.train()
+    history = straight.state.log_history
+    assert sum(per_step(history, "quatro/filtered/repetition")) > 0, "the filter must really drop rows here"
+    assert max(per_step(history, "quatro/floor_active")) == 1.0, "the floor must really activate here"
+    checkpoint = tmp_path / "straight" / "checkpoint-3"
+    saved = torch.load(checkpoint / "steadyrl_state.pt", weights_only=False)["guards"]["quatro"]
+    assert saved["kl"]["updates"] == 3 and saved["entropy"]["steps"] == 3 and saved["filter"]["calls"] == 3
+
+    resumed_quatro = _all_on()
+    resumed, _ = _trainer(tiny_model_dir, tmp_path / "resumed", resumed_quatro, **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert_same_weights(weights(resumed.model), weights(straight.model))
+    keys = [k for k in history[-2] if k.startswith(("quatro/", "loss", "reward", "kl", "entropy", "grad_norm"))]
+    assert "quatro/kl_coef" in keys and "quatro/entropy_bonus" in keys
+    rows = lambda h: [{k: h_row.get(k) for k in keys} for h_row in h if h_row.get("step", 0) > 3 and "loss" in h_row]  # noqa: E731
+    got, want = rows(resumed.state.log_history), rows(history)
+    assert len(got) == 3 and all(
+        all(a[k] == b[k] or (isinstance(a[k], float) and math.isnan(a[k]) and math.isnan(b[k])) for k in keys)
+        for a, b in zip(got, want, strict=True)
+    ), (got, want)
+    assert resumed.beta == straight.beta and resumed.entropy_coef == straight.entropy_coef
