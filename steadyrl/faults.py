@@ -1,15 +1,49 @@
-"""Fault injectors for tests and benchmarks: rewards and training steps that misbehave reproducibly."""
+"""Fault injectors for tests and benchmarks: rewards and training steps that misbehave reproducibly.
+
+Two kinds, so that a plain YAML/CLI run can use them (``scripts/bench_stability.py`` does):
+
+- reward-side faults are reward functions (``rewards: [{fn: "steadyrl.faults:NAME", kwargs: {...}}]``), seeded by
+  ``(seed, global_step)`` through the ``trainer_state`` that TRL passes to every reward function;
+- trainer-side faults are ``TrainerCallback`` classes (``callbacks: ["steadyrl.faults:NAME"]``). The config
+  instantiates callbacks with no arguments, so their parameters come from environment variables, read when the
+  callback is built (explicit constructor arguments win, for tests):
+
+  ``STEADYRL_FAULT_STEP``   the optimizer step k that is hit, 1-based: the step at whose end ``global_step``
+                            becomes k (default 3)
+  ``STEADYRL_FAULT_RANK``   only the process with this ``RANK`` injects; unset: every process
+  ``STEADYRL_FAULT_VALUE``  the value written into the optimizer state (``InfExpAvgSqAtStep``; default inf)
+  ``STEADYRL_FAULT_SCALE``  the gradient multiplier (``GradSpikeAtStep``; default 1e4)
+
+A trainer-side fault appends one JSON line to ``<output_dir>/faults.jsonl`` when it fires (``FAULT_LOG``), so a
+benchmark can tell "the guard held" from "the fault never happened". ``inject_nan_loss`` and
+``CorruptOptimizerState`` are the object-level forms that tests wire into a trainer they built themselves.
+
+Left out: faults inside generation (NaN logits while sampling) and in the reference model; bit flips in weights.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from steadyrl.tasks.arithmetic import exact_match
+from steadyrl.tasks.arithmetic import _completion_text, exact_match
+
+FAULT_STEP_ENV = "STEADYRL_FAULT_STEP"
+FAULT_RANK_ENV = "STEADYRL_FAULT_RANK"
+FAULT_VALUE_ENV = "STEADYRL_FAULT_VALUE"
+FAULT_SCALE_ENV = "STEADYRL_FAULT_SCALE"
+FAULT_LOG = "faults.jsonl"
+DEFAULT_FAULT_STEP = 3
+BURST_VALUES: tuple[float | None, ...] = (None, math.nan, math.inf, -math.inf)  # TRL reads None as NaN
 
 
 def exact_match_cauchy(
@@ -77,3 +111,231 @@ class CorruptOptimizerState(TrainerCallback):
         with torch.no_grad():
             first[self.key].view(-1)[0] = self.value
         self.fired = True
+
+
+# ---------------------------------------------------------------------------------------- reward-side faults
+
+
+def exact_match_nonfinite_burst(
+    completions: Sequence[Any],
+    answer: Sequence[str],
+    fraction: float = 0.25,
+    start: int = DEFAULT_FAULT_STEP,
+    steps: int = 1,
+    seed: int = 0,
+    trainer_state: Any = None,
+    **_: Any,
+) -> list[float | None]:
+    """Exact match, except during a burst: ``fraction`` of the rows are unscorable or non-finite.
+
+    The burst hits the rollouts of optimizer steps ``start .. start + steps - 1`` (1-based, like
+    ``STEADYRL_FAULT_STEP``; they are scored while ``trainer_state.global_step`` is one less). In a burst,
+    ``round(fraction * len(completions))`` rows, drawn by a generator seeded by (seed, step), get ``None``, NaN,
+    +inf, -inf in turn (in row order). TRL 1.16 reads None and NaN as "unscorable"; one inf in a group makes that
+    group's mean inf and every advantage in it NaN, which TRL then sets to 0: the whole group's signal is lost.
+    """
+    scores: list[float | None] = list(exact_match(completions, answer))
+    step = int(getattr(trainer_state, "global_step", 0) or 0) + 1  # the optimizer step these rollouts train
+    if not start <= step < start + steps:
+        return scores
+    rng = np.random.default_rng([seed, step])
+    hit = np.sort(rng.permutation(len(scores))[: round(fraction * len(scores))])
+    for i, row in enumerate(hit.tolist()):
+        scores[row] = BURST_VALUES[i % len(BURST_VALUES)]
+    return scores
+
+
+def repetition_reward(completions: Sequence[Any], **_: Any) -> list[float]:
+    """Pays for repetition (forced entropy collapse): the share of the completion taken by its most common
+    character, when that character occurs at least twice; else 0.0.
+
+    ``"aaab"`` -> 0.75, ``"77"`` -> 1.0, ``"1212"`` -> 0.5, ``"ab"``, ``"7"`` and ``""`` -> 0.0 (nothing repeats).
+    The maximum, 1.0, is one character repeated over the whole completion.
+    """
+    scores = []
+    for completion in completions:
+        text = _completion_text(completion)
+        top = Counter(text).most_common(1)[0][1] if text else 0
+        scores.append(top / len(text) if top >= 2 else 0.0)
+    return scores
+
+
+# --------------------------------------------------------------------------------------- trainer-side faults
+
+
+def _env_number(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    return default if text is None or not text.strip() else float(text)
+
+
+def fault_step_from_env(default: int = DEFAULT_FAULT_STEP) -> int:
+    """``STEADYRL_FAULT_STEP`` as an int (the 1-based optimizer step a callback fault hits)."""
+    return int(_env_number(FAULT_STEP_ENV, default))
+
+
+def fault_rank_from_env() -> int | None:
+    """``STEADYRL_FAULT_RANK`` as an int, or None (every process) when unset or empty."""
+    text = os.environ.get(FAULT_RANK_ENV, "").strip()
+    return int(text) if text else None
+
+
+def _this_rank(rank: int | None) -> bool:
+    return rank is None or int(os.environ.get("RANK", "0")) == rank
+
+
+def record_fault(output_dir: str | os.PathLike[str] | None, fault: str, step: int, **fields: Any) -> None:
+    """Append ``{"fault": fault, "step": step, "rank": RANK, **fields}`` to ``<output_dir>/faults.jsonl``."""
+    if output_dir is None:
+        return
+    path = Path(output_dir) / FAULT_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = {"fault": fault, "step": int(step), "rank": int(os.environ.get("RANK", "0")), **fields}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_fault_log(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows ``record_fault`` wrote into ``<output_dir>/faults.jsonl`` (empty when nothing fired)."""
+    path = Path(output_dir) / FAULT_LOG
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _times_nan(output: Any) -> Any:
+    """A module output with its hidden states (a tensor, ``last_hidden_state`` or the first tuple item) times NaN."""
+    if isinstance(output, torch.Tensor):
+        return output * float("nan")
+    if getattr(output, "last_hidden_state", None) is not None:  # transformers' ModelOutput
+        output.last_hidden_state = output.last_hidden_state * float("nan")
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (output[0] * float("nan"), *output[1:])
+    raise TypeError(f"NanLossAtStep cannot poison a module output of type {type(output).__name__}")
+
+
+class NanLossAtStep(TrainerCallback):
+    """NaN loss on one micro-batch: the first training forward pass of optimizer step ``step`` yields NaN hidden states.
+
+    At ``on_step_begin`` of that step a forward hook goes on the model's backbone (``get_decoder()``: the module
+    whose ``last_hidden_state`` both generation and TRL's fused log-prob head read; TRL 1.16 computes training
+    log-probs from ``lm_head.weight`` without calling the ``lm_head`` module, so a hook there would never fire).
+    The hook lets every pass without gradients through (generation, old/reference log-probs, eval) and passes in
+    eval mode; the first pass in training mode with grad enabled (the loss pass of the step's first micro-batch)
+    gets its hidden states multiplied by NaN, and the hook removes itself. The NaN reaches the loss and every
+    gradient, as a numeric overflow in the forward pass would.
+
+    step: the 1-based optimizer step (default ``STEADYRL_FAULT_STEP``); rank: only that ``RANK`` (default
+    ``STEADYRL_FAULT_RANK``, unset: every process).
+    """
+
+    name = "nan_loss"
+
+    def __init__(self, step: int | None = None, rank: int | None = None) -> None:
+        self.step = fault_step_from_env() if step is None else step
+        self.rank = fault_rank_from_env() if rank is None else rank
+        self.fired = False
+        self._handle: Any = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.fired or self._handle is not None or state.global_step + 1 != self.step or not _this_rank(self.rank):
+            return
+        target = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+        if target is None:
+            raise RuntimeError("NanLossAtStep needs a model with a backbone (transformers' get_decoder())")
+        output_dir = getattr(args, "output_dir", None)
+
+        def poison(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+            if not (module.training and torch.is_grad_enabled()):
+                return None
+            self._remove()
+            self.fired = True
+            record_fault(output_dir, self.name, self.step)
+            return _times_nan(output)
+
+        self._handle = target.register_forward_hook(poison)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove()  # a step without a training forward pass (cannot happen in GRPO) leaves no hook behind
+
+    def _remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+class InfExpAvgSqAtStep(CorruptOptimizerState):
+    """``CorruptOptimizerState`` configured from the environment, for ``callbacks:`` in a config.
+
+    Writes ``STEADYRL_FAULT_VALUE`` (default inf) into the first ``exp_avg_sq`` entry at the end of optimizer step
+    ``STEADYRL_FAULT_STEP``, on ``STEADYRL_FAULT_RANK`` (unset: every process). Records the firing, and at the end
+    of training how many Adam moment entries are still non-finite (``nonfinite_state_entries``): Adam divides by
+    ``sqrt(inf)``, so an unguarded run does not die; the entry's weight silently stops learning.
+    """
+
+    name = "inf_exp_avg_sq"
+
+    def __init__(self, step: int | None = None, value: float | None = None, rank: int | None = None) -> None:
+        super().__init__(
+            step=fault_step_from_env() if step is None else step,
+            value=_env_number(FAULT_VALUE_ENV, math.inf) if value is None else value,
+            rank=fault_rank_from_env() if rank is None else rank,
+        )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        before = self.fired
+        super().on_step_end(args, state, control, optimizer=optimizer, **kwargs)
+        if self.fired and not before:
+            record_fault(getattr(args, "output_dir", None), self.name, self.step, value=str(self.value))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        from steadyrl.trainers.opefo_runtime import optimizer_chain
+
+        if not self.fired or optimizer is None:
+            return
+        base = optimizer_chain(optimizer)[-1]
+        bad = sum(
+            int((~torch.isfinite(t)).sum())
+            for st in base.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        )
+        record_fault(getattr(args, "output_dir", None), "train_end", state.global_step, nonfinite_state_entries=bad)
+
+
+class GradSpikeAtStep(TrainerCallback):
+    """Gradient spike: every trainable parameter's gradient is multiplied by ``scale`` during optimizer step ``step``.
+
+    Tensor hooks go on the parameters at ``on_step_begin`` of that step (so every micro-batch of the step is hit,
+    before any clipping or step guard sees the gradients) and come off at its ``on_step_end``.
+
+    step: 1-based optimizer step (default ``STEADYRL_FAULT_STEP``); scale: default ``STEADYRL_FAULT_SCALE`` or 1e4;
+    rank: default ``STEADYRL_FAULT_RANK`` (unset: every process).
+    """
+
+    name = "grad_spike"
+
+    def __init__(self, step: int | None = None, scale: float | None = None, rank: int | None = None) -> None:
+        self.step = fault_step_from_env() if step is None else step
+        self.scale = _env_number(FAULT_SCALE_ENV, 1e4) if scale is None else scale
+        self.rank = fault_rank_from_env() if rank is None else rank
+        self.fired = False
+        self._handles: list[Any] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.fired or state.global_step + 1 != self.step or not _this_rank(self.rank) or model is None:
+            return
+        output_dir = getattr(args, "output_dir", None)
+
+        def spike(grad: torch.Tensor) -> torch.Tensor:
+            if not self.fired:
+                self.fired = True
+                record_fault(output_dir, self.name, self.step, scale=self.scale)
+            return grad * self.scale
+
+        self._handles = [p.register_hook(spike) for p in model.parameters() if p.requires_grad]
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,358 @@
+"""Fault-injection stability benchmark: each defence layer alone and all together, against plain TRL.
+
+Every run trains GRPO from one SFT checkpoint on the arithmetic task (``configs/tiny/grpo.yaml``) as its own
+``python -m steadyrl train`` process, with one fault from ``steadyrl.faults`` (reward-side faults are reward
+functions; trainer-side faults are callbacks configured through ``STEADYRL_FAULT_*`` environment variables):
+
+    clean              no fault
+    nan_loss           NaN hidden states in the loss pass of one micro-batch at step k (NanLossAtStep)
+    inf_exp_avg_sq     inf written into one Adam exp_avg_sq entry at the end of step k (InfExpAvgSqAtStep)
+    cauchy_reward      exact match + Cauchy noise of scale 1, every step (exact_match_cauchy)
+    nonfinite_rewards  25% of rows None/NaN/+inf/-inf during steps k .. k+4 (exact_match_nonfinite_burst)
+    grad_spike         every gradient x1e4 at step k, clipping off (GradSpikeAtStep, max_grad_norm=1e9)
+    repetition_reward  the reward pays for one repeated character: forced entropy collapse (repetition_reward)
+
+"Clipping off" is ``trainer.max_grad_norm=1e9`` for every variant in grad_spike: GEPO and OPEFO refuse
+``max_grad_norm <= 0`` (the Trainer calls the step guard only when it clips), and clipping at 1e9 multiplies
+every gradient below that norm by exactly 1.0, so it is numerically no clipping, for plain TRL too.
+
+"plain TRL" is steadyrl with every guard off, which tests/integration/test_equivalence.py shows is bit-identical
+to ``trl.GRPOTrainer``. Accuracy is greedy exact match on the held-out problems (noise-free, the weight-0
+``exact_match`` reward), over the runs that completed with finite weights. A run "died" when its process failed
+(the step is the last one logged in metrics.jsonl); one that exited 0 but saved non-finite weights is counted
+apart ("NaN weights"). QUATRO is listed but skipped while ``guards.quatro.enabled=true`` does not validate.
+
+    python scripts/bench_stability.py --sft runs/tiny-sft/final --out-md stability.md --png docs/img/stability.png
+    python scripts/bench_stability.py --sft runs/tiny-sft/final --quick     # 3 variants, 2 faults, 1 seed, 6 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
+from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
+
+OPEFO_SHORT_RUNS = ("guards.opefo.rollback.check_interval=2", "guards.opefo.rollback.snapshot_interval=10")
+LAYERS = {
+    "GRADE": ("guards.grade.enabled=true",),
+    "GEPO": ("guards.gepo.enabled=true",),
+    "OPEFO": ("guards.opefo.enabled=true", *OPEFO_SHORT_RUNS),
+    "QUATRO": ("guards.quatro.enabled=true",),
+}
+VARIANT_NAMES = ("plain TRL", "GRADE", "GEPO", "OPEFO", "QUATRO", "all on")
+QUICK_VARIANTS = ("plain TRL", "GEPO", "all on")
+QUICK_SCENARIOS = ("nan_loss", "inf_exp_avg_sq")
+CLEAN_REWARD = "{fn: exact_match, weight: 1.0}"
+EVAL_REWARD = "{fn: exact_match, weight: 0.0}"  # logged only: the noise-free accuracy of a faulty-reward run
+BURST_STEPS = 5  # nonfinite_rewards: steps k .. k + 4
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One fault. ``reward``: a rewards entry (YAML flow text; ``{seed}``, ``{step}``, ``{burst}`` filled per run)
+    that replaces the exact-match reward; ``callback``: a ``steadyrl.faults`` callback class."""
+
+    reward: str | None = None
+    callback: str | None = None
+    overrides: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+SCENARIOS = {
+    "clean": Scenario(),
+    "nan_loss": Scenario(callback="NanLossAtStep"),
+    "inf_exp_avg_sq": Scenario(callback="InfExpAvgSqAtStep", env=((FAULT_VALUE_ENV, "inf"),)),
+    "cauchy_reward": Scenario(
+        reward="{{name: noisy, fn: 'steadyrl.faults:exact_match_cauchy', kwargs: {{scale: 1.0, seed: {seed}}}}}"
+    ),
+    "nonfinite_rewards": Scenario(
+        reward="{{name: bursty, fn: 'steadyrl.faults:exact_match_nonfinite_burst', "
+        "kwargs: {{fraction: 0.25, start: {step}, steps: {burst}, seed: {seed}}}}}"
+    ),
+    "grad_spike": Scenario(
+        callback="GradSpikeAtStep", overrides=("trainer.max_grad_norm=1e9",), env=((FAULT_SCALE_ENV, "1e4"),)
+    ),
+    "repetition_reward": Scenario(reward="{{name: repetition, fn: 'steadyrl.faults:repetition_reward'}}"),
+}
+
+
+def quatro_validates(sft: str) -> bool:
+    """Whether this steadyrl accepts ``guards.quatro.enabled=true`` (``steadyrl validate`` exits 0)."""
+    cmd = [sys.executable, "-m", "steadyrl", "validate", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}"]
+    proc = subprocess.run([*cmd, "guards.quatro.enabled=true"], env=_env({}), capture_output=True, text=True)
+    return proc.returncode == 0
+
+
+def variants(quatro: bool) -> dict[str, tuple[str, ...] | None]:
+    """name -> overrides; None marks a layer that cannot run in this steadyrl version."""
+    out: dict[str, tuple[str, ...] | None] = {"plain TRL": ()}
+    out.update({name: flags if name != "QUATRO" or quatro else None for name, flags in LAYERS.items()})
+    out["all on"] = tuple(f for name, flags in LAYERS.items() if name != "QUATRO" or quatro for f in flags)
+    return out
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def train_command(
+    sft: str, out: Path, flags: tuple[str, ...], scenario: str, seed: int, steps: int, fault_step: int, quick: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The ``steadyrl train`` command line and the extra environment of one run."""
+    sc = SCENARIOS[scenario]
+    rewards = CLEAN_REWARD
+    if sc.reward is not None:
+        rewards = sc.reward.format(seed=seed, step=fault_step, burst=BURST_STEPS) + ", " + EVAL_REWARD
+    cmd = [
+        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+        f"trainer.output_dir={out}", f"trainer.max_steps={steps}", f"trainer.seed={seed}", "trainer.logging_steps=1",
+        'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null", f"rewards=[{rewards}]",
+        "eval.metric=exact_match", *sc.overrides, *flags,
+    ]  # fmt: skip
+    if sc.callback is not None:
+        cmd.append(f"callbacks=['steadyrl.faults:{sc.callback}']")
+    if quick:
+        cmd += ["trainer.per_device_train_batch_size=16", "eval.max_samples=50"]
+    return cmd, {FAULT_STEP_ENV: str(fault_step), **dict(sc.env)}
+
+
+def weights_finite(path: Path) -> bool:
+    """Every tensor of a saved ``model.safetensors`` is finite."""
+    import torch
+    from safetensors.torch import load_file
+
+    return all(bool(torch.isfinite(t).all()) for t in load_file(str(path)).values() if t.is_floating_point())
+
+
+def summarise_run(run_dir: Path, returncode: int, wall_s: float) -> dict[str, Any]:
+    """One run's outcome from its folder: status, step of death, accuracy, entropy, guard counters, fault log."""
+    try:
+        history = load_history(run_dir)
+    except HistoryNotFoundError:
+        history = None
+    final = run_dir / "final" / "model.safetensors"
+    finite = weights_finite(final) if returncode == 0 and final.is_file() else None
+    status = "died" if finite is None else "ok" if finite else "nonfinite_weights"
+    eval_file = run_dir / "eval_results.json"
+    accuracy = json.loads(eval_file.read_text())["accuracy"] if status == "ok" and eval_file.is_file() else None
+    faults = read_fault_log(run_dir)
+    end = [row for row in faults if row["fault"] == "train_end"]
+    out: dict[str, Any] = {
+        "status": status,
+        "returncode": returncode,
+        "last_step": history.last_step if history else 0,
+        "accuracy": accuracy,
+        "entropy": None,
+        "grad_norm_cv": None,
+        "skipped": history.count("gepo/skipped_steps", "skip") if history else 0,
+        "rollbacks": history.count("opefo/rollbacks", "rollback") if history else 0,
+        "filtered": None,
+        "fault_fired_at": next((row["step"] for row in faults if row["fault"] != "train_end"), None),
+        "nonfinite_state_at_end": end[-1]["nonfinite_state_entries"] if end else None,
+        "wall_s": wall_s,
+    }
+    if history is None:
+        return out
+    _, entropy = history.series("entropy")
+    finite_entropy = [v for v in entropy.tolist() if math.isfinite(v)]
+    out["entropy"] = finite_entropy[-1] if finite_entropy else None
+    _, norms = history.series("grad_norm")
+    norms = [v for v in norms.tolist() if math.isfinite(v)]
+    if len(norms) > 1 and statistics.fmean(norms) > 0:
+        out["grad_norm_cv"] = statistics.pstdev(norms) / statistics.fmean(norms)
+    filtered = history.matching("quatro/filtered/")  # per-step counts per reason (logging_steps=1)
+    if filtered:
+        out["filtered"] = sum(v for name in filtered for v in history.series(name)[1].tolist() if math.isfinite(v))
+    return out
+
+
+def run_one(cmd: list[str], extra_env: dict[str, str], out: Path, timeout_s: float) -> dict[str, Any]:
+    if out.exists():
+        shutil.rmtree(out)  # metrics.jsonl and faults.jsonl append: a rerun must not read the last run's rows
+    out.mkdir(parents=True)
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, env=_env(extra_env), capture_output=True, text=True, timeout=timeout_s)
+        returncode, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode, log = -1, f"timeout after {timeout_s} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    (out / "log.txt").write_text(log if isinstance(log, str) else str(log))
+    (out / "command.txt").write_text(shlex.join(f"{k}={v}" for k, v in extra_env.items()) + " " + shlex.join(cmd))
+    return summarise_run(out, returncode, time.time() - start)
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def _mean_std(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
+    std = statistics.pstdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.{digits}f} ± {std:.{digits}f}"
+
+
+def _outcome(runs: list[dict[str, Any]]) -> str:
+    n, parts = len(runs), []
+    ok = [r for r in runs if r["status"] == "ok"]
+    died = [r for r in runs if r["status"] == "died"]
+    nan = [r for r in runs if r["status"] == "nonfinite_weights"]
+    if ok:
+        parts.append(f"ok {len(ok)}/{n}")
+    if died:
+        parts.append(f"died {len(died)}/{n} @ step {','.join(str(r['last_step']) for r in died)}")
+    if nan:
+        parts.append(f"NaN weights {len(nan)}/{n}")
+    stuck = [r for r in ok if r["nonfinite_state_at_end"]]
+    if stuck:
+        parts.append(f"inf left in Adam state {len(stuck)}/{n}")
+    return ", ".join(parts)
+
+
+def table(results: dict[tuple[str, str, int], dict[str, Any]], names: list[str], scenarios: list[str]) -> str:
+    """Markdown: one row per scenario x variant, seeds aggregated."""
+    lines = [
+        "| scenario | variant | outcome | final accuracy (mean ± seed std) | final entropy | grad-norm CV | "
+        "skipped steps | rollbacks | filtered rows | fault fired | wall s/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario in scenarios:
+        for name in names:
+            runs = [r for (v, s, _), r in sorted(results.items()) if v == name and s == scenario]
+            if not runs:
+                continue
+            if runs[0]["status"] == "not_run":
+                lines.append(f"| {scenario} | {name} | not implemented yet (does not validate) |" + " - |" * 8)
+                continue
+            ok = [r for r in runs if r["status"] == "ok"]
+            cvs = [r["grad_norm_cv"] for r in runs if r["grad_norm_cv"] is not None]
+            filtered = [r["filtered"] for r in runs if r["filtered"] is not None]
+            fired = "-"
+            if SCENARIOS[scenario].callback is not None:
+                fired = f"{sum(r['fault_fired_at'] is not None for r in runs)}/{len(runs)}"
+            lines.append(
+                f"| {scenario} | {name} | {_outcome(runs)} | {_mean_std([r['accuracy'] for r in ok])} | "
+                f"{_mean_std([r['entropy'] for r in ok if r['entropy'] is not None], 2)} | "
+                f"{f'{statistics.fmean(cvs):.2f}' if cvs else '-'} | "
+                f"{statistics.fmean(r['skipped'] for r in runs):.1f} | "
+                f"{statistics.fmean(r['rollbacks'] for r in runs):.1f} | "
+                f"{f'{statistics.fmean(filtered):.0f}' if filtered else 'n/a'} | {fired} | "
+                f"{statistics.fmean(r['wall_s'] for r in runs):.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(
+    results: dict[tuple[str, str, int], dict[str, Any]], names: list[str], scenarios: list[str], png: Path
+) -> None:
+    """Grouped bars: final accuracy per scenario (groups) and variant (bars), seed std as error bars; ✗n marks
+    n runs that died or ended with NaN weights."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in names if any(v == n and r["status"] != "not_run" for (v, _, _), r in results.items())]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(scenarios)), 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        for j, scenario in enumerate(scenarios):
+            runs = [r for (v, s, _), r in results.items() if v == name and s == scenario]
+            acc = [r["accuracy"] for r in runs if r["status"] == "ok" and r["accuracy"] is not None]
+            x = j - 0.4 + width * (i + 0.5)
+            mean = statistics.fmean(acc) if acc else 0.0
+            std = statistics.pstdev(acc) if len(acc) > 1 else 0.0
+            ax.bar(x, mean, width, yerr=std, capsize=2, color=f"C{i}", label=name if j == 0 else None)
+            failed = len(runs) - len(acc)
+            if failed:
+                ax.text(x, mean + std + 0.01, f"✗{failed}", ha="center", va="bottom", fontsize=7, color="red")
+    ax.set_xticks(range(len(scenarios)), scenarios, rotation=20, ha="right")
+    ax.set_ylabel("final greedy exact-match accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("GRPO under injected faults: accuracy (mean ± seed std; ✗n: n runs died or ended NaN)")
+    ax.legend(fontsize=8, ncols=min(len(names), 6), loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sft", required=True, help="SFT checkpoint shared by every run (e.g. runs/tiny-sft/final)")
+    ap.add_argument("--out", default="runs/bench-stability", help="one folder per run, and results.json")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--fault-step", type=int, default=20, help="step k of the step faults (after GEPO's warm-up)")
+    ap.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANT_NAMES)}")
+    ap.add_argument("--scenarios", default=None, help=f"comma-separated subset of {', '.join(SCENARIOS)}")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (counted as died)")
+    ap.add_argument("--quick", action="store_true", help="3 variants, nan_loss + inf_exp_avg_sq, 1 seed, 6 steps")
+    ap.add_argument("--out-md", default=None, help="write the markdown (command + table) here; always printed")
+    ap.add_argument("--png", default=None, help="write the accuracy bar chart here (e.g. docs/img/stability.png)")
+    args = ap.parse_args()
+    names = list(QUICK_VARIANTS if args.quick else VARIANT_NAMES)
+    scenarios = list(QUICK_SCENARIOS if args.quick else SCENARIOS)
+    seeds, steps, fault_step = range(args.seeds), args.steps, args.fault_step
+    if args.quick:
+        seeds, steps, fault_step = range(1), 6, 3
+    names = [n.strip() for n in args.variants.split(",")] if args.variants else names
+    scenarios = [s.strip() for s in args.scenarios.split(",")] if args.scenarios else scenarios
+    for bad, valid in ((set(names) - set(VARIANT_NAMES), VARIANT_NAMES), (set(scenarios) - set(SCENARIOS), SCENARIOS)):
+        if bad:
+            ap.error(f"unknown {sorted(bad)}; valid: {', '.join(valid)}")
+    flags_of = variants(quatro_validates(args.sft))
+    root = Path(args.out)
+    jobs = [(name, scenario, seed) for name in names for scenario in scenarios for seed in seeds]
+    results: dict[tuple[str, str, int], dict[str, Any]] = {
+        job: {"status": "not_run"} for job in jobs if flags_of[job[0]] is None
+    }
+
+    def work(job: tuple[str, str, int]) -> tuple[tuple[str, str, int], dict[str, Any]]:
+        name, scenario, seed = job
+        out = root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}"
+        cmd, env = train_command(args.sft, out, flags_of[name] or (), scenario, seed, steps, fault_step, args.quick)
+        return job, run_one(cmd, env, out, args.timeout)
+
+    start = time.time()
+    with ThreadPoolExecutor(args.workers) as pool:
+        results.update(pool.map(work, [job for job in jobs if job not in results]))
+    command = "python scripts/bench_stability.py " + shlex.join(sys.argv[1:])
+    markdown = (
+        f"```\n{command}   # {len(jobs) - sum(r['status'] == 'not_run' for r in results.values())} runs, "
+        f"{time.time() - start:.0f} s with {args.workers} workers\n```\n\n"
+        f"{steps} steps per run, {16 if args.quick else 64} completions per step, step faults at step k = "
+        f"{fault_step} (reward burst: steps k .. k + {BURST_STEPS - 1}), seeds {', '.join(map(str, seeds))}; OPEFO "
+        f"with {' '.join(OPEFO_SHORT_RUNS)}. QUATRO: "
+        f"{'on' if flags_of['QUATRO'] is not None else 'not implemented yet, left out of all on'}.\n\n"
+        + table(results, names, scenarios)
+        + "\n"
+    )
+    print(markdown, end="")
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "results.json").write_text(json.dumps({"|".join(map(str, k)): v for k, v in results.items()}, indent=1))
+    if args.out_md:
+        Path(args.out_md).write_text(markdown)
+    if args.png:
+        plot(results, names, scenarios, Path(args.png))
+
+
+if __name__ == "__main__":
+    main()
