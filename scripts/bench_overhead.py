@@ -11,6 +11,11 @@ own guard code (``steadyrl/guard_seconds`` per step: reward gathering for the pr
 the step decision, guard clocks) and the script divides that by the guarded run's seconds per step.
 
     python scripts/bench_overhead.py --sft runs/tiny-sft/final --repeats 5 --steps 30
+    python scripts/bench_overhead.py --model-size 50m --repeats 3 --steps 10   # cost growth with model size
+
+``--model-size 50m`` trains a randomly initialised 50M-parameter byte-level LLaMA (hidden 768, 7 layers) built
+on the fly instead of the SFT checkpoint: its rewards are all zero, which changes nothing about the cost of
+the guard code (every layer still runs on every batch and every parameter).
 """
 
 from __future__ import annotations
@@ -41,10 +46,18 @@ LAYERS = {
 }  # fmt: skip
 
 
+MODEL_50M = [
+    "model.path=builtin:tiny-llama",
+    "model.tiny={hidden_size: 768, num_layers: 7, num_heads: 12, intermediate_size: 2048}",
+    "trainer.per_device_train_batch_size=16",
+]
+
+
 def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> tuple[float, float, float]:
     """(seconds per optimizer step, guard seconds per optimizer step, peak RSS in MiB) of one short run."""
     cmd = [
-        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"),
+        *(MODEL_50M if sft == "50m" else [f"model.path={sft}"]),
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", 'trainer.save_strategy="no"',
         "trainer.logging_steps=1", "eval.enabled=false", "callbacks=[steadyrl.callbacks.memory:PeakMemory]", *extra,
     ]  # fmt: skip
@@ -59,11 +72,13 @@ def seconds_per_step(sft: str, out: Path, steps: int, extra: list[str]) -> tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sft", required=True)
+    ap.add_argument("--sft", default="runs/tiny-sft/final", help="model for the 1M size: the demo's SFT checkpoint")
+    ap.add_argument("--model-size", choices=["1m", "50m"], default="1m")
     ap.add_argument("--out", default="runs/bench-overhead")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
+    model = args.sft if args.model_size == "1m" else "50m"
     print(
         "| layers | seconds per step off (median) | on (median) | ratio on/off (median, min-max over repeats) "
         "| guard code share of a step (median, min-max) | peak RSS on - off, MiB (median) |"
@@ -79,7 +94,7 @@ def main() -> None:
             rss: dict[str, float] = {}
             for label, extra in order:
                 run_dir = Path(args.out) / f"{label}-{r}"
-                seconds, guard, rss[label] = seconds_per_step(args.sft, run_dir, args.steps, extra)
+                seconds, guard, rss[label] = seconds_per_step(model, run_dir, args.steps, extra)
                 medians[label] = seconds
                 if label == "on":
                     shares.append(guard / seconds)

@@ -108,17 +108,18 @@ def test_nan_on_one_rank_makes_every_rank_skip(tiny_model_dir, tmp_path, acceler
     assert [d["global_step"] for d in dumps] == [3, 3]
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
     assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())
-    assert proc.stderr.count("step 1: optimizer step skipped (nonfinite") == 2  # once per rank, at the NaN step
-    assert "optimizer step skipped" not in proc.stderr.replace("step 1: optimizer step skipped", "")
+    # the NaN is injected while global_step == 1, i.e. in step 2 as the logs number steps
+    assert proc.stderr.count("step 2: optimizer step skipped (nonfinite") == 2  # once per rank, at the NaN step
+    assert "optimizer step skipped" not in proc.stderr.replace("step 2: optimizer step skipped", "")
     # the skipped step left the LR schedule alone on every rank: steps 0 and 1 log the same learning rate
     lrs = [d["lrs"] for d in dumps]
     assert lrs[0] == lrs[1] and lrs[0][1] == lrs[0][2] and lrs[0][2] > lrs[0][3]
 
 
 def test_zero2_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_path):
-    """A finite gradient spike (x1e6 on rank 1 at step 2) under ZeRO-2: DeepSpeed alone would apply it (it only
-    skips non-finite norms); the spike guard inside the engine's step vetoes it on both ranks, leaving every
-    rank's weights and its partition of the Adam moments bit-identical."""
+    """A finite gradient spike (x1e6 on rank 1 in step 3, i.e. while global_step == 2) under ZeRO-2: DeepSpeed
+    alone would apply it (it only skips non-finite norms); the spike guard inside the engine's step vetoes it on
+    both ranks, leaving every rank's weights and its partition of the Adam moments bit-identical."""
     pytest.importorskip("deepspeed")
     dumps, proc = launch(
         "zero2.yaml",
@@ -130,7 +131,7 @@ def test_zero2_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_
         "guards.gepo.spike.warmup_steps=2",
         "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:SpikeGradOnRank1]",
     )
-    assert proc.stderr.count("step 2: optimizer step skipped (spike") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("step 3: optimizer step skipped (spike") == 2, proc.stderr[-3000:]
     for d in dumps:
         before, after = d["per_step"][1], d["per_step"][2]  # after steps 1 and 2 (the skipped one)
         assert_same_weights(before["weights"], after["weights"])
