@@ -121,3 +121,18 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(run_dir / "checkpoint-4" / "model.safetensors"))
+
+
+def test_rotation_counts_complete_checkpoints_only(tmp_path):
+    """save_total_limit=1 with a newer but incomplete folder: the newest *complete* checkpoint survives."""
+    from steadyrl.trainers.grpo import rotate_complete_checkpoints
+
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+        if complete:
+            (folder / COMPLETE_MARKER).write_text("{}")
+    rotate_complete_checkpoints(tmp_path, save_total_limit=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
