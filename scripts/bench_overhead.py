@@ -30,19 +30,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = {
-    "GRADE + GEPO": ["guards.grade.enabled=true", "guards.gepo.enabled=true"],
-    # OPEFO with its real schedule compressed so a 20-step run pays for every part: a check every step, a
-    # snapshot every 5 steps, the floor scan every 5 steps
-    "OPEFO": [
-        "guards.opefo.enabled=true", "guards.opefo.rollback.check_interval=1",
-        "guards.opefo.rollback.snapshot_interval=5", "guards.opefo.floor.interval=5",
-    ],
-    "all (GRADE + GEPO + OPEFO)": [
+COMPRESSED_OPEFO = [  # every OPEFO part paid for in a 20-step run: a check every step, snapshot and floor every 5
+    "guards.opefo.rollback.check_interval=1",
+    "guards.opefo.rollback.snapshot_interval=5",
+    "guards.opefo.floor.interval=5",
+]
+BETA = ["trainer.beta=0.04"]  # QUATRO's KL controller needs a KL term: both sides of its rows run with it
+LAYERS = {  # name: (overrides for both runs, overrides for the guarded run only)
+    "GRADE + GEPO": ([], ["guards.grade.enabled=true", "guards.gepo.enabled=true"]),
+    "OPEFO (defaults)": ([], ["guards.opefo.enabled=true"]),
+    "OPEFO (compressed schedule)": ([], ["guards.opefo.enabled=true", *COMPRESSED_OPEFO]),
+    "QUATRO (KL, entropy floor, filters)": (BETA, ["guards.quatro.enabled=true"]),
+    "all four (defaults)": (BETA, [
         "guards.grade.enabled=true", "guards.gepo.enabled=true", "guards.opefo.enabled=true",
-        "guards.opefo.rollback.check_interval=1", "guards.opefo.rollback.snapshot_interval=5",
-        "guards.opefo.floor.interval=5",
-    ],
+        "guards.quatro.enabled=true",
+    ]),
 }  # fmt: skip
 
 
@@ -84,10 +86,10 @@ def main() -> None:
         "| guard code share of a step (median, min-max) | peak RSS on - off, MiB (median) |"
     )
     print("|---|---|---|---|---|---|")
-    for name, overrides in LAYERS.items():
+    for name, (common, overrides) in LAYERS.items():
         off_all, on_all, ratios, shares, rss_delta = [], [], [], [], []
         for r in range(args.repeats):
-            order = [("off", []), ("on", overrides)]
+            order = [("off", common), ("on", [*common, *overrides])]
             if r % 2:
                 order.reverse()
             medians: dict[str, float] = {}

@@ -159,9 +159,13 @@ class QuatroFiltersSection(FilterConfig):
 
 @dataclass
 class QuatroReplaySection(ReplayConfig):
-    """Rollout replay (off by default: not wired into the trainer in this version, enabling it is an error)."""
+    """Rollout replay: each training micro-batch holds round_half_up(``replay_ratio`` x per_device_train_batch_size)
+    rows of the last ``capacity`` micro-batches (off by default; see ``steadyrl.trainers.quatro_runtime``)."""
 
     enabled: bool = False
+
+    def to_config(self) -> ReplayConfig:
+        return ReplayConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ReplayConfig)})
 
 
 @dataclass
@@ -175,11 +179,12 @@ class QuatroSection:
     replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
 
     def to_config(self) -> QuatroConfig:
-        """The enabled parts (replay is rejected by the contradiction checks while it is not wired)."""
+        """The enabled parts."""
         return QuatroConfig(
             kl=self.kl if self.kl.enabled else None,
             entropy=self.entropy if self.entropy.enabled else None,
             filters=self.filters.to_config() if self.filters.enabled else None,
+            replay=self.replay.to_config() if self.replay.enabled else None,
         )
 
 
@@ -532,15 +537,27 @@ def _check_guards(cfg: RunConfig) -> None:
 
 
 def _check_quatro(cfg: RunConfig) -> None:
-    """QUATRO's settings against the trainer's: a KL to control, one entropy controller, no replay yet."""
+    """QUATRO's settings against the trainer's: a KL to control, one entropy controller, a replay share that is
+    neither 0 nor the whole micro-batch.
+
+    Replay works with any ``steps_per_generation`` and ``num_iterations`` (rows are mixed in once per generation and
+    train in all its passes; each keeps its sampling log-probs, so its ratio is right in every pass) and with vLLM's
+    importance sampling correction (a replayed row keeps its ``importance_sampling_ratio``, the sampler/trainer
+    mismatch at its sampling time, which multiplies its policy-drift ratio exp(current - old)). Multimodal batches
+    are refused at the first generation (``ReplayBuffer`` names the keys it cannot pad).
+    """
     q, t = cfg.guards.quatro, cfg.trainer
     if not q.enabled:
         return
     if q.replay.enabled:
-        raise ConfigError(
-            "guards.quatro.replay.enabled: rollout replay is not wired into the trainer in this steadyrl version yet; "
-            "set guards.quatro.replay.enabled=false"
-        )
+        batch = int(t.get("per_device_train_batch_size", 8))
+        rows = q.replay.rows_per_batch(batch)
+        if not 0 < rows < batch:
+            raise ConfigError(
+                f"guards.quatro.replay.replay_ratio={q.replay.replay_ratio} x trainer.per_device_train_batch_size="
+                f"{batch} gives {rows} replayed rows per micro-batch (rounded half up); it must be at least 1 and "
+                "leave at least 1 fresh row: change replay_ratio or set guards.quatro.replay.enabled=false"
+            )
     beta = float(t.get("beta", 0.0))
     if q.kl.enabled:
         if beta <= 0.0:

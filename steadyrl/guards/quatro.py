@@ -709,6 +709,7 @@ REPLAY_REQUIRED_KEYS = (
     "old_per_token_logps",
 )
 REPLAY_PASS_THROUGH_KEYS = ("num_items_in_batch",)  # batch-level values, taken from the fresh batch unchanged
+LOGPROB_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")  # finite on stored rows
 
 
 @dataclass
@@ -728,6 +729,10 @@ class ReplayConfig:
             problems.append(f"min_abs_advantage must be finite and >= 0, got {self.min_abs_advantage}")
         if problems:
             raise ValueError("invalid ReplayConfig: " + "; ".join(problems))
+
+    def rows_per_batch(self, batch_size: int) -> int:
+        """Rows replayed in a micro-batch of ``batch_size`` once the buffer is warm: round_half_up(ratio x B)."""
+        return _round_half_up(self.replay_ratio * batch_size)
 
 
 @dataclass
@@ -762,6 +767,8 @@ class ReplayBuffer:
     What is stored: the rows of a scored micro-batch with a learning signal, |advantage| > ``min_abs_advantage``
     and at least one unmasked completion token. Rows of zero-variance groups (advantage 0) and rows the filters
     dropped (mask 0, advantage 0) contribute no policy gradient, so replaying them would only displace fresh rows.
+    Rows with a non-finite log-prob on an unmasked token (``LOGPROB_KEYS``: a policy that went NaN) are not stored
+    either: each replay would turn a later loss NaN, long after the step that caused it was skipped or rolled back.
     Each row keeps its tensors (``REPLAY_ROW_KEYS``: ids, masks, advantage, the sampling policy's
     ``old_per_token_logps``, which are required, ``ref_per_token_logps`` when present) trimmed to its own length,
     on the CPU, and the step it was sampled at. A replayed row's importance ratio is exp(current - its own old
@@ -833,6 +840,9 @@ class ReplayBuffer:
             if tokens.numel() == 0 or not _row_signal(batch, i) > self.config.min_abs_advantage:
                 continue
             end = int(tokens[-1]) + 1
+            live = completion_mask[i, :end].bool()
+            if not all(bool(torch.isfinite(batch[k][i, :end][live]).all()) for k in LOGPROB_KEYS if k in keys):
+                continue
             prompt_tokens = torch.nonzero(prompt_mask[i]).flatten()
             start = int(prompt_tokens[0]) if prompt_tokens.numel() else prompt_mask.shape[1]
             row = {}
@@ -853,7 +863,7 @@ class ReplayBuffer:
         keys = self._check_keys(batch)
         size = batch["completion_ids"].shape[0]
         stored = [(row_step, row) for row_step, rows in self._entries for row in rows]
-        k = min(_round_half_up(self.config.replay_ratio * size), len(stored))
+        k = min(self.config.rows_per_batch(size), len(stored))
         if k == 0:
             return dict(batch), ReplayInfo(0.0, 0.0, [], [])
         drawn = [stored[j] for j in torch.randperm(len(stored), generator=self._generator)[:k].tolist()]
@@ -910,7 +920,7 @@ class ReplayBuffer:
             maxlen=self.config.capacity,
         )
         self._generator = torch.Generator()
-        self._generator.set_state(state["generator"])
+        self._generator.set_state(state["generator"].cpu())  # a checkpoint may be loaded with map_location=cuda
         self.seed = int(state["seed"])
         self.added_rows = int(state["added_rows"])
         self.replayed_rows = int(state["replayed_rows"])
@@ -925,6 +935,16 @@ def _pad_to(t: torch.Tensor, width: int, side: str, value: float) -> torch.Tenso
     return torch.cat([filler, t] if side == "prompt" else [t, filler], dim=1)
 
 
+def replay_importance_ratio_sum(
+    per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of exp(current - stored log-probs) over the unmasked tokens of the ``rows`` (B,) bool selection, and
+    their count. per_token_logps, old_per_token_logps, mask: (B, T) -> two float64 scalars (summable over ranks)."""
+    selected = mask.to(torch.bool) & rows.to(device=mask.device, dtype=torch.bool).unsqueeze(1)
+    ratio = torch.exp(per_token_logps.detach().double() - old_per_token_logps.detach().double())
+    return ratio[selected].sum(), selected.sum().double()
+
+
 def replay_importance_ratio_mean(
     per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor
 ) -> float:
@@ -932,11 +952,8 @@ def replay_importance_ratio_mean(
 
     per_token_logps, old_per_token_logps, mask: (B, T) -> a float (``quatro/replay_ratio_mean``); NaN without tokens.
     """
-    selected = mask.to(torch.bool) & rows.to(torch.bool).unsqueeze(1)
-    if not bool(selected.any()):
-        return NAN
-    ratio = torch.exp(per_token_logps.detach().double() - old_per_token_logps.detach().double())
-    return float(ratio[selected].mean())
+    total, count = replay_importance_ratio_sum(per_token_logps, old_per_token_logps, mask, rows)
+    return float(total / count) if count > 0 else NAN
 
 
 # ----------------------------------------------------------------------------------------------------- layer
@@ -949,3 +966,4 @@ class QuatroConfig:
     kl: KLConfig | None = None
     entropy: EntropyConfig | None = None
     filters: FilterConfig | None = None
+    replay: ReplayConfig | None = None

@@ -68,7 +68,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             times ``beta_base``.
         quatro: the QUATRO loop layer (``QuatroRuntime``): adaptive KL coefficient (the ``quatro_kl`` factor of
             ``beta``), entropy floor (TRL's entropy bonus and clip range), rollout quality filters (dropped rows get
-            zero advantage and a zero completion mask).
+            zero advantage and a zero completion mask), rollout replay (each generation's micro-batches mixed with
+            earlier rows that keep their sampling log-probs; the buffer is per rank, in the rank files).
     """
 
     def __init__(
@@ -114,18 +115,25 @@ class SteadyGRPOTrainer(GRPOTrainer):
             self.rank_stateful["opefo"] = opefo
         self.quatro = quatro
         self._quatro_completion_ids: list[Any] | None = None
+        self._steady_loss_logps: torch.Tensor | None = None
         if quatro is not None:
             quatro.bind(self)
             self.stateful.setdefault("quatro", quatro)
+            if quatro.replay_on:
+                self.rank_stateful["quatro"] = quatro
         self._steady_staging: Path | None = None
         # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
         self.callback_handler.callbacks.insert(0, _GuardClock(self))
 
-    def emit_event(self, kind: str, **fields: Any) -> None:
-        """A discrete event (skip, rollback, ...) for callbacks that record them (``MetricsLog.event``)."""
+    def emit_event(self, kind: str, step: int | None = None, **fields: Any) -> None:
+        """A discrete event (skip, rollback, ...) for callbacks that record them (``MetricsLog.event``).
+
+        ``step``: the optimizer step it belongs to, numbered like the log rows (the step that ends with
+        ``global_step == step``); default ``global_step``.
+        """
         for callback in self.callback_handler.callbacks:
             if callable(getattr(callback, "event", None)):
-                callback.event(self.state.global_step, kind, **fields)
+                callback.event(self.state.global_step if step is None else step, kind, **fields)
 
     @contextlib.contextmanager
     def guard_timer(self) -> Iterator[None]:
@@ -157,8 +165,25 @@ class SteadyGRPOTrainer(GRPOTrainer):
                     self._quatro_completion_ids = [list(ids) for ids in completion_ids_list]  # unpadded, this rank
         return rewards_per_func
 
+    def _replay_on(self) -> bool:
+        return self.quatro is not None and self.quatro.replay_on and self.model.training
+
+    def _prepare_inputs(self, generation_batch):
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if not self._replay_on() or self._buffered_inputs is buffered:
+            return inputs  # no replay, or TRL served a micro-batch it had buffered (already mixed)
+        # TRL just generated and split a generation batch: mix each of its micro-batches with replayed rows.
+        fresh = self._buffered_inputs
+        with self.guard_timer():
+            self._buffered_inputs = self.quatro.mix_generation(fresh, self.state.global_step)
+        return self._buffered_inputs[next(i for i, batch in enumerate(fresh) if batch is inputs)]
+
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
+        if self._replay_on():
+            with self.guard_timer():
+                self.quatro.ensure_sampling_logps(output)  # replayed rows need their sampling policy's log-probs
         if not self._rewrites_advantages():
             return output
         assert self._steady_scores is not None, "_calculate_rewards did not run before advantages"
@@ -261,24 +286,31 @@ class SteadyGRPOTrainer(GRPOTrainer):
         if self.logprob_min is not None:
             logps = logps.clamp(min=self.logprob_min)  # -inf -> floor; NaN stays NaN and is caught at the step
         inputs = self._steady_loss_inputs
-        if inputs is not None:  # the policy log-probs of a loss computation: count the ratios it will form
+        if inputs is not None:  # the policy log-probs of a loss computation: the ratios it will form
             self._steady_loss_inputs = None
-            old = inputs.get("old_per_token_logps")
-            log_ratio = logps.detach() - (logps.detach() if old is None else old)
-            bad = ~torch.isfinite(torch.exp(log_ratio)) & inputs["completion_mask"].bool()
-            self._guard_metric("gepo/nonfinite_ratios", float(bad.sum()))
+            self._steady_loss_logps = logps.detach()  # for QUATRO's replay ratio metric
+            if self.finite_checks:
+                old = inputs.get("old_per_token_logps")
+                log_ratio = logps.detach() - (logps.detach() if old is None else old)
+                bad = ~torch.isfinite(torch.exp(log_ratio)) & inputs["completion_mask"].bool()
+                self._guard_metric("gepo/nonfinite_ratios", float(bad.sum()))
         return logps, entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
         if not self.finite_checks and self.quatro is None:
             return super()._compute_loss(model, inputs)
-        self._steady_loss_inputs = inputs if self.finite_checks else None
+        replay = self._replay_on()
+        self._steady_loss_inputs = inputs if self.finite_checks or replay else None
+        self._steady_loss_logps = None
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self._steady_loss_inputs = None
+        logps, self._steady_loss_logps = self._steady_loss_logps, None
         if self.quatro is not None and self.model.training:
             self.quatro.record_micro_batch(inputs)  # TRL's kl / entropy of this micro-batch, for the controllers
+            if replay:
+                self.quatro.record_replay(inputs, logps)  # replay share, age and importance ratio
         if not self.finite_checks:
             return loss
         # A non-finite loss makes the gradient, hence the global norm, non-finite: the step guard skips that step.
@@ -331,10 +363,13 @@ class SteadyGRPOTrainer(GRPOTrainer):
             if self.opefo is not None:
                 self.opefo.on_skip(gradients)
             self.steady_counters["skipped_steps"] += 1
-            self.emit_event("skip", reason=decision.reason, grad_norm=float(norm))
+            # numbered like the log rows: the step being decided ends with global_step == step + 1
+            self.emit_event("skip", step=step + 1, reason=decision.reason, grad_norm=float(norm))
             for reason in decision.reason.split(","):
                 self.steady_counters[f"skipped_{reason}"] += 1
-            logger.warning("step %d: optimizer step skipped (%s, grad norm %.4g)", step, decision.reason, float(norm))
+            logger.warning(
+                "step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, decision.reason, float(norm)
+            )
         self._guard_metric("gepo/skipped_steps", self.steady_counters["skipped_steps"])
         for key, value in self.steady_counters.items():
             if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...

@@ -7,19 +7,24 @@ signature, so a TRL upgrade that moves a hook fails loudly in CI instead of sile
 How each is overridden (never by copying the body):
 - ``_calculate_rewards``: call the parent, keep the gathered reward matrix for the reward processor.
 - ``_generate_and_score_completions``: call the parent, replace ``advantages`` in its output when a reward
-  processor or advantage function is set.
+  processor or advantage function is set; with QUATRO replay, add ``old_per_token_logps`` where TRL left them out.
+- ``_prepare_inputs``: call the parent; when it generated (``_buffered_inputs`` is a new list), replace its
+  buffered micro-batches with QUATRO's replay mix and return the mixed counterpart of the one it returned.
 - ``_clip_grad_norm``: compute the global pre-clip norm, ask the step guards, then clip or skip.
 - ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
   count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
 - ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance
-  ratios of that loss; count a non-finite loss (the step guard then skips the step it would poison); hand TRL's
-  just-logged ``kl`` / ``entropy`` of the micro-batch to QUATRO's controllers.
+  ratios of that loss and keeps its policy log-probs; count a non-finite loss (the step guard then skips the step
+  it would poison); hand TRL's just-logged ``kl`` / ``entropy`` of the micro-batch to QUATRO's controllers, and the
+  policy log-probs to QUATRO's replay metrics.
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
   ``_save_checkpoint`` makes the parent write into a staging folder (``_get_output_dir`` answers the staging
   root while it runs) and publishes the finished checkpoint with one rename.
 
 Private details of TRL, accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
-- TRL ``GRPOTrainer``: ``_entropy_bonus_enabled`` is fixed in ``__init__`` and gates the entropy term in
+- TRL ``GRPOTrainer``: ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates, and
+  serves ``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present (QUATRO
+  replay relies on both). ``_entropy_bonus_enabled`` is fixed in ``__init__`` and gates the entropy term in
   ``_compute_loss``, which reads ``self.entropy_coef`` and clamps with ``self.epsilon_low/high`` on every call;
   QUATRO's entropy floor switches the flag on and rewrites the three attributes between steps. ``_metrics["train"]``
   gets one ``kl`` (when beta != 0) and one ``entropy`` entry per micro-batch.
@@ -41,6 +46,9 @@ HOOKED_METHODS: dict[str, str] = {
     "_calculate_rewards": "(self, inputs, prompts, completions, completion_ids_list)",
     "_generate_and_score_completions": (
         "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]"
+    ),
+    "_prepare_inputs": (
+        "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) -> dict[str, torch.Tensor | typing.Any]"
     ),
     "_clip_grad_norm": "(self, model)",
     "_get_per_token_logps_and_entropies": (
@@ -112,7 +120,12 @@ def _trl_problems() -> list[str]:
     init, loss = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer._compute_loss)
     if "self._entropy_bonus_enabled =" not in init:
         problems.append("trl: GRPOTrainer.__init__ no longer sets _entropy_bonus_enabled")
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    for text in ("self._buffered_inputs = [", "inputs = self._buffered_inputs["):
+        if text not in prepare:
+            problems.append(f"trl: GRPOTrainer._prepare_inputs no longer contains {text!r}")
     expected = [
+        'old_per_token_logps = inputs.get("old_per_token_logps")',
         "if self._entropy_bonus_enabled:",
         "apply_coef = self.entropy_coef",
         "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",

@@ -1,5 +1,5 @@
-"""QUATRO inside a running SteadyGRPOTrainer: when the KL and entropy controllers observe, what they set, and
-where the rollout filters cut.
+"""QUATRO inside a running SteadyGRPOTrainer: when the KL and entropy controllers observe, what they set, where the
+rollout filters cut and how rollout replay mixes old rows into training micro-batches.
 
 The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; this module wires them in:
 
@@ -17,9 +17,39 @@ The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; thi
 - filters (per generation batch, train mode): the gathered weighted rewards and token ids of the whole generation
   batch go through ``RolloutFilter``; ``SteadyGRPOTrainer`` then computes advantages with
   ``masked_group_advantages`` and zeroes the completion mask of this rank's dropped rows.
+- replay (per rank, train mode; ``ReplayBuffer`` seeded with ``args.seed + rank``):
+  1. sampling log-probs: after every generation batch is scored (``SteadyGRPOTrainer._generate_and_score_completions``)
+     ``ensure_sampling_logps`` fills ``old_per_token_logps`` where TRL left it None (TRL computes it only when it
+     believes the data is off-policy: ``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``,
+     or vLLM's importance sampling correction). It is one no-grad forward of the current model over the generation
+     batch, TRL's own ``_get_per_token_logps_and_entropies`` with TRL's arguments, before any optimizer step, i.e.
+     the log-probs of the policy that sampled the rows. Fresh rows then train with ratio exp(current - these),
+     1 up to float rounding on their first pass (TRL's ``per_token_logps.detach()`` gives exactly 1), so a run with
+     replay on is not bit-identical to one without it even before anything is replayed.
+  2. mixing (``SteadyGRPOTrainer._prepare_inputs``, only on the calls where TRL generated, i.e. once per
+     ``steps_per_generation x num_iterations`` micro-steps): every micro-batch TRL just split off is mixed with
+     rows of earlier generations (``ReplayBuffer.mix``), then the fresh micro-batches are added to the buffer, so
+     a micro-batch never replays rows of its own generation. The mixed micro-batches replace TRL's buffered ones
+     (so all ``num_iterations`` passes train on the same mixed rows). ``num_items_in_batch`` (the dapo/cispo/vespo
+     normaliser, summed over ranks) is recounted over the mixed rows; every mixed micro-batch carries
+     ``REPLAY_STEP_KEY`` (B,): the optimizer step a replayed row was sampled at, -1 on fresh rows.
+  3. metrics (each training micro-batch's loss, summed over ranks): ``quatro/replay_frac`` (replayed rows / rows),
+     ``quatro/replay_age_mean`` (optimizer steps between sampling and this loss, replayed rows only) and
+     ``quatro/replay_ratio_mean`` (token mean of exp(loss log-probs - stored sampling log-probs) over the replayed
+     rows' loss tokens: the importance ratio TRL's loss forms for them, before clipping; a token mean also under
+     ``importance_sampling_level: sequence``). The last two are left out of the log when nothing was replayed.
+  Interplay: whether TRL computes the old log-probs itself (e.g. ``num_iterations > 1`` with one generation per
+  optimizer step) or ``ensure_sampling_logps`` does, every row, fresh or replayed, is ratio-corrected against its
+  own sampling policy in every pass, so any ``steps_per_generation`` / ``num_iterations`` combination works.
+  Replayed rows keep their reference log-probs (the reference never moves, so they stay exact; present when
+  beta != 0 at generation) and their advantage (computed within their own group at sampling time). With vLLM's
+  importance sampling correction a replayed row also keeps its ``importance_sampling_ratio`` (the vLLM-vs-trainer
+  mismatch at its sampling time; TRL multiplies it into the per-token loss, next to the policy-drift ratio
+  exp(current - old)) and its ``sampling_per_token_logps``. PPO clipping bounds the ratio of stale rows as usual.
 
 State: the controllers and the filter's length history are identical on every rank and saved with the guard
-state of the main process; there is no per-rank state (replay, which would have some, is not wired yet).
+state of the main process; the replay buffer (rows and generator) is per rank (``rank_state_dict``, saved in the
+rank files next to TRL's buffered micro-batches, which keep their ``REPLAY_STEP_KEY``).
 """
 
 from __future__ import annotations
@@ -31,13 +61,24 @@ from typing import Any
 
 import torch
 
-from steadyrl.guards.quatro import AdaptiveKL, EntropyFloor, FilterResult, QuatroConfig, RolloutFilter
+from steadyrl.guards.quatro import (
+    AdaptiveKL,
+    EntropyFloor,
+    FilterResult,
+    QuatroConfig,
+    ReplayBuffer,
+    RolloutFilter,
+    replay_importance_ratio_sum,
+)
 
 logger = logging.getLogger("steadyrl.quatro")
 
 # TRL 1.16 ``_compute_loss``: the loss types whose ``epsilon_low/high`` are PPO's clip range (``torch.clamp(coef_1,
 # 1 - epsilon_low, 1 + epsilon_high)``); cispo uses epsilon_high as a truncation bound, sapo and vespo not at all.
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+# Per-row key of a mixed training micro-batch: the optimizer step a replayed row was sampled at, -1 on fresh rows.
+REPLAY_STEP_KEY = "steady_replay_step"
 
 
 class QuatroRuntime:
@@ -48,6 +89,7 @@ class QuatroRuntime:
         self.kl: AdaptiveKL | None = None  # made in bind(): needs the trainer's beta
         self.entropy = EntropyFloor(config.entropy) if config.entropy is not None else None
         self.filter = RolloutFilter(config.filters) if config.filters is not None else None
+        self.replay: ReplayBuffer | None = None  # made in bind(): seeded per rank, pads with the tokenizer's id
         self.trainer: Any = None
         self._epsilon0: tuple[float, float] | None = None
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
@@ -56,11 +98,20 @@ class QuatroRuntime:
     def filters_on(self) -> bool:
         return self.filter is not None
 
+    @property
+    def replay_on(self) -> bool:
+        return self.config.replay is not None and self.config.replay.enabled
+
     # ------------------------------------------------------------------ setup
 
     def bind(self, trainer: Any) -> None:
         """Called from the trainer's ``__init__`` (before any resume loads state into the controllers)."""
         self.trainer = trainer
+        if self.replay_on:
+            tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            seed = int(trainer.args.seed) + trainer.accelerator.process_index
+            self.replay = ReplayBuffer(self.config.replay, seed=seed, pad_token_id=pad)
         if self.config.kl is not None:
             self.kl = AdaptiveKL(self.config.kl, trainer.beta_base)  # raises (naming the fix) on beta 0
         if self.entropy is not None:
@@ -162,6 +213,80 @@ class QuatroRuntime:
             self.trainer.emit_event("filter_warning", message=result.warning)
         return result
 
+    # ------------------------------------------------------------------ replay
+
+    def ensure_sampling_logps(self, output: dict[str, Any]) -> None:
+        """Give a scored generation batch its sampling policy's ``old_per_token_logps`` where TRL left them out.
+
+        Called right after generation and scoring, before any optimizer step: the current model is the sampling
+        policy. The same call TRL makes when it computes them itself (``_generate_and_score_completions``).
+        """
+        if output.get("old_per_token_logps") is not None:
+            return
+        from trl.models.utils import disable_gradient_checkpointing
+
+        trainer = self.trainer
+        completion_ids = output["completion_ids"]
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                batch_size=trainer.args.per_device_train_batch_size,
+            )
+        output["old_per_token_logps"] = logps
+
+    def mix_generation(self, micro_batches: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        """TRL's fresh micro-batches of one generation -> the same number of mixed ones (see the module docstring)."""
+        assert self.replay is not None
+        trainer = self.trainer
+        mixed = [self.replay.mix(batch, step) for batch in micro_batches]
+        for batch in micro_batches:
+            self.replay.add(batch, step)
+        out = []
+        for batch, info in mixed:
+            rows = batch["completion_ids"].shape[0]
+            sampled = torch.full((rows,), -1, dtype=torch.long, device=batch["completion_ids"].device)
+            if info.indices:
+                sampled[info.indices] = torch.tensor([step - age for age in info.ages], dtype=torch.long).to(sampled)
+            batch[REPLAY_STEP_KEY] = sampled
+            out.append(batch)
+        if "num_items_in_batch" in micro_batches[0]:  # recount the normaliser over the mixed rows (all ranks)
+            local = sum(_loss_mask(batch).sum() for batch in out)
+            old = micro_batches[0]["num_items_in_batch"]
+            total = trainer.accelerator.gather(local).sum().to(dtype=old.dtype, device=old.device)
+            for batch in out:
+                batch["num_items_in_batch"] = total
+        return out
+
+    def record_replay(self, inputs: dict[str, Any], per_token_logps: torch.Tensor | None) -> None:
+        """After a training micro-batch's loss: replay share, age and importance ratio, summed over ranks.
+
+        A collective: every rank calls it for every training micro-batch while replay is on.
+        """
+        trainer = self.trainer
+        mask = _loss_mask(inputs)
+        sampled = inputs.get(REPLAY_STEP_KEY)
+        if sampled is None:  # a micro-batch mixed before replay was on (e.g. resumed from a run without it)
+            sampled = torch.full((mask.shape[0],), -1, dtype=torch.long, device=mask.device)
+        rows = sampled >= 0
+        ages = float((trainer.state.global_step - sampled[rows]).sum())
+        ratio_sum, tokens = 0.0, 0.0
+        old = inputs.get("old_per_token_logps")
+        if per_token_logps is not None and old is not None:
+            ratio_sum, tokens = (float(v) for v in replay_importance_ratio_sum(per_token_logps, old, mask, rows))
+        local = [float(rows.sum()), float(rows.numel()), ages, ratio_sum, tokens]
+        local_t = torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device)
+        replayed, total, age_sum, ratio_total, ratio_tokens = trainer.accelerator.reduce(local_t, "sum").tolist()
+        trainer._guard_metric("quatro/replay_frac", replayed / total if total > 0 else 0.0)
+        if replayed > 0:
+            trainer._guard_metric("quatro/replay_age_mean", age_sum / replayed)
+        if ratio_tokens > 0:
+            trainer._guard_metric("quatro/replay_ratio_mean", ratio_total / ratio_tokens)
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -181,3 +306,20 @@ class QuatroRuntime:
                 logger.warning("the checkpoint has no QUATRO %s state: it starts fresh", name)
         self._entries = []
         self._apply()
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's replay buffer (each rank replays its own rows)."""
+        return {"version": 1, "replay": self.replay.state_dict() if self.replay is not None else None}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("replay")
+        if self.replay is not None and saved is not None:
+            self.replay.load_state_dict(saved)
+        elif self.replay is not None:
+            logger.warning("the checkpoint has no QUATRO replay buffer for this rank: it starts empty")
+
+
+def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+    """The tokens TRL's loss counts: completion mask, times the tool mask when there is one."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if inputs.get("tool_mask") is not None else mask

@@ -59,6 +59,7 @@ class RankDump(TrainerCallback):
                 "zero_stage": stage,
                 "lrs": self.lrs,
                 "per_step": self.per_step,
+                "log_history": list(state.log_history),  # this rank's own log rows (every rank logs)
                 "weights": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
             },
             out / f"rank{rank}.pt",

@@ -79,6 +79,43 @@ def test_ddp_two_processes(tiny_model_dir, tmp_path):
     assert "eval byte_mean after GRPO" in proc.stdout
 
 
+def test_ddp_two_processes_with_quatro_filters_kl_entropy_and_replay(tiny_model_dir, tmp_path):
+    """QUATRO on under DDP (filters, adaptive KL, entropy floor, replay), the repetition filter tuned to fire (any
+    token twice): every rank filters the gathered generation batch, so both log the same ``quatro/filtered/*`` counts
+    and KL coefficient and finish with equal weights. Replay is per rank (own buffer, seeded seed + rank, in its own
+    rank file); its metrics are summed over ranks, so both log the same share."""
+    out = tmp_path / "quatro"
+    dumps, _ = launch(
+        "multi_cpu.yaml",
+        tiny_model_dir,
+        out,
+        "guards.quatro.enabled=true",
+        "trainer.beta=0.04",
+        "trainer.max_completion_length=16",  # 4 random bytes rarely repeat one; 16 often do
+        "guards.quatro.filters.repetition.n=1",
+        "guards.quatro.filters.repetition.max_repeat_share=0.0",
+        "guards.quatro.filters.max_drop_share=1.0",
+        "guards.quatro.replay.enabled=true",
+    )
+    _check_ranks_agree(dumps, tiny_model_dir)
+    rows = [[row for row in d["log_history"] if "loss" in row] for d in dumps]
+    assert [len(r) for r in rows] == [2, 2]
+    filtered = sorted(k for k in rows[0][0] if k.startswith("quatro/filtered/"))
+    assert "quatro/filtered/repetition" in filtered
+    for key in [*filtered, "quatro/kl_coef", "quatro/replay_frac"]:
+        assert [row[key] for row in rows[0]] == [row[key] for row in rows[1]], key
+    repetition = [row["quatro/filtered/repetition"] for row in rows[0]]
+    assert sum(repetition) > 0 and all(c <= 8 for c in repetition), repetition  # 2 ranks x 4 completions a step
+    # step 2 replays round_half_up(0.3 x 4) = 1 row on each rank whose buffer holds a signal row from step 1
+    buffers = [
+        torch.load(out / "checkpoint-2" / f"steadyrl_rank{r}.pt", weights_only=False)["guards"]["quatro"]["replay"]
+        for r in range(2)
+    ]
+    assert [b["seed"] for b in buffers] == [0, 1] and [e["step"] for e in buffers[0]["entries"]] == [0, 1]
+    expected = sum(min(1, len(b["entries"][0]["rows"])) for b in buffers) / 8
+    assert expected > 0 and [row["quatro/replay_frac"] for row in rows[0]] == [0.0, expected]
+
+
 def test_deepspeed_zero2_two_processes(tiny_model_dir, tmp_path):
     pytest.importorskip("deepspeed")
     dumps, _ = launch("zero2.yaml", tiny_model_dir, tmp_path / "zero2")

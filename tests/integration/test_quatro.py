@@ -1,4 +1,5 @@
-"""QUATRO in real tiny GRPO runs: adaptive KL, entropy floor, rollout filters, exact resume."""
+"""QUATRO in real tiny GRPO runs: adaptive KL, entropy floor, rollout filters, exact resume (replay included;
+replay itself: test_replay.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from steadyrl.guards.quatro import (
     ParrotConfig,
     QuatroConfig,
     RepetitionConfig,
+    ReplayConfig,
     ZeroVarianceConfig,
     ZScoreConfig,
     repeat_share,
 )
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.grpo import load_steady_state
 from steadyrl.trainers.quatro_runtime import QuatroRuntime
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
@@ -177,27 +180,47 @@ def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path):
 
 def _all_on():
     entropy = EntropyConfig(baseline_steps=2, window=2, floor_ratio=1.0, coef_delta=0.01)
-    return QuatroRuntime(QuatroConfig(kl=KLConfig(target=1e-3), entropy=entropy, filters=_only_repetition()))
+    return QuatroRuntime(
+        QuatroConfig(
+            kl=KLConfig(target=1e-3), entropy=entropy, filters=_only_repetition(), replay=ReplayConfig(capacity=2)
+        )
+    )
 
 
-def test_resume_is_exact_with_quatro_kl_entropy_and_filters_on(tiny_model_dir, tmp_path):
-    """6 straight steps == 3 + resume + 3 (torch.equal weights, identical logged rows), controllers restored."""
+def _same_tree(a, b) -> bool:
+    """Nested dicts / lists of tensors and plain values, compared with torch.equal."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def test_resume_is_exact_with_quatro_kl_entropy_filters_and_replay_on(tiny_model_dir, tmp_path):
+    """6 straight steps == 3 + resume + 3 (torch.equal weights, identical logged rows), controllers restored, the
+    replay buffer (rows and generator) round-trips through the rank file and replays across the resume."""
     common = dict(max_steps=6, save_steps=3, save_strategy="steps", beta=0.04, max_completion_length=8)
     straight, _ = _trainer(tiny_model_dir, tmp_path / "straight", _all_on(), **common)
     straight.train()
     history = straight.state.log_history
     assert sum(per_step(history, "quatro/filtered/repetition")) > 0, "the filter must really drop rows here"
     assert max(per_step(history, "quatro/floor_active")) == 1.0, "the floor must really activate here"
+    # 0.3 x 8 = 2.4 -> 2 replayed rows of 8 from step 2 on (the buffer holds >= 2 signal rows by then)
+    assert per_step(history, "quatro/replay_frac") == [0.0] + [0.25] * 5
     checkpoint = tmp_path / "straight" / "checkpoint-3"
     saved = torch.load(checkpoint / "steadyrl_state.pt", weights_only=False)["guards"]["quatro"]
     assert saved["kl"]["updates"] == 3 and saved["entropy"]["steps"] == 3 and saved["filter"]["calls"] == 3
+    buffer = torch.load(checkpoint / "steadyrl_rank0.pt", weights_only=False)["guards"]["quatro"]["replay"]
+    assert [e["step"] for e in buffer["entries"]] == [1, 2] and buffer["added_rows"] > 0  # capacity 2, steps 0..2
 
     resumed_quatro = _all_on()
     resumed, _ = _trainer(tiny_model_dir, tmp_path / "resumed", resumed_quatro, **common)
+    load_steady_state(resumed, checkpoint)  # what train(resume_from_checkpoint=...) does, checked on its own
+    assert _same_tree(resumed_quatro.replay.state_dict(), buffer) and len(resumed_quatro.replay) > 0
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert_same_weights(weights(resumed.model), weights(straight.model))
     keys = [k for k in history[-2] if k.startswith(("quatro/", "loss", "reward", "kl", "entropy", "grad_norm"))]
-    assert "quatro/kl_coef" in keys and "quatro/entropy_bonus" in keys
+    assert {"quatro/kl_coef", "quatro/entropy_bonus", "quatro/replay_frac", "quatro/replay_ratio_mean"} <= set(keys)
     rows = lambda h: [{k: h_row.get(k) for k in keys} for h_row in h if h_row.get("step", 0) > 3 and "loss" in h_row]  # noqa: E731
     got, want = rows(resumed.state.log_history), rows(history)
     assert len(got) == 3 and all(

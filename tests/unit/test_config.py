@@ -181,8 +181,22 @@ def test_quatro_contradictions_name_the_fix(base: Path) -> None:
         load_config(base, ["guards.quatro.enabled=true", "trainer.beta=2.0"])
     with pytest.raises(ConfigError, match=r"use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"):
         load_config(base, ["guards.quatro.enabled=true", "trainer.beta=0.04", "trainer.use_adaptive_entropy=true"])
-    with pytest.raises(ConfigError, match=r"replay is not wired .* set guards.quatro.replay.enabled=false"):
-        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.replay.enabled=true"])
+    from steadyrl.trainers.build import guard_kwargs
+
+    replay_on = ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.replay.enabled=true"]
+    replay = guard_kwargs(load_config(base, replay_on))["quatro"].config.replay
+    assert type(replay).__name__ == "ReplayConfig" and (replay.capacity, replay.replay_ratio) == (8, 0.3)
+    # per_device_train_batch_size 8: 0.0625 x 8 = 0.5 -> 1 row (half up); 0.9 x 8 = 7.2 -> 7 (1 fresh row) are fine
+    for ratio in (0.0625, 0.9):
+        assert load_config(
+            base, [*replay_on, f"guards.quatro.replay.replay_ratio={ratio}"]
+        ).guards.quatro.replay.enabled
+    with pytest.raises(ConfigError, match=r"ratio=0.05 x .*batch_size=8 gives 0 replayed rows .* change replay_ratio"):
+        load_config(base, [*replay_on, "guards.quatro.replay.replay_ratio=0.05"])
+    with pytest.raises(ConfigError, match=r"ratio=0.95 x .*batch_size=8 gives 8 replayed rows .* at least 1 fresh row"):
+        load_config(base, [*replay_on, "guards.quatro.replay.replay_ratio=0.95"])
+    with pytest.raises(ConfigError, match=r"guards.quatro.replay: invalid ReplayConfig: capacity must be >= 1"):
+        load_config(base, [*replay_on, "guards.quatro.replay.capacity=0"])
 
 
 def test_opefo_section_validates_its_parts(base: Path) -> None:

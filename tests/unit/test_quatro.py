@@ -413,10 +413,15 @@ def test_replay_stores_only_rows_with_a_learning_signal():
     batch = make_batch([[1, 2], [3], [4], [5]], [[6, 7], [8], [9], [10]], [0.5, 0.0, -1e-7, -2.0])
     batch["completion_mask"][3] = 0  # masked out (e.g. filtered): no token, no gradient
     assert buf.add(batch, step=3) == 1 and len(buf) == 1  # row 0 only
+    poisoned = make_batch([[1], [2], [3]], [[6, 7], [8, 9], [4]], [1.0, 1.0, 1.0])
+    poisoned["old_per_token_logps"][0, 1] = float("nan")  # a policy that went NaN: never stored
+    poisoned["ref_per_token_logps"][1, 0] = float("-inf")
+    poisoned["old_per_token_logps"][2, 1] = float("nan")  # on a padding position (row 2 has 1 token): harmless
+    assert buf.add(poisoned, step=4) == 1 and len(buf) == 2
     with pytest.raises(ValueError, match=r"old_per_token_logps.*sampling policy's log-probs"):
-        buf.add({k: v for k, v in batch.items() if k != "old_per_token_logps"}, 4)
+        buf.add({k: v for k, v in batch.items() if k != "old_per_token_logps"}, 5)
     with pytest.raises(ValueError, match=r"does not know how to pad the batch keys \['pixel_values'\]"):
-        buf.add({**batch, "pixel_values": torch.zeros(4, 3)}, 4)
+        buf.add({**batch, "pixel_values": torch.zeros(4, 3)}, 5)
     assert isinstance(buf, Stateful)
 
 
