@@ -59,6 +59,9 @@ LAYERS = {
 VARIANT_NAMES = ("plain TRL", "GRADE", "GEPO", "OPEFO", "QUATRO", "all on")
 QUICK_VARIANTS = ("plain TRL", "GEPO", "all on")
 QUICK_SCENARIOS = ("nan_loss", "inf_exp_avg_sq")
+# Every variant runs with a KL term (as the per-size configs do): QUATRO's KL controller needs one, and the
+# comparison stays fair only if plain TRL pays for the same reference model.
+BETA = "trainer.beta=0.04"
 CLEAN_REWARD = "{fn: exact_match, weight: 1.0}"
 EVAL_REWARD = "{fn: exact_match, weight: 0.0}"  # logged only: the noise-free accuracy of a faulty-reward run
 BURST_STEPS = 5  # nonfinite_rewards: steps k .. k + 4
@@ -96,7 +99,7 @@ SCENARIOS = {
 def quatro_validates(sft: str) -> bool:
     """Whether this steadyrl accepts ``guards.quatro.enabled=true`` (``steadyrl validate`` exits 0)."""
     cmd = [sys.executable, "-m", "steadyrl", "validate", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}"]
-    proc = subprocess.run([*cmd, "guards.quatro.enabled=true"], env=_env({}), capture_output=True, text=True)
+    proc = subprocess.run([*cmd, BETA, "guards.quatro.enabled=true"], env=_env({}), capture_output=True, text=True)
     return proc.returncode == 0
 
 
@@ -123,7 +126,7 @@ def train_command(
     cmd = [
         sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", f"trainer.seed={seed}", "trainer.logging_steps=1",
-        'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null", f"rewards=[{rewards}]",
+        'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null", f"rewards=[{rewards}]", BETA,
         "eval.metric=exact_match", *sc.overrides, *flags,
     ]  # fmt: skip
     if sc.callback is not None:
