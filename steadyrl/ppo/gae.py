@@ -1,0 +1,238 @@
+"""PPO math for token-level RLHF: reward placement, KL estimators, GAE, whitening, clipped value loss.
+
+Every function is a pure function over tensors (no Trainer, no distributed calls); shapes are
+``B`` = completions in the batch, ``T`` = completion tokens (right-padded; ``mask`` is 1 on real tokens).
+
+Pipeline, as the PPO trainer uses it (seed 003 §3.1, §3.3)::
+
+    kl        = kl_k1(logp, ref_logp)                         # or kl_k3, per token
+    rewards   = place_rewards(seq_reward, mask, kl, beta)     # -beta*kl_t everywhere, + seq reward on the last token
+    adv, ret  = gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    adv       = whiten(adv, mask)                             # optionally soft_clip(adv, 3.0) afterwards
+    vf_loss, clipfrac = clipped_value_loss(new_values, values, ret, mask, cliprange_value=0.2)
+
+In PPO the KL penalty is part of the reward (so it is credited through GAE), not a separate loss term.
+
+What this simplifies or leaves out:
+
+- Masks may have holes (e.g. tool-output tokens in the middle of a completion). ``gae`` skips masked positions
+  entirely: the TD step jumps from one real token to the next real token, so inserting masked positions anywhere
+  never changes the real tokens' advantages (property-tested). Rewards and values on masked positions are ignored.
+- ``whiten`` uses the unbiased (Bessel-corrected) masked variance, as TRL's former ``masked_whiten`` and verl do,
+  so it agrees with ``torch.std`` (the GRPO group std). Statistics are over the tensor it is given: under data
+  parallelism, whiten over gathered values or pass all-reduced ``stats`` (see :func:`masked_mean_var`).
+- Arithmetic is in float32 (float64 stays float64); bf16/fp16 inputs are upcast and the float32 result returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+# --------------------------------------------------------------------------------------------- KL estimators
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 per-token KL estimate ``logp - ref_logp`` (unbiased for KL(pi || ref), can be negative); any shape.
+
+    Source: http://joschu.net/blog/kl-approx.html. The default: its expectation under the policy is the exact KL,
+    and as a per-token reward penalty it is what InstructGPT-style PPO uses.
+    """
+    return logp - ref_logp
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 per-token KL estimate ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, always >= 0, lower variance).
+
+    Source: http://joschu.net/blog/kl-approx.html (r = ref/pi; k3 = (r - 1) - log r). Seed 003 §3.3 notes it is
+    the common choice in practice. It grows exponentially where the reference is much likelier than the policy.
+    """
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}
+
+
+def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The KL estimator called ``name`` (``"k1"`` or ``"k3"``); an unknown name raises with the valid names."""
+    try:
+        return KL_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(KL_ESTIMATORS)}") from None
+
+
+# ------------------------------------------------------------------------------------------ reward placement
+
+
+def _work_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index of the last real token of each row. mask: (B, T) of 0/1 -> (B,) long; rows with no real token -> -1."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask.bool(), positions, torch.full_like(positions, -1))
+    return last.amax(dim=1) if mask.shape[1] else torch.full((mask.shape[0],), -1, device=mask.device)
+
+
+def place_rewards(
+    sequence_rewards: Tensor, completion_mask: Tensor, per_token_kl: Tensor | None = None, beta: float = 0.0
+) -> Tensor:
+    """Token-level rewards: ``-beta * kl_t`` on every real token, plus the sequence reward on the last real token.
+
+    sequence_rewards: (B,), completion_mask: (B, T) 0/1, per_token_kl: (B, T) or None -> token_rewards: (B, T),
+    exactly 0 on masked positions. Rows have different lengths; the reward goes to each row's own last real token.
+    A row with no real token cannot hold its reward and gets all zeros. Source: seed 003 §3.1 (sequence-end reward)
+    and §3.3 (KL penalty in the reward); Ziegler et al. 2019, Ouyang et al. 2022.
+    """
+    if completion_mask.ndim != 2 or sequence_rewards.shape != completion_mask.shape[:1]:
+        raise ValueError(
+            f"expected sequence_rewards (B,) and completion_mask (B, T), got {tuple(sequence_rewards.shape)} "
+            f"and {tuple(completion_mask.shape)}"
+        )
+    dtype = _work_dtype(sequence_rewards)
+    mask = completion_mask.to(dtype)
+    rewards = torch.zeros(completion_mask.shape, dtype=dtype, device=completion_mask.device)
+    if per_token_kl is not None:
+        if per_token_kl.shape != completion_mask.shape:
+            raise ValueError(f"per_token_kl {tuple(per_token_kl.shape)} must match mask {tuple(mask.shape)}")
+        # masked positions may hold garbage (even inf/nan) and must not leak: select, do not multiply
+        rewards = torch.where(mask.bool(), -beta * per_token_kl.to(dtype), rewards)
+    last = last_token_index(completion_mask)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    rewards[rows, last[rows]] += sequence_rewards.to(dtype)[rows]
+    return rewards
+
+
+# ------------------------------------------------------------------------------------------------------- GAE
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation by a reverse scan over the real tokens of each row.
+
+    token_rewards, values, mask: (B, T) -> (advantages, returns): (B, T), both exactly 0 on masked positions.
+    ``delta_t = r_t + gamma * V_next - V_t``; ``A_t = delta_t + gamma * lam * A_next``, where "next" is the next
+    *real* token of the row; after the last real token the bootstrap value is 0 (the episode ends there).
+    ``returns = advantages + values`` (the value-function target). lam=1 gives Monte-Carlo returns
+    (reward-to-go); lam=0 gives one-step TD. Source: Schulman et al. 2016 (arXiv:1506.02438); the masked scan
+    follows verl's ``compute_gae_advantage_return``.
+    """
+    if not (token_rewards.shape == values.shape == mask.shape) or mask.ndim != 2:
+        raise ValueError(
+            f"token_rewards, values and mask must share one (B, T) shape, got {tuple(token_rewards.shape)}, "
+            f"{tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    dtype = _work_dtype(values)
+    real = mask.bool()
+    zeros = torch.zeros_like(values, dtype=dtype)
+    rewards = torch.where(real, token_rewards.to(dtype), zeros)
+    vals = torch.where(real, values.to(dtype), zeros)
+    next_value = torch.zeros(values.shape[0], dtype=dtype, device=values.device)
+    next_adv = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(vals)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        # a masked position passes the running value and advantage through untouched
+        next_adv = torch.where(real[:, t], adv_t, next_adv)
+        next_value = torch.where(real[:, t], vals[:, t], next_value)
+        advantages[:, t] = torch.where(real[:, t], adv_t, zeros[:, t])
+    returns = advantages + vals
+    return advantages, returns
+
+
+# ------------------------------------------------------------------------------------------------- whitening
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1 (any shapes that broadcast); 0 when nothing is real."""
+    m = mask.to(_work_dtype(x))
+    return (torch.where(m.bool(), x.to(m.dtype), 0.0)).sum() / m.sum().clamp(min=1.0)
+
+
+def masked_mean_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> tuple[Tensor, Tensor]:
+    """(mean, variance) of ``x`` over real positions; scalars. Unbiased divides by ``n - 1``; n < 2 gives var 0.
+
+    For data parallelism, all-reduce ``n``, ``sum(x)`` and ``sum(x**2)`` instead and pass the result to
+    :func:`whiten` as ``stats``.
+    """
+    dtype = _work_dtype(x)
+    real = mask.bool()
+    n = real.sum().to(dtype)
+    xs = torch.where(real, x.to(dtype), 0.0)
+    mean = xs.sum() / n.clamp(min=1.0)
+    sq = torch.where(real, (x.to(dtype) - mean) ** 2, 0.0).sum()
+    denom = (n - 1.0) if unbiased else n
+    var = torch.where(n >= 2, sq / denom.clamp(min=1.0), torch.zeros((), dtype=dtype, device=x.device))
+    return mean, var
+
+
+def whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, stats: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the real positions of the whole batch; masked positions stay exactly 0.
+
+    x, mask: (B, T) -> same shape. Unbiased variance (TRL's former ``masked_whiten`` and verl agree).
+    ``shift_mean=False`` adds the mean back (rescale only, as TRL did for rewards). ``stats`` = precomputed
+    (mean, var), e.g. all-reduced across ranks. Fewer than 2 real positions: variance 0, so ``x - mean`` is 0.
+    """
+    mean, var = stats if stats is not None else masked_mean_var(x, mask, unbiased=True)
+    dtype = _work_dtype(x)
+    out = (x.to(dtype) - mean) * torch.rsqrt(var.to(dtype) + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def soft_clip(advantages: Tensor, clip_scale: float = 3.0) -> Tensor:
+    """``clip_scale * tanh(advantages / clip_scale)``: near-identity for small values, bounded by ``clip_scale``.
+
+    Any shape -> same shape; zeros stay zeros (so padding stays 0). The same tanh GEPO applies to its group
+    advantages (seed 000 §2, ``steadyrl/guards/gepo.py`` inlines it); here it is an option for whitened GAE
+    advantages.
+    """
+    if clip_scale <= 0:
+        raise ValueError(f"clip_scale must be > 0, got {clip_scale!r}")
+    return clip_scale * torch.tanh(advantages / clip_scale)
+
+
+# ----------------------------------------------------------------------------------------------- value loss
+
+
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float = 0.2
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped value loss ``0.5 * mean_masked(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))``.
+
+    values (with grad), old_values, returns, mask: (B, T) -> (loss: scalar, clipfrac: scalar, detached).
+    The mean is over all real tokens of the batch (token-level, as TRL's former PPO). ``clipfrac`` is the share of
+    real tokens where the clipped branch is strictly larger (so it is the one that gives the gradient).
+    Source: the PPO2 baselines implementation; Andrychowicz et al. 2021 note clipping can hurt, so keep
+    ``cliprange_value`` large relative to the return scale if in doubt.
+    """
+    if cliprange_value < 0:
+        raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value!r}")
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    clipfrac = masked_mean((loss_clipped > loss_unclipped).to(loss.dtype), mask).detach()
+    return loss, clipfrac
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """``1 - Var[R - V] / Var[R]`` over real tokens: 1 = perfect critic, 0 = no better than a constant, < 0 worse.
+
+    values, returns, mask: (B, T) -> float; NaN when the returns have zero variance or fewer than 2 real tokens
+    (undefined, as in CleanRL).
+    """
+    _, var_returns = masked_mean_var(returns.detach(), mask)
+    _, var_residual = masked_mean_var((returns - values).detach(), mask)
+    if var_returns.item() == 0.0:
+        return float("nan")
+    return float(1.0 - var_residual / var_returns)
