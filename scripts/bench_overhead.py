@@ -76,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", default="runs/tiny-sft/final", help="model for the 1M size: the demo's SFT checkpoint")
     ap.add_argument("--model-size", choices=["1m", "50m"], default="1m")
+    ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated subset of: {', '.join(LAYERS)}")
     ap.add_argument("--out", default="runs/bench-overhead")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
@@ -86,7 +87,12 @@ def main() -> None:
         "| guard code share of a step (median, min-max) | peak RSS on - off, MiB (median) |"
     )
     print("|---|---|---|---|---|---|")
-    for name, (common, overrides) in LAYERS.items():
+    chosen = [name.strip() for name in args.layers.split(",")]
+    unknown = [name for name in chosen if name not in LAYERS]
+    if unknown:
+        ap.error(f"unknown layers {unknown}; choose from {list(LAYERS)}")
+    for name in chosen:
+        common, overrides = LAYERS[name]
         off_all, on_all, ratios, shares, rss_delta = [], [], [], [], []
         for r in range(args.repeats):
             order = [("off", common), ("on", [*common, *overrides])]
