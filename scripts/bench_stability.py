@@ -198,7 +198,22 @@ def run_one(cmd: list[str], extra_env: dict[str, str], out: Path, timeout_s: flo
         returncode, log = -1, f"timeout after {timeout_s} s\n{exc.stdout or ''}{exc.stderr or ''}"
     (out / "log.txt").write_text(log if isinstance(log, str) else str(log))
     (out / "command.txt").write_text(shlex.join(f"{k}={v}" for k, v in extra_env.items()) + " " + shlex.join(cmd))
-    return summarise_run(out, returncode, time.time() - start)
+    wall_s = time.time() - start
+    (out / "run.json").write_text(json.dumps({"returncode": returncode, "wall_s": wall_s}))
+    return summarise_run(out, returncode, wall_s)
+
+
+def collect_run(out: Path) -> dict[str, Any]:
+    """A finished run's summary from its folder alone (``--collect-only``); ``not_run`` when it never finished."""
+    if (out / "run.json").is_file():
+        meta = json.loads((out / "run.json").read_text())
+        return summarise_run(out, int(meta["returncode"]), float(meta["wall_s"]))
+    log = out / "log.txt"
+    if not log.is_file():
+        return {"status": "not_run"}
+    # written by an older version of this script: success is the CLI's closing eval line
+    returncode = 0 if "after GRPO:" in log.read_text() else 1
+    return summarise_run(out, returncode, float("nan"))
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -310,6 +325,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 variants, nan_loss + inf_exp_avg_sq, 1 seed, 6 steps")
     ap.add_argument("--out-md", default=None, help="write the markdown (command + table) here; always printed")
     ap.add_argument("--png", default=None, help="write the accuracy bar chart here (e.g. docs/img/stability.png)")
+    ap.add_argument(
+        "--collect-only", action="store_true", help="train nothing: rebuild the table from the run folders in --out"
+    )
     args = ap.parse_args()
     names = list(QUICK_VARIANTS if args.quick else VARIANT_NAMES)
     scenarios = list(QUICK_SCENARIOS if args.quick else SCENARIOS)
@@ -335,8 +353,14 @@ def main() -> None:
         return job, run_one(cmd, env, out, args.timeout)
 
     start = time.time()
-    with ThreadPoolExecutor(args.workers) as pool:
-        results.update(pool.map(work, [job for job in jobs if job not in results]))
+    if args.collect_only:
+        for job in jobs:
+            if job not in results:
+                name, scenario, seed = job
+                results[job] = collect_run(root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}")
+    else:
+        with ThreadPoolExecutor(args.workers) as pool:
+            results.update(pool.map(work, [job for job in jobs if job not in results]))
     command = "python scripts/bench_stability.py " + shlex.join(sys.argv[1:])
     markdown = (
         f"```\n{command}   # {len(jobs) - sum(r['status'] == 'not_run' for r in results.values())} runs, "
