@@ -1,4 +1,9 @@
-"""Dataset loading for the ``data`` section: local files, ``datasets`` names, or a built-in task."""
+"""Dataset loading for the ``data`` section: local files, ``datasets`` names, or a built-in task.
+
+Built-in tasks: ``builtin:arithmetic`` (prompts and answers, for SFT / GRPO / PPO) and
+``builtin:arithmetic_preferences`` (prompt / chosen / rejected pairs on the same problems, for the reward stage).
+``data.builtin`` holds the generator's keyword arguments and goes to both splits.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,21 @@ from datasets import Dataset, load_dataset
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import DataSection
 
-BUILTIN_TASKS = ("arithmetic",)
+BUILTIN_TASKS = ("arithmetic", "arithmetic_preferences")
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def _load_one(path: str, name: str | None, split: str, builtin: dict) -> Dataset:
     if path.startswith("builtin:"):
         task = path.removeprefix("builtin:")
-        if task != "arithmetic":
+        if task not in BUILTIN_TASKS:
             raise ConfigError(f"data.path: unknown built-in task {task!r}; valid: {list(BUILTIN_TASKS)}")
-        from steadyrl.tasks.arithmetic import arithmetic_dataset
-
+        if task == "arithmetic":
+            from steadyrl.tasks.arithmetic import arithmetic_dataset as generate
+        else:
+            from steadyrl.tasks.preferences import arithmetic_preferences as generate
         try:
-            return arithmetic_dataset(split, **builtin)
+            return generate(split, **builtin)
         except TypeError as exc:
             raise ConfigError(f"data.builtin: {exc}") from exc
     local = Path(path)

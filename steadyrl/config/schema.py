@@ -2,8 +2,9 @@
 
 ``RunConfig.from_tree`` turns a merged YAML tree into typed sections. Unknown keys, wrong types and
 contradictions raise ``ConfigError`` naming the key, the file that set it and the fix, before any model or
-dataset is loaded. The ``trainer`` section is passed through unchanged to TRL's ``GRPOConfig`` (or
-``SFTConfig`` for ``algorithm: sft``); its keys are checked against that class's fields.
+dataset is loaded. The ``trainer`` section is passed through unchanged to TRL's ``GRPOConfig`` (``SFTConfig`` for
+``algorithm: sft``, ``RewardConfig`` for ``algorithm: reward``, steadyrl's ``SteadyPPOConfig`` -- GRPOConfig that
+accepts ``num_generations: 1`` -- for ``algorithm: ppo``); its keys are checked against that class's fields.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig,
 from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
 from steadyrl.guards.spike import SpikeConfig
 
-ALGORITHMS = ("grpo", "sft")
+ALGORITHMS = ("grpo", "sft", "reward", "ppo")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -216,6 +217,39 @@ class EvalSection:
 
 
 @dataclass
+class PPOSection:
+    """``ppo``: the critic and the token-level rewards of ``algorithm: ppo`` (seed 003 §3.1, §3.3).
+
+    The KL coefficient is ``trainer.beta`` (here it weighs the per-token KL penalty in the *reward*, not a loss term).
+    """
+
+    value_model: str | None = None  # critic init: null = the policy's weights; or a reward-model / saved-critic folder
+    vf_coef: float = 0.1  # loss = pg_loss + vf_coef * vf_loss
+    cliprange_value: float = 0.2  # value clipping around the rollout's values (large = off)
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_estimator: str = "k1"  # per-token KL in the reward: k1 (logp - ref) or k3
+    critic_lr: float | None = None  # the critic's param-group LR; null = trainer.learning_rate
+    whiten_advantages: bool = True
+    soft_clip: float | None = None  # tanh soft clip of the whitened advantages at this scale (GEPO's clip); null = off
+    value_head_init_std: float = 0.0  # 0: the value head starts at exactly 0
+
+    def __post_init__(self) -> None:
+        from steadyrl.ppo.gae import KL_ESTIMATORS
+
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: unknown {self.kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+        if self.vf_coef < 0 or self.cliprange_value < 0:
+            raise ValueError(f"vf_coef and cliprange_value must be >= 0, got {self.vf_coef}, {self.cliprange_value}")
+        if self.critic_lr is not None and self.critic_lr < 0:
+            raise ValueError(f"critic_lr must be >= 0, got {self.critic_lr}")
+        if self.soft_clip is not None and self.soft_clip <= 0:
+            raise ValueError(f"soft_clip must be > 0 (or null = off), got {self.soft_clip}")
+
+
+@dataclass
 class RunConfig:
     model: ModelSection
     data: DataSection
@@ -225,6 +259,7 @@ class RunConfig:
     peft: PeftSection | None = None
     guards: GuardsSection = field(default_factory=GuardsSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    ppo: PPOSection = field(default_factory=PPOSection)  # read only by algorithm: ppo
     callbacks: list[str] = field(default_factory=list)  # extra TrainerCallback classes, "module:Class"
 
     @classmethod
@@ -347,6 +382,14 @@ def trl_config_class(algorithm: str) -> type:
         from trl import SFTConfig
 
         return SFTConfig
+    if algorithm == "reward":
+        from trl import RewardConfig
+
+        return RewardConfig
+    if algorithm == "ppo":
+        from steadyrl.trainers.ppo_config import SteadyPPOConfig
+
+        return SteadyPPOConfig
     from trl import GRPOConfig
 
     return GRPOConfig
@@ -452,8 +495,12 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
     _check_rewards(cfg)
     for i, spec in enumerate(cfg.callbacks):
         load_object(spec, f"callbacks[{i}]")
-    if cfg.algorithm == "grpo":
+    if cfg.algorithm in ("grpo", "ppo"):
         _check_grpo(cfg, world_size)
+    if cfg.algorithm == "ppo":
+        _check_ppo(cfg)
+    if cfg.algorithm == "reward":
+        _check_reward(cfg)
 
 
 def load_object(spec: str, where: str) -> Any:
@@ -605,7 +652,9 @@ def _deepspeed_zero_stage() -> int | None:
 def _check_grpo(cfg: RunConfig, world_size: int) -> None:
     t = cfg.trainer
     if not cfg.rewards:
-        raise ConfigError("rewards: GRPO needs at least one reward (a function `fn` or a reward `model`)")
+        raise ConfigError(
+            f"rewards: {cfg.algorithm.upper()} needs at least one reward (a function `fn` or a reward `model`)"
+        )
 
     _check_guards(cfg)
     if "reward_weights" in t:
@@ -625,3 +674,46 @@ def _check_grpo(cfg: RunConfig, world_size: int) -> None:
             f"steps_per_generation={steps_per_generation or grad_accum}). Each prompt's group must fit in one "
             "generation batch: change num_generations or per_device_train_batch_size"
         )
+
+
+def _check_ppo(cfg: RunConfig) -> None:
+    """PPO's settings against the trainer's and the guards'."""
+    t, p = cfg.trainer, cfg.ppo
+    if p.value_model is not None and not Path(p.value_model).is_dir():
+        raise ConfigError(f"ppo.value_model: {p.value_model!r} is not a folder; give a model folder or null (policy)")
+    if cfg.guards.gepo.enabled and cfg.guards.gepo.advantage.enabled:
+        raise ConfigError(
+            "guards.gepo.advantage (median/MAD group advantages) is GRPO-only; PPO's advantages come from GAE. Set "
+            "guards.gepo.advantage.enabled=false (use ppo.soft_clip for GEPO's tanh clip of the GAE advantages)"
+        )
+    if cfg.guards.quatro.enabled and (cfg.guards.quatro.replay.enabled or cfg.guards.quatro.kl.enabled):
+        raise ConfigError(
+            "guards.quatro.replay and guards.quatro.kl are not wired for PPO yet (replayed rows would need their "
+            "values and GAE advantages; the KL controller reads TRL's loss-side KL); turn them off for algorithm: ppo"
+        )
+    q = cfg.guards.quatro
+    if q.enabled and q.filters.enabled and q.filters.zero_variance.enabled:
+        raise ConfigError(
+            "guards.quatro.filters.zero_variance drops prompt groups whose rewards carry no *relative* signal, a GRPO "
+            "notion (with num_generations=1 it would drop every row); PPO's baseline is the critic. Set "
+            "guards.quatro.filters.zero_variance.enabled=false"
+        )
+    if t.get("loss_type", "dapo") in ("cispo", "sapo", "vespo"):
+        raise ConfigError(
+            f"trainer.loss_type={t['loss_type']}: PPO uses TRL's clipped-ratio loss; use bnpo, dapo, grpo or dr_grpo"
+        )
+    if t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise ConfigError(
+            "trainer.multi_objective_aggregation: PPO uses the weighted sum of rewards (sum_then_normalize)"
+        )
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    """The reward-model stage trains on (prompt, chosen, rejected) pairs and needs held-out pairs to calibrate."""
+    if cfg.data.eval_split is None and cfg.data.eval_path is None:
+        raise ConfigError(
+            "data.eval_split / data.eval_path: the reward stage writes a calibration report on held-out pairs; set one "
+            "(for builtin:arithmetic_preferences, data.eval_split: eval)"
+        )
+    if cfg.peft is not None:
+        raise ConfigError("peft: the reward stage trains the full model; remove the peft section")

@@ -1,4 +1,4 @@
-"""PPO building blocks: GAE and value-loss math, the critic model, and the reward-model stage.
+"""PPO building blocks: GAE and value-loss math, the critic model, the policy+critic wrapper, the reward-model stage.
 
 The trainer that wires these into TRL's GRPO rollout machinery lives in ``steadyrl.trainers``.
 ``reward_stage`` is not imported here (it pulls in TRL and matplotlib); import it directly.
@@ -20,10 +20,12 @@ from steadyrl.ppo.gae import (
     whiten,
 )
 from steadyrl.ppo.value import CriticModel, ValueHead
+from steadyrl.ppo.wrapper import PolicyAndValue
 
 __all__ = [
     "KL_ESTIMATORS",
     "CriticModel",
+    "PolicyAndValue",
     "ValueHead",
     "clipped_value_loss",
     "explained_variance",

@@ -10,6 +10,8 @@ accuracy, retrain the reward model before any RL.
 - :func:`calibration_report` scores a held-out preference split and writes ``calibration.json``,
   ``reward_stats.json`` (mean/std of all chosen + rejected scores) and ``calibration.png`` (histograms).
 - :class:`RewardModelReward` wraps the trained model as a TRL reward function that returns normalised scores.
+- :func:`reward_model_score` is the same as a config reward (one model load per path and process, then cached):
+  ``rewards: [{fn: steadyrl.ppo.reward_stage:reward_model_score, kwargs: {path: runs/tiny-rm/final}}]``.
 - :func:`run_reward_stage` = train + calibrate, what ``steadyrl reward CONFIG`` runs.
 
 Text format: ``RewardTrainer`` scores ``prompt + completion + eos`` (it appends EOS to non-conversational text and
@@ -326,3 +328,21 @@ class RewardModelReward:
 
     def __repr__(self) -> str:
         return f"RewardModelReward({str(self.path)!r}, mean={self.stats['mean']:.4g}, std={self.stats['std']:.4g})"
+
+
+_LOADED: dict[tuple[str, bool], RewardModelReward] = {}
+
+
+def reward_model_score(
+    prompts: Sequence[Any], completions: Sequence[Any], path: str | None = None, normalize: bool = True, **_: Any
+) -> list[float | None]:
+    """A trained reward model as a config reward function (``kwargs: {path: ..., normalize: ...}``).
+
+    Loads :class:`RewardModelReward` for ``path`` once per process and caches it; returns its scores.
+    """
+    if path is None:
+        raise ValueError("reward_model_score needs kwargs: {path: <reward model folder>} in the rewards entry")
+    key = (str(path), normalize)
+    if key not in _LOADED:
+        _LOADED[key] = RewardModelReward(path, normalize=normalize)
+    return _LOADED[key](prompts, completions)

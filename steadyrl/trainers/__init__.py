@@ -1,5 +1,7 @@
-"""Trainers: SteadyGRPOTrainer (trl.GRPOTrainer with guard extension points) and the config-driven builder."""
+"""Trainers: SteadyGRPOTrainer (trl.GRPOTrainer with guard extension points), SteadyPPOTrainer (PPO with a critic on
+the same rollout machinery) and the config-driven builder."""
 
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
+from steadyrl.trainers.ppo import SteadyPPOTrainer
 
-__all__ = ["SteadyGRPOTrainer"]
+__all__ = ["SteadyGRPOTrainer", "SteadyPPOTrainer"]

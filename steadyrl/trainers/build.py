@@ -63,7 +63,7 @@ def trl_args(cfg: RunConfig) -> Any:
         init_kwargs.setdefault("revision", cfg.model.revision)
     kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
     _cpu_process_group(kwargs)
-    if cfg.algorithm == "grpo":
+    if cfg.algorithm in ("grpo", "ppo"):
         kwargs["reward_weights"] = [r.weight for r in cfg.rewards]
     try:
         return trl_config_class(cfg.algorithm)(model_init_kwargs=init_kwargs, **kwargs)
@@ -170,7 +170,8 @@ def _write_resolved(cfg: RunConfig, state: Any) -> None:
 
 
 def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> Any:
-    """Everything but ``train()``: validated pieces assembled into a SteadyGRPOTrainer or SFTTrainer."""
+    """Everything but ``train()``: validated pieces assembled into a SteadyGRPOTrainer, SteadyPPOTrainer or
+    SFTTrainer."""
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
@@ -209,6 +210,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         from trl import SFTTrainer
 
         trainer = SFTTrainer(**common)
+    elif cfg.algorithm == "ppo":
+        from steadyrl.trainers.ppo import SteadyPPOTrainer
+
+        trainer = SteadyPPOTrainer(reward_funcs=list(rewards.values()), ppo=cfg.ppo, **guard_kwargs(cfg), **common)
     else:
         from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
@@ -265,6 +270,36 @@ def final_eval(cfg: RunConfig, trainer: Any) -> dict[str, Any] | None:
     return result
 
 
+def run_reward(cfg: RunConfig) -> dict[str, Any]:
+    """``algorithm: reward``: train a Bradley-Terry reward model (``trl.RewardTrainer``), then calibrate it.
+
+    The ``trainer`` section goes to ``trl.RewardConfig`` unchanged. Writes ``<output_dir>/final`` (model, tokenizer,
+    ``reward_stats.json``) and the calibration report in ``output_dir`` (``calibration.json``,
+    ``reward_stats.json``, ``calibration.png``). Returns the calibration summary (empty on non-main processes).
+    """
+    from accelerate import PartialState
+
+    from steadyrl.data import load_datasets
+    from steadyrl.ppo.reward_stage import run_reward_stage
+
+    kwargs = dict(cfg.trainer)
+    kwargs.pop("resume_from_checkpoint", None)
+    output_dir = kwargs.pop("output_dir")
+    init_kwargs = dict(kwargs.pop("model_init_kwargs", None) or {})
+    init_kwargs.setdefault("dtype", cfg.model.dtype)
+    if cfg.model.attn_implementation is not None:
+        init_kwargs.setdefault("attn_implementation", cfg.model.attn_implementation)
+    if cfg.model.revision is not None:
+        init_kwargs.setdefault("revision", cfg.model.revision)
+    kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    state = PartialState()
+    train_ds, eval_ds = load_datasets(cfg.data)
+    assert eval_ds is not None  # _check_reward requires an eval split
+    _write_resolved(cfg, state)
+    model_path = _model_path(cfg, state)
+    return run_reward_stage(model_path, train_ds, eval_ds, output_dir, model_init_kwargs=init_kwargs, **kwargs)
+
+
 def run(cfg: RunConfig) -> dict[str, Any] | None:
     """Train, save the final model to ``<output_dir>/final``, evaluate. Returns the eval result (main process)."""
     trainer = build_trainer(cfg)
@@ -273,4 +308,8 @@ def run(cfg: RunConfig) -> dict[str, Any] | None:
     trainer.save_model(str(final_dir))
     if trainer.accelerator.is_main_process:
         trainer.processing_class.save_pretrained(str(final_dir))
+        if (
+            cfg.algorithm == "ppo"
+        ):  # the critic also as a loadable folder (CriticModel.from_pretrained, ppo.value_model)
+            trainer.policy_and_value.critic.save_pretrained(final_dir / "critic")
     return final_eval(cfg, trainer)

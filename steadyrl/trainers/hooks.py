@@ -21,6 +21,17 @@ How each is overridden (never by copying the body):
   ``_save_checkpoint`` makes the parent write into a staging folder (``_get_output_dir`` answers the staging
   root while it runs) and publishes the finished checkpoint with one rename.
 
+``SteadyPPOTrainer`` (``steadyrl.trainers.ppo``) overrides, on top of the above (``PPO_HOOKED_METHODS``):
+- ``_generate_and_score_completions``: call the parent (whose ``compute_advantages`` returns sequence rewards for
+  PPO), then replace ``advantages`` with (B, T) GAE advantages and add ``old_values`` / ``returns``.
+- ``_compute_loss``: call the parent with ``self.beta`` set to 0 (no KL term in the loss) inside
+  ``PolicyAndValue.computing_values``, then add the clipped value loss.
+- ``create_optimizer``: call the parent, move the critic's parameters into their own groups (``ppo.critic_lr``).
+- ``_save`` / ``_load_from_checkpoint``: call the parent on the bare policy, then save / load ``critic.safetensors``.
+PPO relies on these TRL details (``ppo_internals_problems`` checks them): ``_compute_loss`` unsqueezes only 1-D
+advantages (so (B, T) advantages pass through) and adds the KL term only ``if self.beta != 0.0``, read at call time;
+``_generate_and_score_completions`` computes ``ref_per_token_logps`` when ``self.beta != 0.0``.
+
 Private details of TRL, accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
 - TRL ``GRPOTrainer``: ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates, and
   serves ``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present (QUATRO
@@ -64,10 +75,24 @@ HOOKED_METHODS: dict[str, str] = {
 }
 
 
-def hook_signature_mismatches(trainer_cls: type) -> list[str]:
-    """Hooked methods of ``trainer_cls``'s TRL parents that are missing or whose signature changed."""
+PPO_HOOKED_METHODS: dict[str, str] = {
+    "_generate_and_score_completions": HOOKED_METHODS["_generate_and_score_completions"],
+    "_compute_loss": HOOKED_METHODS["_compute_loss"],
+    "create_optimizer": "(self, model=None) -> torch.optim.optimizer.Optimizer",
+    "_save": "(self, output_dir: str | None = None, state_dict: dict | None = None) -> None",
+    "_load_from_checkpoint": (
+        "(self, resume_from_checkpoint: str, model: torch.nn.modules.module.Module | None = None) -> None"
+    ),
+}
+
+
+def hook_signature_mismatches(trainer_cls: type, hooked: dict[str, str] | None = None) -> list[str]:
+    """Hooked methods of ``trainer_cls``'s TRL parents that are missing or whose signature changed.
+
+    ``hooked``: name -> expected signature; default ``HOOKED_METHODS`` (``PPO_HOOKED_METHODS`` for the PPO trainer).
+    """
     problems = []
-    for name, expected in HOOKED_METHODS.items():
+    for name, expected in (HOOKED_METHODS if hooked is None else hooked).items():
         method = None
         for klass in trainer_cls.__mro__:
             if klass.__module__.startswith("steadyrl"):
@@ -135,4 +160,19 @@ def _trl_problems() -> list[str]:
     for text in expected:
         if text not in loss:
             problems.append(f"trl: GRPOTrainer._compute_loss no longer contains {text!r}")
+    return problems
+
+
+def ppo_internals_problems() -> list[str]:
+    """The TRL details ``SteadyPPOTrainer`` relies on (see the module docstring) that are missing."""
+    from trl import GRPOTrainer
+
+    problems = []
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    rollout = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for text in ("if advantages.dim() == 1:", "if self.beta != 0.0:", "per_token_loss = per_token_loss + self.beta"):
+        if text not in loss:
+            problems.append(f"trl: GRPOTrainer._compute_loss no longer contains {text!r}")
+    if "if self.beta != 0.0:" not in rollout or "ref_per_token_logps" not in rollout:
+        problems.append("trl: GRPOTrainer._generate_and_score_completions no longer gates reference log-probs on beta")
     return problems

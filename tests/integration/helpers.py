@@ -11,8 +11,8 @@ from trl import GRPOConfig
 from steadyrl.tasks import arithmetic_dataset
 
 
-def grpo_args(output_dir: Path | str, **overrides: Any) -> GRPOConfig:
-    """A few-second GRPO config for the tiny model on CPU."""
+def grpo_args(output_dir: Path | str, config_cls: type = GRPOConfig, **overrides: Any) -> GRPOConfig:
+    """A few-second GRPO config for the tiny model on CPU (``config_cls``: GRPOConfig or a subclass)."""
     kwargs: dict[str, Any] = dict(
         output_dir=str(output_dir),
         max_steps=3,
@@ -31,7 +31,7 @@ def grpo_args(output_dir: Path | str, **overrides: Any) -> GRPOConfig:
         dataloader_num_workers=0,
     )
     kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 def small_dataset():

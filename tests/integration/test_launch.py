@@ -23,7 +23,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str, num_processes: int = 2):
+def launch(
+    accelerate_config: str, model_dir: Path, out: Path, *extra: str, num_processes: int = 2, config: str = "grpo.yaml"
+):
     if not any(e.startswith("callbacks=") for e in extra):
         extra = (*extra, "callbacks=[tests.integration.rank_dump:RankDump]")
     cmd = [
@@ -39,7 +41,7 @@ def launch(accelerate_config: str, model_dir: Path, out: Path, *extra: str, num_
         "-m",
         "steadyrl",
         "train",
-        str(REPO / "configs" / "tiny" / "grpo.yaml"),
+        str(REPO / "configs" / "tiny" / config),
         f"model.path={model_dir}",
         f"trainer.output_dir={out}",
         "trainer.max_steps=2",

@@ -1,0 +1,295 @@
+"""SteadyPPOTrainer: PPO with a critic and GAE on TRL's GRPO rollout machinery (generation, rewards, reference).
+
+The loop, per generation batch (seed 003 §3.1, §3.3; the math is in ``steadyrl.ppo.gae``):
+
+1. TRL generates, scores (reward functions / reward models) and computes the reference log-probs (``trainer.beta``
+   > 0 makes it load the reference; under LoRA it disables the adapter instead).
+2. ``compute_advantages`` (the parent's hook) returns the *sequence reward* of each completion: the weighted sum of
+   the reward functions, then GRADE when enabled. It lands in ``output["advantages"]`` for a moment.
+3. ``_generate_and_score_completions`` then computes the critic's values V_old on the rollout (no grad), the
+   per-token KL ``k1|k3(logp_old, logp_ref)``, token rewards ``-beta * kl_t`` plus the sequence reward on the last
+   completion token, GAE (``gamma``, ``lam``), and whitens the advantages over all ranks' real tokens (optionally
+   tanh soft clip). ``advantages`` becomes (B, T); ``old_values`` and ``returns`` ride along in the batch, so TRL
+   splits, shuffles and buffers them with the rest across ``steps_per_generation`` / ``num_iterations``.
+4. ``_compute_loss`` calls TRL's own loss (clipped ratio, any of grpo/bnpo/dr_grpo/dapo normalisations) with the
+   (B, T) advantages (TRL unsqueezes only 1-D advantages) and ``self.beta`` set to 0 for the duration of the call, so
+   TRL adds no KL term: in PPO the KL is in the reward. The forward runs inside ``PolicyAndValue.computing_values``,
+   so the same forward gives the critic's values; ``vf_coef * clipped_value_loss`` is added.
+
+The critic lives with the policy in one ``PolicyAndValue`` module (``self.model``): one engine, one optimizer; the
+critic's parameters are their own param groups with ``ppo.critic_lr``. Checkpoints: the policy is saved as usual
+(``save_pretrained``, what ``final/`` and any other consumer loads), the whole critic as ``critic.safetensors``
+beside it; the optimizer state of both is the Trainer's own ``optimizer.pt`` (or the DeepSpeed engine's).
+
+What this leaves out: QUATRO's rollout replay and adaptive KL (refused by the config check), vLLM weight sync of the
+wrapped policy (untested), ZeRO-3, eval-mode value loss (eval batches get TRL's loss with the sequence reward as a
+flat advantage), and a critic trained less or more often than the policy (both step together).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from steadyrl.config.schema import PPOSection
+from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
+from steadyrl.ppo.value import CriticModel
+from steadyrl.ppo.wrapper import PolicyAndValue
+from steadyrl.trainers.grpo import SteadyGRPOTrainer
+
+logger = logging.getLogger(__name__)
+
+CRITIC_FILE = "critic.safetensors"
+
+
+class SteadyPPOTrainer(SteadyGRPOTrainer):
+    """PPO: ``SteadyGRPOTrainer`` + a critic (``ppo``: ``PPOSection``; ``critic``: a ready ``CriticModel``).
+
+    Everything else (reward processor, step guards, OPEFO, QUATRO filters) is the parent's. Pass a
+    ``SteadyPPOConfig`` as ``args`` to allow ``num_generations=1``.
+    """
+
+    def __init__(self, *args: Any, ppo: PPOSection | None = None, critic: CriticModel | None = None, **kwargs: Any):
+        # a copy: PEFT rewrites target_modules ("all-linear" -> the causal LM's module names) when it wraps the policy
+        peft_config = copy.deepcopy(kwargs.get("peft_config"))
+        super().__init__(*args, **kwargs)
+        self.ppo = ppo or PPOSection()
+        self.kl_estimator = get_kl_estimator(self.ppo.kl_estimator)
+        policy = self.model
+        if critic is None:
+            critic = self._load_critic(policy, peft_config)
+        if self.args.disable_dropout:
+            for module in critic.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        critic.to(self.accelerator.device)
+        self.model = self.model_wrapped = PolicyAndValue(policy, critic)
+        if self.args.ddp_find_unused_parameters:
+            raise ValueError(
+                "ddp_find_unused_parameters=True cannot work with PPO's critic (its values are not a forward output); "
+                "every trainable parameter gets a gradient in every PPO step, so leave it unset"
+            )
+        # The Trainer's default without gradient checkpointing is True, and it built the accelerator's DDP settings
+        # from the bare policy already; see steadyrl.ppo.wrapper for why it must be False here.
+        self.args.ddp_find_unused_parameters = False
+        if self.accelerator.ddp_handler is not None:
+            self.accelerator.ddp_handler.find_unused_parameters = False
+
+    def _load_critic(self, policy: torch.nn.Module, peft_config: Any) -> CriticModel:
+        """``ppo.value_model`` or the policy's own weights; a LoRA policy gets a LoRA critic (same LoraConfig)."""
+        source = self.ppo.value_model or policy.config._name_or_path
+        model_kwargs = {k: v for k, v in (self.args.model_init_kwargs or {}).items() if k in ("dtype", "revision")}
+        stats = None
+        stats_file = Path(source) / "reward_stats.json"
+        if stats_file.is_file():
+            from steadyrl.ppo.reward_stage import load_reward_stats
+
+            stats = load_reward_stats(stats_file, source)
+        critic_peft = None
+        if peft_config is not None:
+            import dataclasses
+
+            critic_peft = dataclasses.replace(peft_config, task_type=None)  # a bare backbone, not a causal LM
+        critic = CriticModel.from_pretrained(
+            source, init_std=self.ppo.value_head_init_std, reward_stats=stats, peft_config=critic_peft, **model_kwargs
+        )
+        logger.info("PPO critic from %s (%s)", source, critic.init_source)
+        return critic
+
+    # ------------------------------------------------------------------ the wrapper and the policy
+
+    @property
+    def policy_and_value(self) -> PolicyAndValue:
+        """The ``PolicyAndValue`` module under any DDP / DeepSpeed wrapper."""
+        return self.accelerator.unwrap_model(self.model)
+
+    @contextlib.contextmanager
+    def _policy_as_model(self) -> Iterator[None]:
+        """``self.model`` is the bare policy for the duration (saving and loading in the policy's own format)."""
+        model = self.model
+        self.model = self.policy_and_value.policy
+        try:
+            yield
+        finally:
+            self.model = model
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, with the critic's parameters moved to their own groups at ``ppo.critic_lr``.
+
+        One group per original group (same weight decay), so ``optimizer.pt`` and the LR schedule cover both;
+        the scheduler scales each group's initial LR.
+        """
+        optimizer = super().create_optimizer(model)
+        critic_ids = {id(p) for p in self.policy_and_value.critic.parameters()}
+        lr = self.ppo.critic_lr if self.ppo.critic_lr is not None else self.args.learning_rate
+        critic_groups = []
+        for group in optimizer.param_groups:
+            mine = [p for p in group["params"] if id(p) in critic_ids]
+            if mine:
+                group["params"] = [p for p in group["params"] if id(p) not in critic_ids]
+                critic_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine, "lr": lr})
+        optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
+        for group in critic_groups:
+            optimizer.add_param_group(group)
+        return optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The policy exactly as a plain run saves it, plus ``critic.safetensors`` (the whole critic's state)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        policy_state = None
+        if state_dict is not None:  # DeepSpeed: the engine's state dict of the wrapper
+            policy_state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}
+        with self._policy_as_model():
+            super()._save(output_dir, state_dict=policy_state)
+        if self.args.should_save:
+            critic = self.policy_and_value.critic
+            state = {k: v.detach().contiguous().cpu() for k, v in critic.state_dict().items()}
+            save_file(state, os.path.join(output_dir, CRITIC_FILE), metadata={"format": "pt"})
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The policy through the Trainer's own loader (full weights or adapter), then the critic's state."""
+        wrapper = self.policy_and_value if model is None else self.accelerator.unwrap_model(model)
+        if not isinstance(wrapper, PolicyAndValue):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        super()._load_from_checkpoint(resume_from_checkpoint, wrapper.policy)
+        path = Path(resume_from_checkpoint) / CRITIC_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{resume_from_checkpoint} has no {CRITIC_FILE}: not a steadyrl PPO checkpoint")
+        wrapper.critic.load_state_dict(load_file(str(path), device=str(self.accelerator.device)))
+
+    # ------------------------------------------------------------------ rewards -> GAE advantages
+
+    def _rewrites_advantages(self) -> bool:
+        return True  # always: the sequence reward, not TRL's group advantage, goes on
+
+    def compute_advantages(
+        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """PPO: gathered rewards (N, num_funcs) -> *sequence rewards* (N,): weighted sum, then GRADE when enabled.
+
+        GAE turns them into token advantages later (``_generate_and_score_completions``). Unscorable rows and rows
+        QUATRO's filters dropped get reward 0 (dropped rows also leave the loss: their completion mask is 0).
+        """
+        self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
+        rewards = self._weighted_rewards(rewards_per_func)
+        if keep is not None:
+            rewards = rewards.masked_fill(~keep.to(rewards.device), torch.nan)
+        if self.reward_processor is not None:
+            rewards = self.reward_processor(rewards, prompts, num_generations)
+            for name, value in getattr(self.reward_processor, "metrics", dict)().items():
+                self._guard_metric(name, value)
+            if self.kl_compensation is not None:
+                factor = self.reward_processor.kl_compensation(*self.kl_compensation)
+                self.set_beta_factor("grade", factor)
+                self._guard_metric("grade/kl_factor", factor)
+                self._guard_metric("grade/beta", self.beta)
+        return torch.nan_to_num(rewards, nan=0.0)
+
+    def _global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, unbiased var) of ``x`` over the real tokens of every rank (all-reduced n, sum, sum of squares)."""
+        real = mask.bool()
+        xs = torch.where(real, x.double(), 0.0)
+        local = torch.stack([real.sum().double(), xs.sum(), (xs * xs).sum()])
+        n, total, squares = self.accelerator.reduce(local, reduction="sum")
+        mean = total / n.clamp(min=1.0)
+        var = (squares - n * mean * mean) / (n - 1.0).clamp(min=1.0)
+        return mean.float(), var.clamp(min=0.0).float()
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return output
+        with self.guard_timer():
+            self._add_gae(output)
+        return output
+
+    @torch.no_grad()
+    def _add_gae(self, output: dict[str, Any]) -> None:
+        """Replace ``advantages`` (sequence rewards, (B,)) with whitened GAE advantages (B, T); add values, returns."""
+        p = self.ppo
+        seq_rewards = output["advantages"].float()
+        completion_ids = output["completion_ids"]
+        mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            mask = mask * output["tool_mask"]
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        width = completion_ids.size(1)
+        # V(s_t): the critic's output at the position that predicts completion token t (as the logits are sliced)
+        values = self.policy_and_value.critic(input_ids=input_ids, attention_mask=attention_mask)
+        values = values[:, -(width + 1) : -1].float()
+        kl = None
+        ref = output.get("ref_per_token_logps")
+        if ref is not None and self.beta != 0.0:
+            logps = output.get("old_per_token_logps")
+            if logps is None:  # TRL skips it when the rollout policy is the current one; the KL needs it
+                logps, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, width, batch_size=self.args.per_device_train_batch_size
+                )
+            kl = self.kl_estimator(logps.float(), ref.float())
+        token_rewards = place_rewards(seq_rewards, mask, kl, self.beta)
+        advantages, returns = gae(token_rewards, values, mask, gamma=p.gamma, lam=p.lam)
+        if p.whiten_advantages:
+            advantages = whiten(advantages, mask, stats=self._global_mean_var(advantages, mask))
+        if p.soft_clip is not None:
+            advantages = soft_clip(advantages, p.soft_clip)
+        output["advantages"] = advantages
+        output["old_values"] = values
+        output["returns"] = returns
+        # rollout metrics, over all ranks' real tokens
+        returns_mean, returns_var = self._global_mean_var(returns, mask)
+        _, residual_var = self._global_mean_var(returns - values, mask)
+        values_mean, _ = self._global_mean_var(values, mask)
+        ev = 1.0 - residual_var / returns_var if returns_var > 0 else torch.tensor(float("nan"))
+        self._guard_metric("ppo/returns_mean", float(returns_mean))
+        self._guard_metric("ppo/values_mean", float(values_mean))
+        self._guard_metric("ppo/explained_variance", float(ev))
+        self._guard_metric("ppo/beta", float(self.beta))
+        if kl is not None:
+            kl_mean, _ = self._global_mean_var(kl, mask)
+            self._guard_metric("ppo/kl", float(kl_mean))
+
+    # ------------------------------------------------------------------ loss: TRL's policy loss + value loss
+
+    def _compute_loss(self, model, inputs):
+        if "old_values" not in inputs:  # eval batches: no rollout values
+            with self._kl_out_of_loss():
+                return super()._compute_loss(model, inputs)
+        wrapper = self.policy_and_value
+        with self._kl_out_of_loss(), wrapper.computing_values():
+            loss = super()._compute_loss(model, inputs)
+        full_values, wrapper.last_values = wrapper.last_values, None
+        assert full_values is not None, "the policy forward of TRL's loss did not run through PolicyAndValue"
+        width = inputs["completion_ids"].size(1)
+        values = full_values[:, -(width + 1) : -1].float()
+        mask = inputs["completion_mask"]
+        if inputs.get("tool_mask") is not None:
+            mask = mask * inputs["tool_mask"]
+        vf_loss, clipfrac = clipped_value_loss(
+            values, inputs["old_values"], inputs["returns"], mask, self.ppo.cliprange_value
+        )
+        self._guard_metric("ppo/value_loss", float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
+        self._guard_metric("ppo/clipfrac_value", float(self.accelerator.reduce(clipfrac, reduction="mean")))
+        # scaled for gradient accumulation like TRL's grpo/bnpo losses (HF auto-scaling is off in GRPOTrainer)
+        return loss + self.ppo.vf_coef * vf_loss / self.current_gradient_accumulation_steps
+
+    @contextlib.contextmanager
+    def _kl_out_of_loss(self) -> Iterator[None]:
+        """TRL adds ``beta * kl`` to the loss when ``self.beta != 0``; PPO's KL is in the reward, so 0 here.
+
+        ``self.beta`` stays the KL coefficient everywhere else: TRL's rollout reads it to compute the reference
+        log-probs, GRADE's compensation and the reward placement scale it.
+        """
+        beta, self.beta = self.beta, 0.0
+        try:
+            yield
+        finally:
+            self.beta = beta

@@ -1,0 +1,197 @@
+"""SteadyPPOTrainer on the tiny model: metrics, the critic trains in its own param group, KL stays out of the loss,
+exact resume of policy + critic + their optimizer state, num_generations=1."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+from trl import GRPOConfig
+
+from steadyrl.config.schema import PPOSection
+from steadyrl.trainers.grpo import COMPLETE_MARKER
+from steadyrl.trainers.ppo import CRITIC_FILE, SteadyPPOTrainer
+from steadyrl.trainers.ppo_config import SteadyPPOConfig
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
+
+pytestmark = pytest.mark.slow
+
+PPO_METRICS = ("ppo/value_loss", "ppo/explained_variance", "ppo/returns_mean", "ppo/clipfrac_value", "ppo/kl")
+
+
+def _trainer(
+    model_dir: Path, out: Path, ppo: PPOSection | None = None, guards: dict | None = None, **args
+) -> SteadyPPOTrainer:
+    args = {"num_generations": 1, "beta": 0.04, **args}
+    return SteadyPPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[byte_mean],
+        args=grpo_args(out, SteadyPPOConfig, **args),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        ppo=ppo or PPOSection(critic_lr=3e-3),
+        **(guards or {}),
+    )
+
+
+def test_num_generations_1_is_ppo_only(tmp_path):
+    assert SteadyPPOConfig(output_dir=str(tmp_path), num_generations=1, use_cpu=True, bf16=False).num_generations == 1
+    with pytest.raises(ValueError, match="at least 2 generations"):
+        GRPOConfig(output_dir=str(tmp_path), num_generations=1, use_cpu=True, bf16=False)
+
+
+def test_ppo_run_trains_policy_and_critic(tiny_model_dir, tmp_path):
+    trainer = _trainer(tiny_model_dir, tmp_path / "run", max_steps=4)
+    wrapper = trainer.policy_and_value
+    initial = weights(wrapper)
+    assert torch.count_nonzero(wrapper.critic.value_head.summary.weight) == 0  # zero-initialised head
+    trainer.train()
+    final = weights(wrapper)
+
+    history = trainer.state.log_history
+    for key in PPO_METRICS:
+        values = per_step(history, key)
+        assert len(values) == 4 and all(math.isfinite(v) for v in values), (key, values)
+    assert per_step(history, "kl") == []  # TRL's loss-side KL term is off: PPO's KL is in the reward
+    assert per_step(history, "ppo/kl")[0] == 0.0  # the first rollout's policy is the reference
+    # values start at exactly 0, so the first explained variance is exactly 0 and the critic then learns
+    assert per_step(history, "ppo/explained_variance")[0] == 0.0
+    assert all(torch.isfinite(v).all() for v in final.values())
+    critic_changed = [k for k in final if k.startswith("critic.") and not torch.equal(initial[k], final[k])]
+    policy_changed = [k for k in final if k.startswith("policy.") and not torch.equal(initial[k], final[k])]
+    assert "critic.value_head.summary.weight" in critic_changed and len(critic_changed) > 5
+    assert policy_changed
+
+    # one optimizer: the critic's params are their own groups, at critic_lr x the same schedule factor
+    critic_ids = {id(p) for p in wrapper.critic.parameters()}
+    groups = trainer.optimizer.param_groups
+    critic_groups = [g for g in groups if all(id(p) in critic_ids for p in g["params"])]
+    policy_groups = [g for g in groups if not any(id(p) in critic_ids for p in g["params"])]
+    assert len(critic_groups) + len(policy_groups) == len(groups) and critic_groups and policy_groups
+    assert sum(len(g["params"]) for g in critic_groups) == len(list(wrapper.critic.parameters()))
+    assert {g["initial_lr"] for g in critic_groups} == {3e-3}
+    assert {g["initial_lr"] for g in policy_groups} == {1e-3}
+
+
+def test_ppo_resume_is_exact_with_critic_and_its_optimizer(tiny_model_dir, tmp_path):
+    common = dict(max_steps=4, save_steps=2, save_strategy="steps", num_iterations=2)
+    straight = _trainer(tiny_model_dir, tmp_path / "straight", **common)
+    straight.train()
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    assert (checkpoint / COMPLETE_MARKER).is_file() and (checkpoint / CRITIC_FILE).is_file()
+    assert (checkpoint / "model.safetensors").is_file()  # the policy, in its own format
+
+    resumed = _trainer(tiny_model_dir, tmp_path / "resumed", **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+
+    assert resumed.state.global_step == straight.state.global_step == 4
+    assert_same_weights(weights(resumed.policy_and_value), weights(straight.policy_and_value))
+    a, b = resumed.optimizer.state_dict(), straight.optimizer.state_dict()
+    assert a["state"].keys() == b["state"].keys() and len(a["param_groups"]) == 4
+    for index, state in a["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[name], b["state"][index][name]), (index, name)
+        assert int(state["step"]) == 4
+    after = [r for r in straight.state.log_history if r.get("step", 0) > 2 and "loss" in r]
+    resumed_rows = [r for r in resumed.state.log_history if r.get("step", 0) > 2 and "loss" in r]
+    for key in ("ppo/value_loss", "ppo/returns_mean", "ppo/explained_variance", "loss"):
+        assert per_step(resumed_rows, key) == per_step(after, key) != [], key
+
+
+def test_vf_coef_zero_leaves_the_critic_untouched(tiny_model_dir, tmp_path):
+    """vf_coef=0: the critic gets zero gradient (Adam leaves it in place); the value loss is still measured."""
+    trainer = _trainer(tiny_model_dir, tmp_path / "novf", ppo=PPOSection(vf_coef=0.0), max_steps=2)
+    initial = weights(trainer.policy_and_value.critic)
+    trainer.train()
+    assert_same_weights(weights(trainer.policy_and_value.critic), initial)
+    assert all(v > 0 for v in per_step(trainer.state.log_history, "ppo/value_loss"))
+
+
+def test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step(tiny_model_dir, tmp_path):
+    """GRADE scales the sequence reward before GAE (seed 004 §3.3); the step guard sees one norm over policy + critic
+    and skips nothing on a healthy run."""
+    from steadyrl.guards.grade import GradeConfig, GradeScaler
+    from steadyrl.guards.spike import SpikeConfig, SpikeGuard
+
+    guards = dict(
+        reward_processor=GradeScaler(GradeConfig(warmup=2, clip_start=2)),
+        step_guards=[SpikeGuard(SpikeConfig())],
+        finite_checks=True,
+    )
+    trainer = _trainer(tiny_model_dir, tmp_path / "guarded", guards=guards, max_steps=3, beta=0.0)
+    trainer.train()
+    history = trainer.state.log_history
+    scaled, raw = per_step(history, "grade/scaled_mean"), per_step(history, "reward")
+    assert len(scaled) == 3 and scaled != raw  # GRADE changed the rewards PPO trained on
+    assert all(math.isfinite(v) for v in per_step(history, "ppo/returns_mean"))
+    assert per_step(history, "gepo/skipped_steps")[-1] == 0.0
+    assert all(math.isfinite(v) for v in per_step(history, "grad_norm"))
+
+
+def test_lora_ppo_trains_only_adapters_and_value_head_and_resumes_exactly(tiny_model_dir, tmp_path):
+    """LoRA policy: the reference is the policy with its adapter disabled (through the wrapper); the critic gets its
+    own adapter on its own frozen base copy; base weights never move; resume restores both adapters and the head."""
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+
+    common = dict(max_steps=3, save_steps=2, save_strategy="steps")
+    straight = _trainer(tiny_model_dir, tmp_path / "a", guards={"peft_config": lora()}, **common)
+    wrapper = straight.policy_and_value
+    initial = weights(wrapper)
+    straight.train()
+    final = weights(wrapper)
+    changed = {k for k in final if not torch.equal(initial[k], final[k])}
+    assert changed and all("lora_" in k or k.startswith("critic.value_head.") for k in changed)
+    assert any(k.startswith("critic.") and "lora_" in k for k in changed)
+    assert any(k.startswith("policy.") and "lora_" in k for k in changed)
+    kls = per_step(straight.state.log_history, "ppo/kl")
+    assert kls[0] == 0.0 and kls[-1] != 0.0  # the disabled-adapter reference differs once the adapter trained
+
+    resumed = _trainer(tiny_model_dir, tmp_path / "b", guards={"peft_config": lora()}, **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert_same_weights(weights(resumed.policy_and_value), final)
+
+
+def test_cli_ppo_with_every_guard_layer_that_applies(tiny_model_dir, tmp_path):
+    """`steadyrl train configs/tiny/ppo.yaml` with GEPO (spike skip, finite checks), OPEFO, GRADE and QUATRO's
+    entropy floor and rollout filters on: the run finishes, saves policy + critic, and logs each layer's metrics."""
+    import json
+
+    from tests.integration.test_cli import steadyrl
+
+    out = tmp_path / "cli"
+    proc = steadyrl(
+        "train",
+        "configs/tiny/ppo.yaml",
+        f"model.path={tiny_model_dir}",
+        f"trainer.output_dir={out}",
+        "trainer.max_steps=4",
+        "trainer.save_steps=4",
+        "trainer.per_device_train_batch_size=8",
+        "trainer.max_completion_length=4",
+        "trainer.logging_steps=1",
+        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}]",
+        "eval.every=0",
+        "eval.max_samples=8",
+        "guards.gepo.enabled=true",
+        "guards.gepo.advantage.enabled=false",
+        "guards.opefo.enabled=true",
+        "guards.grade.enabled=true",
+        "guards.quatro.enabled=true",
+        "guards.quatro.kl.enabled=false",
+        "guards.quatro.filters.zero_variance.enabled=false",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval byte_mean after PPO" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = set().union(*rows)
+    for key in ("ppo/value_loss", "ppo/explained_variance", "grade/scaled_mean", "gepo/skipped_steps"):
+        assert key in keys, key
+    assert any(k.startswith("quatro/") for k in keys) and any(k.startswith("opefo/") for k in keys)
+    assert (out / "checkpoint-4" / "critic.safetensors").is_file()
+    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "critic" / "config.json").is_file()

@@ -1,0 +1,44 @@
+"""PPO under real 2-process CPU launches (DDP, DeepSpeed ZeRO-2): identical policy and critic weights on both ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.helpers import assert_same_weights
+from tests.integration.test_launch import launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
+def test_ppo_two_processes_agree_on_policy_and_critic(tiny_model_dir, tmp_path, accelerate_config):
+    out = tmp_path / "ppo"
+    dumps, proc = launch(
+        accelerate_config,
+        tiny_model_dir,
+        out,
+        "trainer.num_generations=1",
+        "trainer.num_iterations=1",
+        "trainer.beta=0.04",
+        "ppo.critic_lr=3.0e-3",
+        "eval.every=0",
+        config="ppo.yaml",
+    )
+    assert [d["world_size"] for d in dumps] == [2, 2] and [d["global_step"] for d in dumps] == [2, 2]
+    rank0, rank1 = dumps[0]["weights"], dumps[1]["weights"]
+    assert any(k.startswith("critic.") for k in rank0) and any(k.startswith("policy.") for k in rank0)
+    assert_same_weights(rank0, rank1)
+    assert torch.count_nonzero(rank0["critic.value_head.summary.weight"]) > 0  # the zero-initialised head trained
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "steadyrl_complete.json").is_file() and (checkpoint / "critic.safetensors").is_file()
+    # final/ holds the bare policy (loadable as a causal LM) and the critic, both equal to the trained weights
+    from transformers import AutoModelForCausalLM
+
+    from steadyrl.ppo.value import CriticModel
+
+    policy = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert_same_weights(policy, {k.removeprefix("policy."): v for k, v in rank0.items() if k.startswith("policy.")})
+    critic = CriticModel.from_pretrained(out / "final" / "critic").state_dict()
+    assert_same_weights(critic, {k.removeprefix("critic."): v for k, v in rank0.items() if k.startswith("critic.")})
+    assert "eval byte_mean after PPO" in proc.stdout

@@ -1,0 +1,57 @@
+"""The `ppo` section, `algorithm: ppo|reward` and their contradiction checks (no model is loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from steadyrl.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+PPO = REPO / "configs" / "tiny" / "ppo.yaml"
+REWARD = REPO / "configs" / "tiny" / "reward.yaml"
+
+
+def test_tiny_ppo_config_resolves_with_its_ppo_section():
+    cfg = load_config(PPO)
+    assert cfg.algorithm == "ppo" and cfg.trainer["num_generations"] == 1
+    assert (cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.kl_estimator, cfg.ppo.value_model) == (1.0, 0.95, "k1", None)
+    assert cfg.ppo.critic_lr == 1e-3 and cfg.ppo.whiten_advantages is True
+
+
+def test_ppo_section_range_checks_and_unknown_keys():
+    with pytest.raises(ConfigError, match=r"kl_estimator: unknown 'k2'; valid: \['k1', 'k3'\]"):
+        load_config(PPO, ["ppo.kl_estimator=k2"])
+    with pytest.raises(ConfigError, match="gamma and lam must be in"):
+        load_config(PPO, ["ppo.lam=1.5"])
+    with pytest.raises(ConfigError, match="Did you mean 'vf_coef'"):
+        load_config(PPO, ["ppo.vf_coeff=0.5"])
+    with pytest.raises(ConfigError, match="is not a folder"):
+        load_config(PPO, ["ppo.value_model=/does/not/exist"])
+
+
+def test_ppo_refuses_grpo_only_and_unwired_guards():
+    with pytest.raises(ConfigError, match="GRPO-only"):
+        load_config(PPO, ["guards.gepo.enabled=true"])  # its MAD advantage is on by default
+    load_config(PPO, ["guards.gepo.enabled=true", "guards.gepo.advantage.enabled=false"])  # spike skip etc. is fine
+    with pytest.raises(ConfigError, match="not wired for PPO"):
+        load_config(PPO, ["guards.quatro.enabled=true", "trainer.beta=0.04"])  # adaptive KL is on by default
+    with pytest.raises(ConfigError, match="loss_type=cispo"):
+        load_config(PPO, ["trainer.loss_type=cispo"])
+
+
+def test_num_generations_1_is_refused_for_grpo():
+    with pytest.raises(ConfigError, match=r"TRL rejected.*at least 2"):
+        from steadyrl.trainers.build import trl_args
+
+        trl_args(load_config(REPO / "configs" / "tiny" / "grpo.yaml", ["trainer.num_generations=1"]))
+
+
+def test_reward_config_needs_an_eval_split_and_reward_config_fields():
+    cfg = load_config(REWARD)
+    assert cfg.algorithm == "reward" and cfg.trainer["max_length"] == 64
+    with pytest.raises(ConfigError, match="calibration report on held-out pairs"):
+        load_config(REWARD, ["data.eval_split=null"])
+    with pytest.raises(ConfigError, match=r"unknown key 'num_generations' for trl\.RewardConfig"):
+        load_config(REWARD, ["trainer.num_generations=4"])
