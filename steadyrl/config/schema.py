@@ -686,10 +686,11 @@ def _check_ppo(cfg: RunConfig) -> None:
             "guards.gepo.advantage (median/MAD group advantages) is GRPO-only; PPO's advantages come from GAE. Set "
             "guards.gepo.advantage.enabled=false (use ppo.soft_clip for GEPO's tanh clip of the GAE advantages)"
         )
-    if cfg.guards.quatro.enabled and (cfg.guards.quatro.replay.enabled or cfg.guards.quatro.kl.enabled):
+    # guards.quatro.kl works for PPO: it adapts the reward's KL coefficient from the rollout's KL (SteadyPPOTrainer)
+    if cfg.guards.quatro.enabled and cfg.guards.quatro.replay.enabled:
         raise ConfigError(
-            "guards.quatro.replay and guards.quatro.kl are not wired for PPO yet (replayed rows would need their "
-            "values and GAE advantages; the KL controller reads TRL's loss-side KL); turn them off for algorithm: ppo"
+            "guards.quatro.replay is not wired for PPO yet (replayed rows would need their values and GAE "
+            "advantages); set guards.quatro.replay.enabled=false for algorithm: ppo"
         )
     q = cfg.guards.quatro
     if q.enabled and q.filters.enabled and q.filters.zero_variance.enabled:

@@ -21,7 +21,13 @@ critic's parameters are their own param groups with ``ppo.critic_lr``. Checkpoin
 (``save_pretrained``, what ``final/`` and any other consumer loads), the whole critic as ``critic.safetensors``
 beside it; the optimizer state of both is the Trainer's own ``optimizer.pt`` (or the DeepSpeed engine's).
 
-What this leaves out: QUATRO's rollout replay and adaptive KL (refused by the config check), vLLM weight sync of the
+QUATRO's adaptive KL: the coefficient it controls is the reward's ``beta`` (``beta_base x`` every factor, GRADE's
+included), read fresh at every reward placement and logged there as ``ppo/beta``. TRL's loss logs no KL here, so
+``_add_gae`` hands the controller the rollout's mean per-token KL (``ppo/kl``: token mean over all ranks' loss
+tokens) and it observes once per generation batch, at the end of the optimizer step that generated it; steps that
+train on an earlier rollout do not observe (see ``steadyrl.trainers.quatro_runtime``).
+
+What this leaves out: QUATRO's rollout replay (refused by the config check), vLLM weight sync of the
 wrapped policy (untested), ZeRO-3, eval-mode value loss (eval batches get TRL's loss with the sequence reward as a
 flat advantage), and a critic trained less or more often than the policy (both step together).
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,9 +60,11 @@ CRITIC_FILE = "critic.safetensors"
 class SteadyPPOTrainer(SteadyGRPOTrainer):
     """PPO: ``SteadyGRPOTrainer`` + a critic (``ppo``: ``PPOSection``; ``critic``: a ready ``CriticModel``).
 
-    Everything else (reward processor, step guards, OPEFO, QUATRO filters) is the parent's. Pass a
-    ``SteadyPPOConfig`` as ``args`` to allow ``num_generations=1``.
+    Everything else (reward processor, step guards, OPEFO, QUATRO filters, entropy floor and adaptive KL) is the
+    parent's. Pass a ``SteadyPPOConfig`` as ``args`` to allow ``num_generations=1``.
     """
+
+    kl_in_reward = True  # QUATRO's KL controller reads the rollout's KL (record_rollout_kl), not TRL's loss-side kl
 
     def __init__(self, *args: Any, ppo: PPOSection | None = None, critic: CriticModel | None = None, **kwargs: Any):
         # a copy: PEFT rewrites target_modules ("all-linear" -> the causal LM's module names) when it wraps the policy
@@ -252,10 +261,14 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         self._guard_metric("ppo/returns_mean", float(returns_mean))
         self._guard_metric("ppo/values_mean", float(values_mean))
         self._guard_metric("ppo/explained_variance", float(ev))
-        self._guard_metric("ppo/beta", float(self.beta))
+        self._guard_metric("ppo/beta", float(self.beta))  # the coefficient place_rewards just used
+        kl_mean = float("nan")
         if kl is not None:
-            kl_mean, _ = self._global_mean_var(kl, mask)
-            self._guard_metric("ppo/kl", float(kl_mean))
+            kl_mean = float(self._global_mean_var(kl, mask)[0])
+            self._guard_metric("ppo/kl", kl_mean)
+        if self.quatro is not None and self.quatro.kl is not None:
+            tokens = float(self.accelerator.reduce(mask.sum().float().reshape(1), reduction="sum").item())
+            self.quatro.record_rollout_kl(kl_mean if tokens > 0 else float("nan"), tokens)
 
     # ------------------------------------------------------------------ loss: TRL's policy loss + value loss
 
@@ -286,10 +299,11 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         """TRL adds ``beta * kl`` to the loss when ``self.beta != 0``; PPO's KL is in the reward, so 0 here.
 
         ``self.beta`` stays the KL coefficient everywhere else: TRL's rollout reads it to compute the reference
-        log-probs, GRADE's compensation and the reward placement scale it.
+        log-probs, GRADE's compensation and QUATRO's controller scale it, the reward placement uses it. On exit it is
+        the effective ``beta_base x`` every factor again (a factor set meanwhile is kept, not undone).
         """
-        beta, self.beta = self.beta, 0.0
+        self.beta = 0.0
         try:
             yield
         finally:
-            self.beta = beta
+            self.beta = self.beta_base * math.prod(self.beta_factors.values())

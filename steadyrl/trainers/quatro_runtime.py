@@ -10,6 +10,14 @@ The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; thi
 - adaptive KL (after each optimizer step): ``AdaptiveKL.observe(step mean KL)``, then
   ``trainer.set_beta_factor("quatro_kl", factor)``. The effective coefficient is
   ``trainer.beta = beta_base x quatro_kl x grade`` (GRADE's KL compensation, when on, is the other factor).
+  PPO (a trainer with ``kl_in_reward = True``) has no loss-side KL: its loss runs with beta 0, TRL logs no ``kl``.
+  There the KL is measured once per generation batch, where PPO places ``-beta * kl_t`` in the token rewards
+  (``record_rollout_kl``: the token mean over all ranks' loss tokens of the rollout), and the controller observes
+  *once per generation batch*: at the end of the optimizer step that generated it, the token-weighted mean of the
+  rollouts generated during that step (one in the usual layout). Steps that train on an earlier rollout
+  (``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``) bring no new measurement and
+  do not observe, so ``update_every`` counts generation batches in PPO, and a rollout's KL is never counted twice.
+  The new coefficient applies from the next rollout's reward placement on (like GRPO's, from the next step's loss).
 - entropy floor (after each optimizer step): ``EntropyFloor.observe(step mean entropy)``, then TRL's own entropy
   bonus coefficient ``trainer.entropy_coef = floor.bonus`` (TRL's ``_entropy_bonus_enabled`` is switched on at
   bind time, with coefficient 0 the term adds exactly 0) and, for the loss types whose epsilon is PPO's clip range
@@ -93,6 +101,8 @@ class QuatroRuntime:
         self.trainer: Any = None
         self._epsilon0: tuple[float, float] | None = None
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
+        self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
+        self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
 
     @property
     def filters_on(self) -> bool:
@@ -107,6 +117,7 @@ class QuatroRuntime:
     def bind(self, trainer: Any) -> None:
         """Called from the trainer's ``__init__`` (before any resume loads state into the controllers)."""
         self.trainer = trainer
+        self.kl_from_rollouts = bool(getattr(trainer, "kl_in_reward", False))
         if self.replay_on:
             tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -162,6 +173,20 @@ class QuatroRuntime:
         entropy = metrics["entropy"][-1] if metrics.get("entropy") else math.nan
         self._entries.append((float(kl), float(entropy), tokens))
 
+    def record_rollout_kl(self, kl_mean: float, tokens: float) -> None:
+        """PPO: a training generation batch's mean per-token KL to the reference (token mean over all ranks' loss
+        tokens, NaN when it has none) and that token count; observed at the end of this optimizer step."""
+        self._rollout_kl.append((float(kl_mean), float(tokens)))
+
+    def _rollout_kl_mean(self) -> float | None:
+        """Token-weighted KL of the generation batches of this step; None when the step generated none."""
+        rollouts, self._rollout_kl = self._rollout_kl, []
+        if not rollouts:
+            return None
+        pairs = [(v, w) for v, w in rollouts if w > 0 and math.isfinite(v)]
+        total = sum(w for _, w in pairs)
+        return sum(v * w for v, w in pairs) / total if total > 0 else math.nan
+
     def _step_means(self) -> tuple[float, float]:
         """Token-weighted KL and entropy of this optimizer step's micro-batches (NaN without tokens)."""
         out = []
@@ -179,7 +204,12 @@ class QuatroRuntime:
         kl_mean, entropy_mean = self._step_means()
         metrics: dict[str, float] = {}
         if self.kl is not None:
-            self.kl.observe(kl_mean)
+            if self.kl_from_rollouts:  # PPO: once per generation batch, none on steps that reuse a rollout
+                rollout_kl = self._rollout_kl_mean()
+                if rollout_kl is not None:
+                    self.kl.observe(rollout_kl)
+            else:
+                self.kl.observe(kl_mean)
             metrics.update(self.kl.metrics())
         if self.entropy is not None:
             warning = self.entropy.observe(entropy_mean)
@@ -305,6 +335,7 @@ class QuatroRuntime:
             elif obj is not None:
                 logger.warning("the checkpoint has no QUATRO %s state: it starts fresh", name)
         self._entries = []
+        self._rollout_kl = []
         self._apply()
 
     def rank_state_dict(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """SteadyPPOTrainer on the tiny model: metrics, the critic trains in its own param group, KL stays out of the loss,
-exact resume of policy + critic + their optimizer state, num_generations=1."""
+exact resume of policy + critic + their optimizer state, num_generations=1, QUATRO's adaptive KL on the reward's
+beta."""
 
 from __future__ import annotations
 
@@ -101,6 +102,75 @@ def test_ppo_resume_is_exact_with_critic_and_its_optimizer(tiny_model_dir, tmp_p
         assert per_step(resumed_rows, key) == per_step(after, key) != [], key
 
 
+def _quatro_kl(**kl) -> dict:
+    """QUATRO's adaptive KL alone; the tiny target makes every positive rollout KL push beta up."""
+    from steadyrl.guards.quatro import KLConfig, QuatroConfig
+    from steadyrl.trainers.quatro_runtime import QuatroRuntime
+
+    return {"quatro": QuatroRuntime(QuatroConfig(kl=KLConfig(**{"target": 1e-9, "up": 1.5, "down": 0.5, **kl})))}
+
+
+def _spy_on_placed_beta(monkeypatch) -> list[float]:
+    """The beta every ``place_rewards`` call of the PPO trainer gets (one per training generation batch)."""
+    import steadyrl.trainers.ppo as ppo_module
+
+    placed: list[float] = []
+    real = ppo_module.place_rewards
+
+    def spy(sequence_rewards, completion_mask, per_token_kl=None, beta=0.0):
+        placed.append(float(beta))
+        return real(sequence_rewards, completion_mask, per_token_kl, beta)
+
+    monkeypatch.setattr(ppo_module, "place_rewards", spy)
+    return placed
+
+
+def test_quatro_adaptive_kl_drives_the_reward_kl_coefficient(tiny_model_dir, tmp_path, monkeypatch):
+    """PPO feeds QUATRO's controller the rollout KL (TRL's loss logs none); the coefficient it sets is the one the
+    next rollout's ``-beta * kl_t`` uses. k3 (>= 0): rollout 1 has KL exactly 0 (policy = reference) < target, so
+    beta goes down; every later rollout has KL > 1e-9, so it goes up."""
+    placed = _spy_on_placed_beta(monkeypatch)
+    ppo = PPOSection(critic_lr=3e-3, kl_estimator="k3")
+    trainer = _trainer(tiny_model_dir, tmp_path / "kl", ppo=ppo, guards=_quatro_kl(), max_steps=4, beta=0.04)
+    trainer.train()
+    history = trainer.state.log_history
+    kls, coefs = per_step(history, "ppo/kl"), per_step(history, "quatro/kl_coef")
+    assert len(kls) == len(coefs) == 4 and per_step(history, "kl") == []
+    assert per_step(history, "quatro/kl_mean") == kls  # the controller observed each rollout's measured KL
+    assert kls[0] == 0.0 and all(k > 1e-9 for k in kls[1:])
+    assert coefs == pytest.approx([0.02, 0.03, 0.045, 0.0675])  # x0.5, then x1.5 per rollout
+    # the placed coefficient: beta0 for rollout 1, then the controller's latest (beta_base x factor), never 0/stale
+    assert placed == per_step(history, "ppo/beta") == pytest.approx([0.04, *coefs[:-1]])
+    assert placed[1:] == pytest.approx([0.04 * f for f in per_step(history, "quatro/kl_factor")[:-1]])
+    assert trainer.beta == pytest.approx(coefs[-1]) and trainer.quatro.kl.updates == 4
+
+
+def test_ppo_resume_is_exact_with_quatro_adaptive_kl(tiny_model_dir, tmp_path, monkeypatch):
+    """num_iterations=2: one rollout per 2 optimizer steps, so the controller observes at steps 1 and 3 only (a
+    rollout's KL counts once); resuming from step 2 restores its beta and reproduces weights, KL and coefficients."""
+    placed = _spy_on_placed_beta(monkeypatch)
+    common = dict(max_steps=4, save_steps=2, save_strategy="steps", num_iterations=2, beta=0.04)
+    ppo = PPOSection(critic_lr=3e-3, kl_estimator="k3")
+    straight = _trainer(tiny_model_dir, tmp_path / "straight", ppo=ppo, guards=_quatro_kl(), **common)
+    straight.train()
+    history = straight.state.log_history
+    coefs = per_step(history, "quatro/kl_coef")
+    assert coefs == pytest.approx([0.02, 0.02, 0.03, 0.03]) and straight.quatro.kl.updates == 2
+    assert placed == pytest.approx([0.04, 0.02])  # one placement per rollout, with the coefficient of its time
+
+    placed.clear()
+    resumed = _trainer(tiny_model_dir, tmp_path / "resumed", ppo=ppo, guards=_quatro_kl(), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    assert placed == pytest.approx([0.02])  # the restored controller's beta, not trainer.beta's initial 0.04
+    assert resumed.state.global_step == 4 and resumed.beta == straight.beta
+    assert resumed.quatro.state_dict() == straight.quatro.state_dict()
+    assert_same_weights(weights(resumed.policy_and_value), weights(straight.policy_and_value))
+    after = [r for r in history if r.get("step", 0) > 2 and "loss" in r]
+    resumed_rows = [r for r in resumed.state.log_history if r.get("step", 0) > 2 and "loss" in r]
+    for key in ("quatro/kl_coef", "quatro/kl_mean", "ppo/kl", "ppo/beta", "ppo/returns_mean", "loss"):
+        assert per_step(resumed_rows, key) == per_step(after, key) != [], key
+
+
 def test_vf_coef_zero_leaves_the_critic_untouched(tiny_model_dir, tmp_path):
     """vf_coef=0: the critic gets zero gradient (Adam leaves it in place); the value loss is still measured."""
     trainer = _trainer(tiny_model_dir, tmp_path / "novf", ppo=PPOSection(vf_coef=0.0), max_steps=2)
@@ -159,7 +229,8 @@ def test_lora_ppo_trains_only_adapters_and_value_head_and_resumes_exactly(tiny_m
 
 def test_cli_ppo_with_every_guard_layer_that_applies(tiny_model_dir, tmp_path):
     """`steadyrl train configs/tiny/ppo.yaml` with GEPO (spike skip, finite checks), OPEFO, GRADE and QUATRO's
-    entropy floor and rollout filters on: the run finishes, saves policy + critic, and logs each layer's metrics."""
+    entropy floor, adaptive KL and rollout filters on: the run finishes, saves policy + critic, and logs each layer's
+    metrics."""
     import json
 
     from tests.integration.test_cli import steadyrl
@@ -183,14 +254,20 @@ def test_cli_ppo_with_every_guard_layer_that_applies(tiny_model_dir, tmp_path):
         "guards.opefo.enabled=true",
         "guards.grade.enabled=true",
         "guards.quatro.enabled=true",
-        "guards.quatro.kl.enabled=false",
+        "guards.quatro.kl.target=1e-9",
         "guards.quatro.filters.zero_variance.enabled=false",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval byte_mean after PPO" in proc.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*rows)
-    for key in ("ppo/value_loss", "ppo/explained_variance", "grade/scaled_mean", "gepo/skipped_steps"):
+    for key in (
+        "ppo/value_loss",
+        "ppo/explained_variance",
+        "grade/scaled_mean",
+        "gepo/skipped_steps",
+        "quatro/kl_coef",
+    ):
         assert key in keys, key
     assert any(k.startswith("quatro/") for k in keys) and any(k.startswith("opefo/") for k in keys)
     assert (out / "checkpoint-4" / "critic.safetensors").is_file()

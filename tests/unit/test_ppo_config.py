@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from steadyrl.config import ConfigError, load_config
+from steadyrl.trainers.build import guard_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 PPO = REPO / "configs" / "tiny" / "ppo.yaml"
@@ -35,8 +36,15 @@ def test_ppo_refuses_grpo_only_and_unwired_guards():
     with pytest.raises(ConfigError, match="GRPO-only"):
         load_config(PPO, ["guards.gepo.enabled=true"])  # its MAD advantage is on by default
     load_config(PPO, ["guards.gepo.enabled=true", "guards.gepo.advantage.enabled=false"])  # spike skip etc. is fine
-    with pytest.raises(ConfigError, match="not wired for PPO"):
-        load_config(PPO, ["guards.quatro.enabled=true", "trainer.beta=0.04"])  # adaptive KL is on by default
+    quatro = ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.filters.zero_variance.enabled=false"]
+    cfg = load_config(PPO, quatro)  # adaptive KL (on by default) works for PPO: it reads the rollout's KL
+    assert cfg.guards.quatro.kl.enabled and guard_kwargs(cfg)["quatro"].config.kl is not None
+    with pytest.raises(ConfigError, match=r"guards\.quatro\.replay is not wired for PPO"):
+        load_config(PPO, [*quatro, "guards.quatro.replay.enabled=true"])
+    with pytest.raises(ConfigError, match=r"zero_variance\.enabled=false"):
+        load_config(PPO, ["guards.quatro.enabled=true", "trainer.beta=0.04"])  # zero-variance filter: on by default
+    with pytest.raises(ConfigError, match=r"trainer\.beta is 0"):
+        load_config(PPO, [*quatro, "trainer.beta=0.0"])  # the controller needs a KL to control
     with pytest.raises(ConfigError, match="loss_type=cispo"):
         load_config(PPO, ["trainer.loss_type=cispo"])
 
