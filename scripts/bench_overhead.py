@@ -40,7 +40,7 @@ LAYERS = {  # name: (overrides for both runs, overrides for the guarded run only
     "GRADE + GEPO": ([], ["guards.grade.enabled=true", "guards.gepo.enabled=true"]),
     "OPEFO (defaults)": ([], ["guards.opefo.enabled=true"]),
     "OPEFO (compressed schedule)": ([], ["guards.opefo.enabled=true", *COMPRESSED_OPEFO]),
-    "QUATRO (KL, entropy floor, filters)": (BETA, ["guards.quatro.enabled=true"]),
+    "QUATRO (KL + entropy floor + filters)": (BETA, ["guards.quatro.enabled=true"]),
     "all four (defaults)": (BETA, [
         "guards.grade.enabled=true", "guards.gepo.enabled=true", "guards.opefo.enabled=true",
         "guards.quatro.enabled=true",
@@ -76,7 +76,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", default="runs/tiny-sft/final", help="model for the 1M size: the demo's SFT checkpoint")
     ap.add_argument("--model-size", choices=["1m", "50m"], default="1m")
-    ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated subset of: {', '.join(LAYERS)}")
+    ap.add_argument(
+        "--layers",
+        default=",".join(LAYERS),
+        help=f"comma-separated subset (names hold no commas) of: {', '.join(LAYERS)}",
+    )
     ap.add_argument("--out", default="runs/bench-overhead")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
