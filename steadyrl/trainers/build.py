@@ -49,19 +49,26 @@ def peft_config(cfg: RunConfig) -> Any:
     )
 
 
+def _model_init_kwargs(cfg: RunConfig, trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained`` kwargs from the model section (``trainer.model_init_kwargs`` wins); pops them from
+    ``trainer_kwargs`` and sets its ``trust_remote_code`` default."""
+    init_kwargs = dict(trainer_kwargs.pop("model_init_kwargs", None) or {})
+    init_kwargs.setdefault("dtype", cfg.model.dtype)
+    if cfg.model.attn_implementation is not None:
+        init_kwargs.setdefault("attn_implementation", cfg.model.attn_implementation)
+    if cfg.model.revision is not None:
+        init_kwargs.setdefault("revision", cfg.model.revision)
+    trainer_kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    return init_kwargs
+
+
 def trl_args(cfg: RunConfig) -> Any:
     """The TRL config object: the ``trainer`` section unchanged, plus model-loading kwargs from ``model``."""
     from steadyrl.config.schema import trl_config_class
 
     kwargs = dict(cfg.trainer)
     kwargs.pop("resume_from_checkpoint", None)  # handled by resolve_resume: the Trainer ignores this field
-    init_kwargs = dict(kwargs.pop("model_init_kwargs", None) or {})
-    init_kwargs.setdefault("dtype", cfg.model.dtype)
-    if cfg.model.attn_implementation is not None:
-        init_kwargs.setdefault("attn_implementation", cfg.model.attn_implementation)
-    if cfg.model.revision is not None:
-        init_kwargs.setdefault("revision", cfg.model.revision)
-    kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    init_kwargs = _model_init_kwargs(cfg, kwargs)
     _cpu_process_group(kwargs)
     if cfg.algorithm in ("grpo", "ppo"):
         kwargs["reward_weights"] = [r.weight for r in cfg.rewards]
@@ -285,13 +292,7 @@ def run_reward(cfg: RunConfig) -> dict[str, Any]:
     kwargs = dict(cfg.trainer)
     kwargs.pop("resume_from_checkpoint", None)
     output_dir = kwargs.pop("output_dir")
-    init_kwargs = dict(kwargs.pop("model_init_kwargs", None) or {})
-    init_kwargs.setdefault("dtype", cfg.model.dtype)
-    if cfg.model.attn_implementation is not None:
-        init_kwargs.setdefault("attn_implementation", cfg.model.attn_implementation)
-    if cfg.model.revision is not None:
-        init_kwargs.setdefault("revision", cfg.model.revision)
-    kwargs.setdefault("trust_remote_code", cfg.model.trust_remote_code)
+    init_kwargs = _model_init_kwargs(cfg, kwargs)
     state = PartialState()
     train_ds, eval_ds = load_datasets(cfg.data)
     assert eval_ds is not None  # _check_reward requires an eval split

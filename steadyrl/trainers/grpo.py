@@ -245,14 +245,11 @@ class SteadyGRPOTrainer(GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         return rewards
 
-    def compute_advantages(
-        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None = None
+    def scaled_rewards(
+        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None
     ) -> torch.Tensor:
-        """Gathered rewards (N, num_funcs) -> advantages (N,), through the reward processor and advantage fn.
-
-        ``keep`` (N,) bool, from QUATRO's rollout filters: dropped rows are NaN (unscorable) for the reward
-        processor, leave their group's statistics and get advantage 0 (``masked_group_advantages``).
-        """
+        """Gathered rewards (N, num_funcs) -> (N,): weighted sum, filtered rows NaN, then the reward processor
+        (GRADE, with its KL compensation factor of ``beta``). NaN marks unscorable rows."""
         self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
         rewards = self._weighted_rewards(rewards_per_func)
         if keep is not None:
@@ -266,6 +263,17 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 self.set_beta_factor("grade", factor)
                 self._guard_metric("grade/kl_factor", factor)
                 self._guard_metric("grade/beta", self.beta)
+        return rewards
+
+    def compute_advantages(
+        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Gathered rewards (N, num_funcs) -> advantages (N,), through the reward processor and advantage fn.
+
+        ``keep`` (N,) bool, from QUATRO's rollout filters: dropped rows are NaN (unscorable) for the reward
+        processor, leave their group's statistics and get advantage 0 (``masked_group_advantages``).
+        """
+        rewards = self.scaled_rewards(rewards_per_func, prompts, num_generations, keep)
         advantage_fn = self.advantage_fn or partial(group_normalized_advantages, scale_rewards=self.scale_rewards)
         if keep is None:
             advantages = advantage_fn(rewards.view(-1, num_generations)).reshape(-1)

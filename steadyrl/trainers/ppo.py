@@ -187,19 +187,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         GAE turns them into token advantages later (``_generate_and_score_completions``). Unscorable rows and rows
         QUATRO's filters dropped get reward 0 (dropped rows also leave the loss: their completion mask is 0).
         """
-        self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
-        rewards = self._weighted_rewards(rewards_per_func)
-        if keep is not None:
-            rewards = rewards.masked_fill(~keep.to(rewards.device), torch.nan)
-        if self.reward_processor is not None:
-            rewards = self.reward_processor(rewards, prompts, num_generations)
-            for name, value in getattr(self.reward_processor, "metrics", dict)().items():
-                self._guard_metric(name, value)
-            if self.kl_compensation is not None:
-                factor = self.reward_processor.kl_compensation(*self.kl_compensation)
-                self.set_beta_factor("grade", factor)
-                self._guard_metric("grade/kl_factor", factor)
-                self._guard_metric("grade/beta", self.beta)
+        rewards = self.scaled_rewards(rewards_per_func, prompts, num_generations, keep)
         return torch.nan_to_num(rewards, nan=0.0)
 
     def _global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
