@@ -42,3 +42,41 @@ def test_ppo_two_processes_agree_on_policy_and_critic(tiny_model_dir, tmp_path, 
     critic = CriticModel.from_pretrained(out / "final" / "critic").state_dict()
     assert_same_weights(critic, {k.removeprefix("critic."): v for k, v in rank0.items() if k.startswith("critic.")})
     assert "eval byte_mean after PPO" in proc.stdout
+
+
+def test_lora_ppo_under_zero2_trains_adapters_and_critic_only(tiny_model_dir, tmp_path):
+    """LoRA on the policy under 2-process ZeRO-2: both ranks agree, the policy's base weights stay frozen, the
+    adapters (LoRA B starts at zero) and the critic's zero-initialised value head train."""
+    pytest.importorskip("deepspeed")
+    from transformers import AutoModelForCausalLM
+
+    dumps, _ = launch(
+        "zero2.yaml",
+        tiny_model_dir,
+        tmp_path / "lora",
+        "trainer.num_generations=1",
+        "trainer.num_iterations=1",
+        "trainer.beta=0.04",
+        "ppo.critic_lr=3.0e-3",
+        "eval.every=0",
+        "peft.r=4",
+        "peft.lora_alpha=8",
+        "peft.lora_dropout=0.0",
+        config="ppo.yaml",
+    )
+    rank0, rank1 = dumps[0]["weights"], dumps[1]["weights"]
+    assert_same_weights(rank0, rank1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    # the frozen base under each LoRA layer, mapped back to the plain model's names: the policy's and the critic's
+    frozen = {}
+    for key, value in rank0.items():
+        if ".base_layer." in key:
+            name = key.replace(".base_layer", "")
+            name = name.removeprefix("policy.base_model.model.").replace("critic.backbone.base_model.model.", "model.")
+            frozen[key] = (name, value)
+    assert any(k.startswith("policy.") for k in frozen) and any(k.startswith("critic.") for k in frozen)
+    moved = [k for k, (name, value) in frozen.items() if not torch.equal(base[name], value)]
+    assert not moved, f"LoRA base weights must not move: {moved[:3]}"
+    lora_b = [v for k, v in rank0.items() if "lora_B" in k]
+    assert lora_b and any(torch.count_nonzero(v) > 0 for v in lora_b)
+    assert torch.count_nonzero(rank0["critic.value_head.summary.weight"]) > 0
