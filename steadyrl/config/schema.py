@@ -687,11 +687,7 @@ def _check_ppo(cfg: RunConfig) -> None:
             "guards.gepo.advantage.enabled=false (use ppo.soft_clip for GEPO's tanh clip of the GAE advantages)"
         )
     # guards.quatro.kl works for PPO: it adapts the reward's KL coefficient from the rollout's KL (SteadyPPOTrainer)
-    if cfg.guards.quatro.enabled and cfg.guards.quatro.replay.enabled:
-        raise ConfigError(
-            "guards.quatro.replay is not wired for PPO yet (replayed rows would need their values and GAE "
-            "advantages); set guards.quatro.replay.enabled=false for algorithm: ppo"
-        )
+    # guards.quatro.replay works for PPO: a replayed row keeps its GAE advantages, old values and returns
     q = cfg.guards.quatro
     if q.enabled and q.filters.enabled and q.filters.zero_variance.enabled:
         raise ConfigError(
@@ -706,6 +702,12 @@ def _check_ppo(cfg: RunConfig) -> None:
     if t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
         raise ConfigError(
             "trainer.multi_objective_aggregation: PPO uses the weighted sum of rewards (sum_then_normalize)"
+        )
+    if t.get("use_vllm"):
+        raise ConfigError(
+            "trainer.use_vllm with algorithm: ppo is not supported yet: the policy sits inside the policy+critic "
+            "wrapper, whose parameter names TRL's vLLM weight sync does not expect (untested without a GPU). "
+            "Generate with transformers (trainer.use_vllm=false), or use algorithm: grpo for vLLM rollouts"
         )
 
 

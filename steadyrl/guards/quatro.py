@@ -699,6 +699,8 @@ REPLAY_ROW_KEYS: dict[str, tuple[str, float | None]] = {
     "sampling_per_token_logps": ("completion", 0.0),
     "importance_sampling_ratio": ("completion", 1.0),
     "tool_mask": ("completion", 1),
+    "old_values": ("completion", 0.0),  # PPO: the critic's values at sampling time (B, T)
+    "returns": ("completion", 0.0),  # PPO: GAE returns (B, T)
 }
 REPLAY_REQUIRED_KEYS = (
     "prompt_ids",
@@ -753,12 +755,21 @@ class ReplayInfo:
 
 
 def _row_signal(batch: dict[str, Any], i: int) -> float:
-    """|advantage| of row i: the scalar, or the largest over its unmasked tokens for per-token advantages."""
+    """|advantage| of row i: the scalar, or for per-token advantages (PPO's GAE, (B, T)) the mean |advantage| over
+    its loss tokens (completion mask, times the tool mask when there is one); 0.0 without loss tokens.
+
+    The mean, not the largest token: a row's share of the policy gradient grows with all its tokens' advantages, and
+    one large token (e.g. the last, where the sequence reward lands) should not make an otherwise flat row look
+    like the strongest signal. A row without signal still has mean 0, so ``min_abs_advantage`` keeps its meaning.
+    """
     adv = batch["advantages"][i]
     if adv.ndim == 0:
         return abs(float(adv))
     mask = batch["completion_mask"][i].to(adv.dtype)
-    return float((adv.abs() * mask).max()) if adv.numel() else 0.0
+    if batch.get("tool_mask") is not None:
+        mask = mask * batch["tool_mask"][i].to(adv.dtype)
+    tokens = float(mask.sum())
+    return float((adv.abs() * mask).sum()) / tokens if tokens > 0 else 0.0
 
 
 class ReplayBuffer:
@@ -770,7 +781,8 @@ class ReplayBuffer:
     Rows with a non-finite log-prob on an unmasked token (``LOGPROB_KEYS``: a policy that went NaN) are not stored
     either: each replay would turn a later loss NaN, long after the step that caused it was skipped or rolled back.
     Each row keeps its tensors (``REPLAY_ROW_KEYS``: ids, masks, advantage, the sampling policy's
-    ``old_per_token_logps``, which are required, ``ref_per_token_logps`` when present) trimmed to its own length,
+    ``old_per_token_logps``, which are required, ``ref_per_token_logps`` when present; under PPO also its (B, T)
+    token advantages, ``old_values`` and ``returns``, all right-padded like the completion) trimmed to its own length,
     on the CPU, and the step it was sampled at. A replayed row's importance ratio is exp(current - its own old
     log-probs). The buffer is FIFO by micro-batch: the last ``capacity`` calls of ``add``, a call with no signal
     row included (so no row is older than ``capacity`` micro-batches).

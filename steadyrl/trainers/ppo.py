@@ -27,7 +27,14 @@ included), read fresh at every reward placement and logged there as ``ppo/beta``
 tokens) and it observes once per generation batch, at the end of the optimizer step that generated it; steps that
 train on an earlier rollout do not observe (see ``steadyrl.trainers.quatro_runtime``).
 
-What this leaves out: QUATRO's rollout replay (refused by the config check), vLLM weight sync of the
+QUATRO's rollout replay: the parent mixes old rows into each generation's micro-batches after ``_add_gae`` ran, so
+a replayed row carries everything of its own rollout, right-padded over the completion: token advantages (B, T),
+``returns``, ``old_values``, sampling and reference log-probs (``steadyrl.guards.quatro.REPLAY_ROW_KEYS``). Its
+policy ratio is exp(current - its sampling log-probs) and its value loss is clipped around its own ``old_values``,
+i.e. stale rows train like PPO's later epochs. The rows worth replaying (and the fresh rows they displace) are
+ranked by the mean |token advantage| over their loss tokens (``_row_signal``): there are no groups here.
+
+What this leaves out: vLLM weight sync of the
 wrapped policy (untested), ZeRO-3, eval-mode value loss (eval batches get TRL's loss with the sequence reward as a
 flat advantage), and a critic trained less or more often than the policy (both step together).
 """

@@ -54,6 +54,9 @@ The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; thi
   importance sampling correction a replayed row also keeps its ``importance_sampling_ratio`` (the vLLM-vs-trainer
   mismatch at its sampling time; TRL multiplies it into the per-token loss, next to the policy-drift ratio
   exp(current - old)) and its ``sampling_per_token_logps``. PPO clipping bounds the ratio of stale rows as usual.
+  PPO (``SteadyPPOTrainer``): its GAE runs inside ``_generate_and_score_completions``, before the mixing, so a
+  replayed row also keeps its (B, T) token advantages, ``old_values`` and ``returns`` (value clipping around its own
+  sampling-time values); rows are ranked by the mean |token advantage| over their loss tokens.
 
 State: the controllers and the filter's length history are identical on every rank and saved with the guard
 state of the main process; the replay buffer (rows and generator) is per rank (``rank_state_dict``, saved in the

@@ -1,6 +1,6 @@
 """SteadyPPOTrainer on the tiny model: metrics, the critic trains in its own param group, KL stays out of the loss,
 exact resume of policy + critic + their optimizer state, num_generations=1, QUATRO's adaptive KL on the reward's
-beta."""
+beta, QUATRO's rollout replay (GAE tensors kept, exact resume)."""
 
 from __future__ import annotations
 
@@ -272,3 +272,91 @@ def test_cli_ppo_with_every_guard_layer_that_applies(tiny_model_dir, tmp_path):
     assert any(k.startswith("quatro/") for k in keys) and any(k.startswith("opefo/") for k in keys)
     assert (out / "checkpoint-4" / "critic.safetensors").is_file()
     assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "critic" / "config.json").is_file()
+
+
+def _quatro_replay(replay_ratio: float = 0.3125) -> dict:
+    """QUATRO's rollout replay alone (0.3125 x 8 = 2.5 -> 3 replayed rows per micro-batch once warm)."""
+    from steadyrl.guards.quatro import QuatroConfig, ReplayConfig
+    from steadyrl.trainers.quatro_runtime import QuatroRuntime
+
+    return {"quatro": QuatroRuntime(QuatroConfig(replay=ReplayConfig(replay_ratio=replay_ratio)))}
+
+
+def test_ppo_replay_keeps_gae_tensors_and_replays_the_configured_share(tiny_model_dir, tmp_path):
+    """One generation = 2 micro-batches = 1 optimizer step; from the second generation on every micro-batch holds 3
+    replayed rows, each with the token advantages, returns, old values and log-probs of the rollout it came from
+    (right-padded, zero past its completion), and the run stays finite."""
+    from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY
+
+    trainer = _trainer(
+        tiny_model_dir, tmp_path / "replay", guards=_quatro_replay(), max_steps=4, gradient_accumulation_steps=2
+    )
+    generations: dict[int, dict[str, torch.Tensor]] = {}
+    original_generate = trainer._generate_and_score_completions
+
+    def generate(inputs):
+        out = original_generate(inputs)
+        generations[trainer.state.global_step] = {k: v.detach().clone() for k, v in out.items() if torch.is_tensor(v)}
+        return out
+
+    trainer._generate_and_score_completions = generate
+    losses: list[tuple[int, dict]] = []
+    original_record = trainer.quatro.record_replay
+
+    def record(inputs, logps):
+        losses.append((trainer.state.global_step, inputs))
+        return original_record(inputs, logps)
+
+    trainer.quatro.record_replay = record
+    trainer.train()
+
+    per_token = ("advantages", "returns", "old_values", "old_per_token_logps", "ref_per_token_logps")
+    assert len(losses) == 8 and sorted(generations) == [0, 1, 2, 3]
+    for step, inputs in losses:
+        sampled = inputs[REPLAY_STEP_KEY]
+        replayed = (sampled >= 0).nonzero().flatten().tolist()
+        assert len(replayed) == (0 if step == 0 else 3), (step, sampled)
+        width = inputs["completion_ids"].shape[1]
+        for key in per_token:
+            assert inputs[key].shape == (8, width), key
+            assert torch.isfinite(inputs[key]).all(), key
+        for i in replayed:
+            origin = generations[int(sampled[i])]
+            assert int(sampled[i]) < step
+            n = int(inputs["completion_mask"][i].sum())
+            assert n > 0 and bool(inputs["completion_mask"][i, :n].all())
+            match = [
+                j
+                for j in range(origin["completion_ids"].shape[0])
+                if int(origin["completion_mask"][j].sum()) == n
+                and torch.equal(origin["completion_ids"][j, :n], inputs["completion_ids"][i, :n])
+                and torch.equal(origin["advantages"][j, :n], inputs["advantages"][i, :n])
+            ]
+            assert match, (step, i)
+            j = match[0]
+            for key in per_token:
+                assert torch.equal(inputs[key][i, :n], origin[key][j, :n]), key
+                assert not inputs[key][i, n:].any(), key  # right padding (or the rollout's own zeros)
+    history = trainer.state.log_history
+    assert per_step(history, "quatro/replay_frac") == [0.0] + [3 / 8] * 3
+    assert len(per_step(history, "quatro/replay_age_mean")) == 3
+    for key in PPO_METRICS:
+        assert all(math.isfinite(v) for v in per_step(history, key)), key
+    assert all(torch.isfinite(v).all() for v in weights(trainer.policy_and_value).values())
+
+
+def test_ppo_resume_is_exact_with_replay_on(tiny_model_dir, tmp_path):
+    """The replay buffer (rows with their GAE tensors, generator) is saved per rank and restored: resuming from step 2
+    reproduces weights, replay metrics and PPO's losses."""
+    common = dict(max_steps=4, save_steps=2, save_strategy="steps", gradient_accumulation_steps=2)
+    straight = _trainer(tiny_model_dir, tmp_path / "straight", guards=_quatro_replay(), **common)
+    straight.train()
+    resumed = _trainer(tiny_model_dir, tmp_path / "resumed", guards=_quatro_replay(), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    assert resumed.state.global_step == straight.state.global_step == 4
+    assert_same_weights(weights(resumed.policy_and_value), weights(straight.policy_and_value))
+    assert resumed.quatro.replay.added_rows > 0 and resumed.quatro.replay.replayed_rows > 0
+    after = [r for r in straight.state.log_history if r.get("step", 0) > 2 and "loss" in r]
+    resumed_rows = [r for r in resumed.state.log_history if r.get("step", 0) > 2 and "loss" in r]
+    for key in ("quatro/replay_frac", "quatro/replay_age_mean", "ppo/value_loss", "ppo/returns_mean", "loss"):
+        assert per_step(resumed_rows, key) == per_step(after, key) != [], key

@@ -39,8 +39,8 @@ def test_ppo_refuses_grpo_only_and_unwired_guards():
     quatro = ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.filters.zero_variance.enabled=false"]
     cfg = load_config(PPO, quatro)  # adaptive KL (on by default) works for PPO: it reads the rollout's KL
     assert cfg.guards.quatro.kl.enabled and guard_kwargs(cfg)["quatro"].config.kl is not None
-    with pytest.raises(ConfigError, match=r"guards\.quatro\.replay is not wired for PPO"):
-        load_config(PPO, [*quatro, "guards.quatro.replay.enabled=true"])
+    replay = load_config(PPO, [*quatro, "guards.quatro.replay.enabled=true"])  # replay works for PPO too
+    assert guard_kwargs(replay)["quatro"].config.replay is not None
     with pytest.raises(ConfigError, match=r"zero_variance\.enabled=false"):
         load_config(PPO, ["guards.quatro.enabled=true", "trainer.beta=0.04"])  # zero-variance filter: on by default
     with pytest.raises(ConfigError, match=r"trainer\.beta is 0"):
@@ -63,3 +63,12 @@ def test_reward_config_needs_an_eval_split_and_reward_config_fields():
         load_config(REWARD, ["data.eval_split=null"])
     with pytest.raises(ConfigError, match=r"unknown key 'num_generations' for trl\.RewardConfig"):
         load_config(REWARD, ["trainer.num_generations=4"])
+
+
+def test_ppo_with_vllm_rollouts_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"use_vllm with algorithm: ppo is not supported yet: .*weight sync"):
+        load_config(PPO, ["trainer.use_vllm=true"])

@@ -503,6 +503,27 @@ def test_replay_per_token_advantages():
     assert mixed["advantages"].tolist() == [[0.30000001192092896, 0.0, 0.0], [0.0, 0.5, -0.25]]
 
 
+def test_replay_ppo_rows_keep_values_and_returns_and_rank_by_mean_token_advantage():
+    """PPO batches: (B, T) advantages, old_values and returns are right-padded with 0 like the completion; rows are
+    ranked by the mean |token advantage| over their loss tokens (not the largest token)."""
+    buf = ReplayBuffer(ReplayConfig(replay_ratio=0.5), seed=0, pad_token_id=PAD)
+    stored = make_batch([[1]], [[2, 3, 4]], [0.0])
+    stored["advantages"] = torch.tensor([[0.0, 0.5, -0.25]])
+    stored["old_values"] = torch.tensor([[0.1, 0.2, 0.3]])
+    stored["returns"] = torch.tensor([[1.0, 2.0, 3.0]])
+    assert buf.add(stored, 0) == 1
+    fresh = make_batch([[1], [1]], [[5, 6], [7]], [0.0, 0.0])
+    # row 0: max 0.9 but mean 0.45; row 1: mean 0.5 -> row 0 carries less signal and is the one replaced
+    fresh["advantages"] = torch.tensor([[0.9, 0.0], [0.5, 7.0]])  # row 1's second token is padding (mask 0)
+    fresh["old_values"] = torch.tensor([[0.5, 0.5], [0.5, 0.0]])
+    fresh["returns"] = torch.tensor([[1.5, 1.5], [1.5, 0.0]])
+    mixed, info = buf.mix(fresh, 2)
+    assert info.indices == [0]
+    torch.testing.assert_close(mixed["old_values"], torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.0, 0.0]]))
+    assert mixed["returns"].tolist() == [[1.0, 2.0, 3.0], [1.5, 0.0, 0.0]]
+    assert mixed["advantages"].tolist() == [[0.0, 0.5, -0.25], [0.5, 7.0, 0.0]]
+
+
 def test_replay_state_round_trip_gives_identical_mixes():
     cfg = ReplayConfig(capacity=3, replay_ratio=0.3)
     a = ReplayBuffer(cfg, seed=5, pad_token_id=PAD)
