@@ -62,13 +62,18 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, label, args, resume_step):
     assert all(int(s["step"]) == 4 for s in final.values())
 
 
-def test_auto_resume_skips_incomplete_checkpoints(tmp_path):
+def _fake_checkpoints(root):
+    """checkpoint-2 and -4 complete, checkpoint-6 incomplete (no completion marker)."""
     for step, complete in ((2, True), (4, True), (6, False)):
-        folder = tmp_path / f"checkpoint-{step}"
+        folder = root / f"checkpoint-{step}"
         folder.mkdir()
         (folder / "trainer_state.json").write_text("{}")
         if complete:
             (folder / COMPLETE_MARKER).write_text("{}")
+
+
+def test_auto_resume_skips_incomplete_checkpoints(tmp_path):
+    _fake_checkpoints(tmp_path)
     (tmp_path / "checkpoint-x").mkdir()
     assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
     assert find_resume_checkpoint(tmp_path / "missing") is None
@@ -127,12 +132,7 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
     """save_total_limit=1 with a newer but incomplete folder: the newest *complete* checkpoint survives."""
     from steadyrl.trainers.grpo import rotate_complete_checkpoints
 
-    for step, complete in ((2, True), (4, True), (6, False)):
-        folder = tmp_path / f"checkpoint-{step}"
-        folder.mkdir()
-        (folder / "trainer_state.json").write_text("{}")
-        if complete:
-            (folder / COMPLETE_MARKER).write_text("{}")
+    _fake_checkpoints(tmp_path)
     rotate_complete_checkpoints(tmp_path, save_total_limit=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
