@@ -404,10 +404,34 @@ def _accepts(tp: Any, kind: type) -> bool:
     return False
 
 
+# transformers 5.20 renamed these TrainingArguments fields; vLLM 0.31 (the newest TRL 1.16 supports) needs
+# transformers < 5.18. Either spelling is accepted and passed on under the name the installed version has.
+RENAMED_TRAINER_KEYS = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
+
+
+def rename_for_installed(trainer: dict[str, Any], valid: typing.Container[str], origins: Origins) -> None:
+    """Rewrite ``RENAMED_TRAINER_KEYS`` (either spelling) in place to the one the installed TRL config accepts."""
+    for new_name, old_name in RENAMED_TRAINER_KEYS.items():
+        for key, other in ((new_name, old_name), (old_name, new_name)):
+            if key in trainer and key not in valid and other in valid:
+                if other in trainer:
+                    raise ConfigError(
+                        _where(f"trainer.{key}", origins) + f"trainer.{other} is set too; they are one setting "
+                        f"(transformers 5.20 renamed {old_name} to {new_name}): keep one"
+                    )
+                trainer[other] = trainer.pop(key)
+                if f"trainer.{key}" in origins:
+                    origins[f"trainer.{other}"] = origins[f"trainer.{key}"]
+
+
 def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
     config_cls = trl_config_class(cfg.algorithm)
     valid = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
     hints = typing.get_type_hints(config_cls)
+    rename_for_installed(cfg.trainer, valid, origins)
     for key, value in list(cfg.trainer.items()):
         dotted = f"trainer.{key}"
         if key not in valid:

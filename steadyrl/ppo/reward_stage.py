@@ -120,9 +120,14 @@ def train_reward_model(
     ``trl.RewardConfig`` fields; defaults that differ from TRL's: ``report_to=[]``, and ``bf16`` only where a GPU
     supports it. Returns the ``RewardTrainer`` (model, tokenizer and ``state.log_history`` on it).
     """
+    import dataclasses
+
     from trl import RewardConfig, RewardTrainer
 
+    from steadyrl.config.schema import rename_for_installed
+
     kwargs = {"report_to": [], "bf16": _bf16_default(), **reward_config_kwargs, "output_dir": str(output_dir)}
+    rename_for_installed(kwargs, {f.name for f in dataclasses.fields(RewardConfig)}, {})  # activation_checkpointing
     args = RewardConfig(**kwargs)
     tokenizer = _load_tokenizer(model_path)
     trainer = RewardTrainer(

@@ -139,6 +139,30 @@ def test_vllm_without_vllm_installed(base: Path) -> None:
         load_config(base, ["trainer.use_vllm=true"])
 
 
+def test_checkpointing_keys_follow_the_installed_transformers() -> None:
+    from steadyrl.config.schema import rename_for_installed
+
+    before_5_20 = {"gradient_checkpointing", "gradient_checkpointing_kwargs", "output_dir"}
+    trainer = {"activation_checkpointing": False, "activation_checkpointing_kwargs": {"use_reentrant": False}}
+    origins = {"trainer.activation_checkpointing": "a.yaml"}
+    rename_for_installed(trainer, before_5_20, origins)
+    assert trainer == {"gradient_checkpointing": False, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    assert origins["trainer.gradient_checkpointing"] == "a.yaml"
+
+    only_new = {"activation_checkpointing", "output_dir"}  # a future release that drops the old name
+    trainer = {"gradient_checkpointing": True}
+    rename_for_installed(trainer, only_new, {})
+    assert trainer == {"activation_checkpointing": True}
+
+    both = before_5_20 | {"activation_checkpointing"}  # 5.20+: both spellings are fields, nothing is rewritten
+    trainer = {"activation_checkpointing": False}
+    rename_for_installed(trainer, both, {})
+    assert trainer == {"activation_checkpointing": False}
+
+    with pytest.raises(ConfigError, match=r"trainer.activation_checkpointing \(set in a.yaml\): trainer.gradient_che"):
+        rename_for_installed({"activation_checkpointing": False, "gradient_checkpointing": True}, before_5_20, origins)
+
+
 def test_bf16_without_gpu(base: Path) -> None:
     import torch
 

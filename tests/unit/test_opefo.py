@@ -556,6 +556,7 @@ def _two_process_worker(rank: int, tmp: str) -> None:
         opt.state[param]["exp_avg_sq"] = torch.rand(param.numel()) * (torch.arange(param.numel()) % 20 > 0)
         m = SecondMomentFloor(FloorConfig(sample_size=2000), reduce_sum, all_gather).maybe_apply(opt, 100)
         torch.save((summed.tolist(), gathered.tolist(), empty_one.tolist(), m), f"{tmp}/rank{rank}.pt")
+        dist.barrier()  # a rank that tears gloo down while its peer still reads the last collective aborts it
     finally:
         dist.destroy_process_group()
 
