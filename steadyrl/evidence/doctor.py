@@ -9,6 +9,10 @@ Design note seed 000 §1.2 names the three deaths, and §2.2/§5.2 says each ann
   length or truncation drifts far from where it started (§6.4, seed 003 §4.5).
 The remedies are seed 000 §6 and the seed 003 §5.4 table, written as steadyrl config keys.
 
+One more silent failure, outside the design notes: ``off_policy_rollouts``, vLLM generating from other weights than
+the ones being trained (a weight sync that does not reach it). TRL's ``sampling/sampling_logp_difference/mean``
+(per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then grows from float noise to nats.
+
 Trends compare an early window of logged rows with a late one (``DoctorConfig.window`` rows each, a third of a
 short series). Every check needs a large, sustained change, so a noisy but healthy run gives no finding. The
 doctor reads logs only: it cannot see the samples, so a finding says where to look, not what the model did.
@@ -22,12 +26,14 @@ import numpy as np
 
 from steadyrl.evidence.history import History, to_float
 
-MODES = ("hard_crash", "entropy_collapse", "reward_hacking")
+MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts")
 TITLES = {
     "hard_crash": "hard crash (inf/NaN, gradient explosion)",
     "entropy_collapse": "entropy collapse (the policy stops exploring and repeats itself)",
     "reward_hacking": "reward hacking (training reward up, real quality not)",
+    "off_policy_rollouts": "off-policy rollouts (vLLM generates from other weights than the trained ones)",
 }
+LOGP_GAP = "sampling/sampling_logp_difference/mean"
 NONFINITE_COUNTERS = (
     "gepo/nonfinite_rewards",
     "gepo/nonfinite_logprobs",
@@ -50,6 +56,7 @@ CHECKED = (
     "eval/accuracy",
     "completions/mean_length",
     "completions/clipped_ratio",
+    LOGP_GAP,
 )
 REPETITION_WORDS = ("repet", "parrot")  # quatro/filtered/<reason> names that count repeated output
 
@@ -78,6 +85,7 @@ class DoctorConfig:
     min_eval_points: int = 3  # eval rows needed to read an eval trend
     length_ratio: float = 2.0  # completions/mean_length late/early beyond this, or below 1/this: anomaly
     clipped_rise: float = 0.2  # completions/clipped_ratio late - early mean above this: truncation rising
+    logp_gap_max: float = 0.1  # vLLM-policy log-prob gap (nats/token): late-window median above this: off-policy
 
 
 @dataclass
@@ -449,6 +457,34 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
     return checks
 
 
+# ----------------------------------------------------------------------------------------------- off-policy rollouts
+
+
+def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
+    """The late window's median vLLM-policy log-prob gap above ``logp_gap_max`` (one noisy step does not count)."""
+    steps, values = _finite(history, LOGP_GAP)
+    if len(values) < 3:
+        return None
+    w = max(3, min(config.window, len(values) // 3))
+    late, late_steps = values[-w:], steps[-w:]
+    median = float(np.median(late))
+    if median <= config.logp_gap_max:
+        return None
+    first_bad = int(steps[np.argmax(values > config.logp_gap_max)])
+    detail = (
+        f"median {median:.4g} nats per token over steps {int(late_steps[0])}-{int(late_steps[-1])} "
+        f"(> {config.logp_gap_max:g}); first above it at step {first_bad}, first value {values[0]:.4g}"
+    )
+    changes = [
+        "check that each weight sync reaches vLLM: vLLM 0.22-0.31 with TRL 1.16 (steadyrl.trainers.vllm_support "
+        "warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
+        "check that vLLM samples with the trainer's settings (trainer.temperature, top_p, top_k, "
+        "vllm_importance_sampling_correction); meanwhile trainer.use_vllm: false generates on-policy",
+    ]
+    evidence = [Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)]
+    return _Check("problem", "vLLM's log-probs of its own samples disagree with the policy's", evidence, changes)
+
+
 # ----------------------------------------------------------------------------------------------- public
 
 
@@ -463,6 +499,7 @@ def diagnose(history: History, config: DoctorConfig | None = None) -> list[Findi
         ],
         "entropy_collapse": list(filter(None, [_collapse_check(history, config)])),
         "reward_hacking": _hacking_checks(history, config),
+        "off_policy_rollouts": list(filter(None, [_off_policy_check(history, config)])),
     }
     findings = []
     for mode in MODES:

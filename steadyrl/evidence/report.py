@@ -216,6 +216,17 @@ def _draw_length(history: History, fig: Figure) -> None:
     _finish(ax, history, "Completion length", "completion length (tokens)", twin)
 
 
+def _draw_vllm(history: History, fig: Figure) -> None:
+    from steadyrl.evidence.doctor import LOGP_GAP, DoctorConfig
+
+    ax = fig.add_subplot()
+    ax.set_yscale("log")
+    _line(ax, history, LOGP_GAP, "mean over tokens", positive=True)
+    _line(ax, history, "sampling/sampling_logp_difference/max", "max over tokens", positive=True, alpha=0.5)
+    ax.axhline(DoctorConfig.logp_gap_max, color="red", linestyle="--", label="doctor's threshold (mean)")
+    _finish(ax, history, "vLLM vs policy: |log-prob gap| of the sampled tokens", "nats per token (log scale)")
+
+
 @dataclass
 class Panel:
     """One PNG: drawn when any of ``needs`` was logged (a name ending in "/" is a prefix)."""
@@ -244,6 +255,7 @@ PANELS = (
     ),
     Panel("filters", "QUATRO filters", ("quatro/filtered/",), _draw_filters),
     Panel("length", "Completion length", ("completions/mean_length",), _draw_length),
+    Panel("vllm", "vLLM-policy log-prob gap", ("sampling/sampling_logp_difference/mean",), _draw_vllm),
 )
 
 

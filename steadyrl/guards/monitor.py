@@ -1,15 +1,18 @@
 """Early warnings from a run's log history (design note seed 000 §2.2, §5.2): GRPO crashes announce themselves.
 
-Two precursors are checked over the last ``window`` logged values of a metric:
+Three signals are checked over the last ``window`` logged values of a metric:
 - advantage std rising steadily: at least ``rising_fraction`` of consecutive pairs go up and the last value is
   ``adv_std_rise_ratio`` times the first (the signal is being hijacked by outliers or shrinking group std);
-- entropy falling fast: the last value is below ``entropy_drop_ratio`` times the first (collapse under way).
+- entropy falling fast: the last value is below ``entropy_drop_ratio`` times the first (collapse under way);
+- vLLM rollouts off the policy: the median per-token log-prob gap between vLLM and the policy on the sampled tokens
+  exceeds ``logp_gap_max`` (a weight sync that does not reach vLLM trains silently off-policy).
 
 Pure functions over plain dicts; the trainer-side callback only feeds them ``state.log_history``.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -26,6 +29,11 @@ class MonitorConfig:
     adv_std_rise_ratio: float = 1.5
     rising_fraction: float = 0.8
     entropy_drop_ratio: float = 0.7
+    # vLLM rollouts: the per-token |log-prob gap| between vLLM and the policy on the sampled tokens (TRL's metric).
+    # It stays near 0 (float noise, bf16 kernels) while each step's weight sync reaches vLLM; a median above this
+    # over the window means vLLM generates from other weights than the ones being trained.
+    logp_gap_key: str = "sampling/sampling_logp_difference/mean"
+    logp_gap_max: float = 0.1
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.window < 2:
@@ -60,4 +68,14 @@ def early_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> 
             f"{ent[0][0]}-{ent[-1][0]}. Precursor of entropy collapse: raise the KL coefficient or lower the "
             "learning rate"
         )
+    gap = recent(history, config.logp_gap_key, config.window)
+    if len(gap) >= min(3, config.window):  # a median: one noisy step does not warn
+        median = statistics.median(v for _, v in gap)
+        if median > config.logp_gap_max:
+            warnings.append(
+                f"vLLM and the policy disagree: median {config.logp_gap_key} {median:.4g} > {config.logp_gap_max:g} "
+                f"nats per token over steps {gap[0][0]}-{gap[-1][0]}. vLLM is generating from other weights than "
+                "the trained ones (a weight sync that does not reach it: check the vLLM version, see "
+                "steadyrl.trainers.vllm_support) or with other sampling settings; the updates are off-policy"
+            )
     return warnings

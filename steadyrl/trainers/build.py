@@ -213,6 +213,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         from steadyrl.callbacks.monitor import SignalMonitor
 
         common["callbacks"] = [*common["callbacks"], SignalMonitor(cfg.guards.gepo.monitor)]
+    if getattr(args, "use_vllm", False):
+        from steadyrl.trainers.vllm_support import prepare_vllm
+
+        prepare_vllm(args)
     if cfg.algorithm == "sft":
         from trl import SFTTrainer
 
@@ -313,4 +317,9 @@ def run(cfg: RunConfig) -> dict[str, Any] | None:
             cfg.algorithm == "ppo"
         ):  # the critic also as a loadable folder (CriticModel.from_pretrained, ppo.value_model)
             trainer.policy_and_value.critic.save_pretrained(final_dir / "critic")
-    return final_eval(cfg, trainer)
+    result = final_eval(cfg, trainer)
+    if getattr(trainer, "use_vllm", False):
+        from steadyrl.trainers.vllm_support import shutdown_vllm
+
+        shutdown_vllm(trainer)
+    return result

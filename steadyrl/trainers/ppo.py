@@ -34,8 +34,11 @@ policy ratio is exp(current - its sampling log-probs) and its value loss is clip
 i.e. stale rows train like PPO's later epochs. The rows worth replaying (and the fresh rows they displace) are
 ranked by the mean |token advantage| over their loss tokens (``_row_signal``): there are no groups here.
 
-What this leaves out: vLLM weight sync of the
-wrapped policy (untested), ZeRO-3, eval-mode value loss (eval batches get TRL's loss with the sequence reward as a
+vLLM rollouts need nothing here: TRL builds its ``VLLMGeneration`` around the bare policy during
+``super().__init__``, before the wrapper exists, so each weight sync walks the policy's own parameter names (and
+merges LoRA adapters) and never sees the critic (``tests/vllm_cpu``; ``steadyrl.trainers.vllm_support``).
+
+What this leaves out: ZeRO-3, eval-mode value loss (eval batches get TRL's loss with the sequence reward as a
 flat advantage), and a critic trained less or more often than the policy (both step together).
 """
 

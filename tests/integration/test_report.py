@@ -121,6 +121,8 @@ def synthetic_rows(n: int = 60) -> list[dict]:
             "completions/min_length": 5.0,
             "completions/max_length": 64.0,
             "completions/clipped_ratio": 0.1,
+            "sampling/sampling_logp_difference/mean": float(0.003 + 0.002 * (t % 3)),
+            "sampling/sampling_logp_difference/max": float(0.05 + 0.01 * (t % 5)),
         }
         rows.append(row)
         if t % 10 == 0:

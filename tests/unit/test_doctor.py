@@ -245,3 +245,21 @@ def test_cli_doctor_exit_codes(tmp_path, capsys):
     assert "no training logs" in err and "metrics.jsonl" in err and "trainer_state.json" in err
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert not (tmp_path / "empty" / "report").exists()
+
+
+def test_off_policy_vllm_rollouts_are_named_and_in_sync_runs_pass():
+    gap = "sampling/sampling_logp_difference/mean"
+    in_sync = healthy_rows(3)
+    for r in in_sync:
+        if "reward" in r:
+            r[gap] = 0.002 + 0.01 * (r["step"] % 7 == 0)  # float noise, a bump now and then
+    assert diagnose(History(in_sync)) == []
+    stale = [dict(r) for r in in_sync]
+    for r in stale:
+        if gap in r and r["step"] >= 150:
+            r[gap] = 1.0 + 0.01 * r["step"]  # the sync stopped reaching vLLM after step 149
+    (finding,) = diagnose(History(stale))
+    assert finding.mode == "off_policy_rollouts" and finding.severity == "problem"
+    assert str(finding.evidence[0]).startswith(f"{gap}, steps 1-200: median 2.955 nats per token over steps 191-200")
+    assert "first above it at step 150" in str(finding.evidence[0])
+    assert diagnose(History(stale), DoctorConfig(logp_gap_max=5.0)) == []

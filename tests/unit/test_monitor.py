@@ -46,3 +46,16 @@ def test_config_checks():
         MonitorConfig(window=1)
     with pytest.raises(ValueError, match="rising_fraction"):
         MonitorConfig(rising_fraction=0.0)
+
+
+def test_vllm_logp_gap_warns_on_a_sustained_gap_only():
+    key = "sampling/sampling_logp_difference/mean"
+    in_sync = history(key, [0.002, 0.003, 0.002, 0.004, 0.002])
+    assert early_warnings(in_sync, CFG) == []
+    one_spike = history(key, [0.002, 0.003, 0.9, 0.004, 0.002])  # median 0.003
+    assert early_warnings(one_spike, CFG) == []
+    assert early_warnings(history(key, [0.5, 0.6]), CFG) == []  # fewer than 3 values: no median yet
+    stale = history(key, [0.01, 0.08, 0.15, 0.3, 0.45], start=20)  # median 0.15 > 0.1
+    (warning,) = early_warnings(stale, CFG)
+    assert warning.startswith(f"vLLM and the policy disagree: median {key} 0.15 > 0.1 nats per token over steps 20-24")
+    assert early_warnings(stale, MonitorConfig(window=5, logp_gap_max=0.2)) == []

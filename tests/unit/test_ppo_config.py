@@ -65,10 +65,11 @@ def test_reward_config_needs_an_eval_split_and_reward_config_fields():
         load_config(REWARD, ["trainer.num_generations=4"])
 
 
-def test_ppo_with_vllm_rollouts_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch):
+def test_ppo_accepts_vllm_rollouts(monkeypatch: pytest.MonkeyPatch):
+    """PPO generates with vLLM like GRPO (tests/vllm runs it for real); validation passes the settings through."""
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"use_vllm with algorithm: ppo is not supported yet: .*weight sync"):
-        load_config(PPO, ["trainer.use_vllm=true"])
+    cfg = load_config(PPO, ["trainer.use_vllm=true", "trainer.vllm_mode=colocate"])
+    assert cfg.trainer["use_vllm"] is True and cfg.trainer["vllm_mode"] == "colocate"

