@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 GAP = "sampling/sampling_logp_difference/mean"
 
 
-def run(sft: str, out: Path, steps: int, stale_after: int | None) -> tuple[list[tuple[int, float]], bool]:
+def run(sft: str, out: Path, steps: int, stale_after: int | None) -> tuple[list[tuple[int, float]], int | None]:
+    shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: a rerun must not extend the old series
     cmd = [
         sys.executable, "-m", "steadyrl", "train", "configs/tiny/grpo.yaml",
         f"model.path={sft}", f"trainer.output_dir={out}", f"trainer.max_steps={steps}",
@@ -44,7 +47,8 @@ def run(sft: str, out: Path, steps: int, stale_after: int | None) -> tuple[list[
     if proc.returncode != 0:
         sys.exit(f"run failed ({out}):\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r[GAP]) for r in rows if GAP in r], "EARLY WARNING: vLLM" in proc.stderr
+    warned = re.search(r"step (\d+): EARLY WARNING: vLLM", proc.stderr)
+    return [(r["step"], r[GAP]) for r in rows if GAP in r], int(warned.group(1)) if warned else None
 
 
 def main() -> None:
@@ -63,9 +67,9 @@ def main() -> None:
         print(f"{step:>4} {a:>10.4g} {b:>10.4g}")
     after = [v for s, v in stale if s > args.stale_after + 1]
     print(f"synced: median {statistics.median(v for _, v in synced):.4g}, max {max(v for _, v in synced):.4g}, "
-          f"monitor warned: {warned_synced}")  # fmt: skip
+          f"first monitor warning at step: {warned_synced}")  # fmt: skip
     print(f"stale after step {args.stale_after}: median {statistics.median(after):.4g} over steps "
-          f"{args.stale_after + 2}-{args.steps}, monitor warned: {warned_stale}")  # fmt: skip
+          f"{args.stale_after + 2}-{args.steps}, first monitor warning at step: {warned_stale}")  # fmt: skip
     if args.plot:
         import matplotlib
 
@@ -75,7 +79,7 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.plot(*zip(*synced, strict=True), marker=".", label="weight sync every step")
         ax.plot(*zip(*stale, strict=True), marker=".", label=f"sync stopped after step {args.stale_after}")
-        ax.axhline(0.1, color="red", linestyle="--", label="monitor / doctor threshold")
+        ax.axhline(0.1, color="red", linestyle="--", label="monitor / doctor absolute threshold")
         ax.set_yscale("log")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("|vLLM - policy| log-prob, nats/token")

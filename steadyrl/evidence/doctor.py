@@ -86,6 +86,8 @@ class DoctorConfig:
     length_ratio: float = 2.0  # completions/mean_length late/early beyond this, or below 1/this: anomaly
     clipped_rise: float = 0.2  # completions/clipped_ratio late - early mean above this: truncation rising
     logp_gap_max: float = 0.1  # vLLM-policy log-prob gap (nats/token): late-window median above this: off-policy
+    logp_gap_rise_ratio: float = 5.0  # ... or this x the early window's median (a warning; a stale sync at low lr)
+    logp_gap_floor: float = 0.005  # ... when the late median is above this (below it is float noise)
 
 
 @dataclass
@@ -468,13 +470,20 @@ def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
     w = max(3, min(config.window, len(values) // 3))
     late, late_steps = values[-w:], steps[-w:]
     median = float(np.median(late))
-    if median <= config.logp_gap_max:
-        return None
-    first_bad = int(steps[np.argmax(values > config.logp_gap_max)])
-    detail = (
-        f"median {median:.4g} nats per token over steps {int(late_steps[0])}-{int(late_steps[-1])} "
-        f"(> {config.logp_gap_max:g}); first above it at step {first_bad}, first value {values[0]:.4g}"
-    )
+    where = f"median {median:.4g} nats per token over steps {int(late_steps[0])}-{int(late_steps[-1])}"
+    if median > config.logp_gap_max:
+        severity, summary = "problem", "vLLM's log-probs of its own samples disagree with the policy's"
+        first_bad = int(steps[np.argmax(values > config.logp_gap_max)])
+        detail = f"{where} (> {config.logp_gap_max:g}); first above it at step {first_bad}, first value {values[0]:.4g}"
+    else:
+        start = float(np.median(values[:w]))
+        if len(values) < 2 * w or median <= config.logp_gap_floor or median < config.logp_gap_rise_ratio * start:
+            return None
+        severity, summary = "warning", "vLLM's log-probs drift away from the policy's"
+        detail = (
+            f"{where}, {median / max(start, 1e-12):.1f}x the median {start:.4g} over steps {int(steps[0])}-"
+            f"{int(steps[w - 1])}"
+        )
     changes = [
         "check that each weight sync reaches vLLM: vLLM 0.22-0.31 with TRL 1.16 (steadyrl.trainers.vllm_support "
         "warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
@@ -482,7 +491,7 @@ def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
         "vllm_importance_sampling_correction); meanwhile trainer.use_vllm: false generates on-policy",
     ]
     evidence = [Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)]
-    return _Check("problem", "vLLM's log-probs of its own samples disagree with the policy's", evidence, changes)
+    return _Check(severity, summary, evidence, changes)
 
 
 # ----------------------------------------------------------------------------------------------- public

@@ -5,7 +5,8 @@ Three signals are checked over the last ``window`` logged values of a metric:
   ``adv_std_rise_ratio`` times the first (the signal is being hijacked by outliers or shrinking group std);
 - entropy falling fast: the last value is below ``entropy_drop_ratio`` times the first (collapse under way);
 - vLLM rollouts off the policy: the median per-token log-prob gap between vLLM and the policy on the sampled tokens
-  exceeds ``logp_gap_max`` (a weight sync that does not reach vLLM trains silently off-policy).
+  exceeds ``logp_gap_max``, or ``logp_gap_rise_ratio`` x its median over the run's first window (a weight sync that
+  does not reach vLLM trains silently off-policy).
 
 Pure functions over plain dicts; the trainer-side callback only feeds them ``state.log_history``.
 """
@@ -32,8 +33,12 @@ class MonitorConfig:
     # vLLM rollouts: the per-token |log-prob gap| between vLLM and the policy on the sampled tokens (TRL's metric).
     # It stays near 0 (float noise, bf16 kernels) while each step's weight sync reaches vLLM; a median above this
     # over the window means vLLM generates from other weights than the ones being trained.
+    # A stale sync at a small learning rate moves the gap less: it also warns when the window's median is
+    # logp_gap_rise_ratio x the median of the run's first window (and above logp_gap_floor, so noise does not).
     logp_gap_key: str = "sampling/sampling_logp_difference/mean"
     logp_gap_max: float = 0.1
+    logp_gap_rise_ratio: float = 5.0
+    logp_gap_floor: float = 0.005
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.window < 2:
@@ -68,14 +73,30 @@ def early_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> 
             f"{ent[0][0]}-{ent[-1][0]}. Precursor of entropy collapse: raise the KL coefficient or lower the "
             "learning rate"
         )
-    gap = recent(history, config.logp_gap_key, config.window)
-    if len(gap) >= min(3, config.window):  # a median: one noisy step does not warn
-        median = statistics.median(v for _, v in gap)
-        if median > config.logp_gap_max:
-            warnings.append(
-                f"vLLM and the policy disagree: median {config.logp_gap_key} {median:.4g} > {config.logp_gap_max:g} "
-                f"nats per token over steps {gap[0][0]}-{gap[-1][0]}. vLLM is generating from other weights than "
-                "the trained ones (a weight sync that does not reach it: check the vLLM version, see "
-                "steadyrl.trainers.vllm_support) or with other sampling settings; the updates are off-policy"
-            )
+    warnings.extend(_logp_gap_warnings(history, config))
     return warnings
+
+
+def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> list[str]:
+    """The vLLM-policy log-prob gap: too large now, or grown far above where the run started."""
+    every = recent(history, config.logp_gap_key, len(history))
+    gap = every[-config.window :]
+    if len(gap) < min(3, config.window):  # medians: one noisy step does not warn
+        return []
+    median = statistics.median(v for _, v in gap)
+    where = f"median {config.logp_gap_key} {median:.4g} nats per token over steps {gap[0][0]}-{gap[-1][0]}"
+    cause = (
+        "vLLM is generating from other weights than the trained ones (a weight sync that does not reach it: check the "
+        "vLLM version, see steadyrl.trainers.vllm_support) or with other sampling settings; the updates are off-policy"
+    )
+    if median > config.logp_gap_max:
+        return [f"vLLM and the policy disagree: {where} > {config.logp_gap_max:g}. {cause}"]
+    if len(every) >= 2 * config.window and median > config.logp_gap_floor:
+        first = every[: config.window]
+        start = statistics.median(v for _, v in first)
+        if median >= config.logp_gap_rise_ratio * start:
+            return [
+                f"vLLM and the policy drift apart: {where}, {median / max(start, 1e-12):.1f}x the median {start:.4g} "
+                f"of steps {first[0][0]}-{first[-1][0]}. {cause}"
+            ]
+    return []

@@ -262,4 +262,19 @@ def test_off_policy_vllm_rollouts_are_named_and_in_sync_runs_pass():
     assert finding.mode == "off_policy_rollouts" and finding.severity == "problem"
     assert str(finding.evidence[0]).startswith(f"{gap}, steps 1-200: median 2.955 nats per token over steps 191-200")
     assert "first above it at step 150" in str(finding.evidence[0])
-    assert diagnose(History(stale), DoctorConfig(logp_gap_max=5.0)) == []
+    (drift,) = diagnose(History(stale), DoctorConfig(logp_gap_max=5.0))  # below the bar: still 1400x its start
+    assert drift.severity == "warning" and "1477.5x the median 0.002" in str(drift.evidence[0])
+
+
+def test_off_policy_drift_below_the_threshold_is_a_warning():
+    gap = "sampling/sampling_logp_difference/mean"
+    rows = healthy_rows(4)
+    for r in rows:
+        if "reward" in r:
+            r[gap] = 0.002 if r["step"] < 100 else 0.02  # stale at a small learning rate: 10x, never above 0.1
+    (finding,) = diagnose(History(rows))
+    assert finding.mode == "off_policy_rollouts" and finding.severity == "warning"
+    assert str(finding.evidence[0]) == (
+        f"{gap}, steps 1-200: median 0.02 nats per token over steps 191-200, 10.0x the median 0.002 over steps 1-10"
+    )
+    assert diagnose(History(rows), DoctorConfig(logp_gap_floor=0.05)) == []

@@ -57,5 +57,19 @@ def test_vllm_logp_gap_warns_on_a_sustained_gap_only():
     assert early_warnings(history(key, [0.5, 0.6]), CFG) == []  # fewer than 3 values: no median yet
     stale = history(key, [0.01, 0.08, 0.15, 0.3, 0.45], start=20)  # median 0.15 > 0.1
     (warning,) = early_warnings(stale, CFG)
-    assert warning.startswith(f"vLLM and the policy disagree: median {key} 0.15 > 0.1 nats per token over steps 20-24")
+    assert warning.startswith(f"vLLM and the policy disagree: median {key} 0.15 nats per token over steps 20-24 > 0.1")
     assert early_warnings(stale, MonitorConfig(window=5, logp_gap_max=0.2)) == []
+
+
+def test_vllm_logp_gap_growing_from_its_start_warns_below_the_absolute_threshold():
+    key = "sampling/sampling_logp_difference/mean"
+    # stale after step 5 at a small learning rate: 0.002 -> ~0.02, never above 0.1
+    rows = history(key, [0.002, 0.001, 0.003, 0.002, 0.002, 0.006, 0.01, 0.02, 0.015, 0.03])
+    (warning,) = early_warnings(rows, CFG)
+    assert warning.startswith(f"vLLM and the policy drift apart: median {key} 0.015 nats per token over steps 6-10, ")
+    assert "7.5x the median 0.002 of steps 1-5" in warning
+    assert early_warnings(rows[:9], CFG) == []  # fewer than 2 windows: no start to compare with
+    quiet = history(key, [0.0002, 0.0001, 0.0003, 0.0002, 0.0002, 0.001, 0.002, 0.003, 0.002, 0.003])
+    assert early_warnings(quiet, CFG) == []  # 10x, but below logp_gap_floor (0.005): float noise
+    in_sync = history(key, [0.002, 0.001, 0.003, 0.002, 0.002, 0.003, 0.002, 0.004, 0.002, 0.003])
+    assert early_warnings(in_sync, CFG) == []
