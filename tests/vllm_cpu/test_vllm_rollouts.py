@@ -85,6 +85,23 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
     assert read_fault_log(stale_out)[-1]["swallowed_syncs"] == 5  # steps 2..6 each asked for a sync
 
 
+def test_every_guard_layer_with_vllm_rollouts(tiny_model_dir, tmp_path):
+    """configs/base/grpo.yaml turns all four layers on; with vLLM, QUATRO's replay mixes stored rows (their own
+    vLLM sampling log-probs and importance ratios) into fresh ones, and OPEFO checks the state every step."""
+    _, rows = train(
+        "grpo.yaml", tiny_model_dir, tmp_path / "all", "trainer.max_steps=5", "trainer.beta=0.02",
+        "guards.gepo.enabled=true", "guards.grade.enabled=true", "guards.grade.warmup=8",
+        "guards.opefo.enabled=true", "guards.opefo.rollback.check_interval=1",
+        "guards.quatro.enabled=true", "guards.quatro.replay.enabled=true",
+    )  # fmt: skip
+    assert max(gaps(rows)) < 0.05, gaps(rows)
+    assert max(r["quatro/replay_frac"] for r in rows if "quatro/replay_frac" in r) > 0
+    assert [r["opefo/rollbacks"] for r in rows if "opefo/rollbacks" in r] == [0] * 5
+    assert [r["gepo/skipped_steps"] for r in rows if "gepo/skipped_steps" in r] == [0] * 5
+    assert len(losses := [r["loss"] for r in rows if "loss" in r]) == 5 and all(map(math.isfinite, losses))
+    assert any("grade/scaled_std" in r for r in rows)
+
+
 def test_ppo_generates_with_vllm_from_the_bare_policy(tiny_model_dir, tmp_path):
     out = tmp_path / "ppo"
     proc, rows = train(
