@@ -60,7 +60,9 @@ def _evidence(command: str, run_dir: str) -> int:
     except HistoryNotFoundError as exc:
         print(f"steadyrl: {exc}", file=sys.stderr)
         return 2
-    findings = diagnose(history)
+    from steadyrl.evidence.doctor import doctor_config_for
+
+    findings = diagnose(history, doctor_config_for(run_dir))
     print(format_findings(findings, history), end="")
     return 1 if findings else 0
 

@@ -343,7 +343,8 @@ class GradSpikeAtStep(TrainerCallback):
 
 class StaleVllmAfterStep(TrainerCallback):
     """A vLLM weight sync that stops reaching vLLM: from the end of optimizer step ``step`` on, TRL's
-    ``VLLMGeneration.sync_weights`` does nothing, so vLLM keeps generating from the weights of that step.
+    ``VLLMGeneration.sync_weights`` does nothing, so vLLM keeps generating from the weights it got at the start of
+    that step (before its update).
 
     The failure this stands for: a sync that silently writes nowhere (a vLLM release whose loader ignores unknown
     names, packed kernels that keep a copy of the weights). The updates go on; the rollouts come from an ever older

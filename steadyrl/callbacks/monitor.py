@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from steadyrl.guards.monitor import MonitorConfig, early_warnings
+from steadyrl.guards.monitor import MonitorConfig, early_warnings, logp_gap_allowance
 
 logger = logging.getLogger("steadyrl.monitor")
 
@@ -42,6 +42,12 @@ class SignalMonitor(TrainerCallback):
         latest = {k: v for row in state.log_history for k, v in row.items() if k in SUMMARY_KEYS}
         summary = ", ".join(f"{k}={latest[k]:.4g}" for k in SUMMARY_KEYS if isinstance(latest.get(k), (int, float)))
         logger.info("step %d: %s", state.global_step, summary)
-        for warning in early_warnings(state.log_history, self.config):
+        allowance = logp_gap_allowance(
+            getattr(args, "top_p", 1.0),
+            getattr(args, "top_k", 0),
+            getattr(args, "min_p", 0.0),
+            getattr(args, "repetition_penalty", 1.0),
+        )
+        for warning in early_warnings(state.log_history, self.config, allowance):
             self.warnings.append((state.global_step, warning))
             logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)

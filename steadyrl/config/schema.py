@@ -415,13 +415,13 @@ RENAMED_TRAINER_KEYS = {
 def rename_for_installed(trainer: dict[str, Any], valid: typing.Container[str], origins: Origins) -> None:
     """Rewrite ``RENAMED_TRAINER_KEYS`` (either spelling) in place to the one the installed TRL config accepts."""
     for new_name, old_name in RENAMED_TRAINER_KEYS.items():
+        if new_name in trainer and old_name in trainer:  # on every version: one setting, two spellings
+            raise ConfigError(
+                _where(f"trainer.{new_name}", origins) + f"trainer.{old_name} is set too; they are one setting "
+                f"(transformers 5.20 renamed {old_name} to {new_name}): keep one"
+            )
         for key, other in ((new_name, old_name), (old_name, new_name)):
             if key in trainer and key not in valid and other in valid:
-                if other in trainer:
-                    raise ConfigError(
-                        _where(f"trainer.{key}", origins) + f"trainer.{other} is set too; they are one setting "
-                        f"(transformers 5.20 renamed {old_name} to {new_name}): keep one"
-                    )
                 trainer[other] = trainer.pop(key)
                 if f"trainer.{key}" in origins:
                     origins[f"trainer.{other}"] = origins[f"trainer.{key}"]

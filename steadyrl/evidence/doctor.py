@@ -21,8 +21,10 @@ doctor reads logs only: it cannot see the samples, so a finding says where to lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import yaml
 
 from steadyrl.evidence.history import History, to_float
 
@@ -88,6 +90,9 @@ class DoctorConfig:
     logp_gap_max: float = 0.1  # vLLM-policy log-prob gap (nats/token): late-window median above this: off-policy
     logp_gap_rise_ratio: float = 5.0  # ... or this x the early window's median (a warning; a stale sync at low lr)
     logp_gap_floor: float = 0.005  # ... when the late median is above this (below it is float noise)
+    # what the run's sampling settings alone add to the gap (guards.monitor.logp_gap_allowance; None: no gap check);
+    # doctor_config_for(run_dir) reads it from resolved_config.yaml
+    logp_gap_allowance: float | None = 0.0
 
 
 @dataclass
@@ -465,19 +470,23 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
 def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
     """The late window's median vLLM-policy log-prob gap above ``logp_gap_max`` (one noisy step does not count)."""
     steps, values = _finite(history, LOGP_GAP)
-    if len(values) < 3:
+    allowance = config.logp_gap_allowance
+    if len(values) < 3 or allowance is None:
         return None
     w = max(3, min(config.window, len(values) // 3))
     late, late_steps = values[-w:], steps[-w:]
     median = float(np.median(late))
     where = f"median {median:.4g} nats per token over steps {int(late_steps[0])}-{int(late_steps[-1])}"
-    if median > config.logp_gap_max:
+    limit = config.logp_gap_max + allowance
+    if median > limit:
         severity, summary = "problem", "vLLM's log-probs of its own samples disagree with the policy's"
-        first_bad = int(steps[np.argmax(values > config.logp_gap_max)])
-        detail = f"{where} (> {config.logp_gap_max:g}); first above it at step {first_bad}, first value {values[0]:.4g}"
+        first_bad = int(steps[np.argmax(values > limit)])
+        detail = f"{where} (> {limit:.4g}); first above it at step {first_bad}, first value {values[0]:.4g}"
     else:
         start = float(np.median(values[:w]))
-        if len(values) < 2 * w or median <= config.logp_gap_floor or median < config.logp_gap_rise_ratio * start:
+        if allowance > 0 or len(values) < 2 * w or median <= config.logp_gap_floor:
+            return None
+        if median < config.logp_gap_rise_ratio * start:
             return None
         severity, summary = "warning", "vLLM's log-probs drift away from the policy's"
         detail = (
@@ -485,16 +494,32 @@ def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
             f"{int(steps[w - 1])}"
         )
     changes = [
-        "check that each weight sync reaches vLLM: vLLM 0.22-0.31 with TRL 1.16 (steadyrl.trainers.vllm_support "
+        "check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 (steadyrl.trainers.vllm_support "
         "warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
-        "check that vLLM samples with the trainer's settings (trainer.temperature, top_p, top_k, "
-        "vllm_importance_sampling_correction); meanwhile trainer.use_vllm: false generates on-policy",
+        "meanwhile trainer.use_vllm: false generates on-policy",
     ]
     evidence = [Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)]
     return _Check(severity, summary, evidence, changes)
 
 
 # ----------------------------------------------------------------------------------------------- public
+
+
+def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
+    """Default thresholds, with the vLLM gap allowance of the run's sampling settings (``resolved_config.yaml``)."""
+    from steadyrl.guards.monitor import logp_gap_allowance
+
+    resolved = Path(run_dir) / "resolved_config.yaml"
+    trainer = {}
+    if resolved.is_file():
+        trainer = (yaml.safe_load(resolved.read_text()) or {}).get("trainer") or {}
+    allowance = logp_gap_allowance(
+        float(trainer.get("top_p", 1.0)),
+        int(trainer.get("top_k") or 0),
+        float(trainer.get("min_p") or 0.0),
+        float(trainer.get("repetition_penalty", 1.0)),
+    )
+    return DoctorConfig(logp_gap_allowance=allowance)
 
 
 def diagnose(history: History, config: DoctorConfig | None = None) -> list[Finding]:

@@ -22,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from steadyrl.evidence.doctor import diagnose, format_findings
+from steadyrl.evidence.doctor import diagnose, doctor_config_for, format_findings
 from steadyrl.evidence.history import History, load_history
 
 STEP = "optimizer step"
@@ -315,7 +315,7 @@ def _markdown(run_dir: Path, history: History, drawn: dict[str, str | None]) -> 
         "## Diagnosis (`steadyrl doctor`)",
         "",
         "```text",
-        format_findings(diagnose(history), history).rstrip(),
+        format_findings(diagnose(history, doctor_config_for(run_dir)), history).rstrip(),
         "```",
     ]
     for panel in PANELS:

@@ -13,6 +13,7 @@ Pure functions over plain dicts; the trainer-side callback only feeds them ``sta
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,8 +54,29 @@ def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tup
     return rows[-window:]
 
 
-def early_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> list[str]:
-    """Warning lines (empty when healthy) naming the metric, step range and values."""
+def logp_gap_allowance(top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,
+                       repetition_penalty: float = 1.0) -> float | None:  # fmt: skip
+    """The vLLM-policy log-prob gap that sampling settings alone put there; None: unbounded (no gap check).
+
+    vLLM reports log-probs after its logit processing (TRL asks for ``processed_logprobs``) while the policy's are
+    temperature-scaled only. Nucleus sampling renormalises over the kept tokens, whose mass is at least ``top_p``, so
+    every sampled token's gap is at most -log(top_p). top-k, min-p and a repetition penalty change the log-probs
+    by amounts no setting bounds.
+    """
+    if (top_k or 0) > 0 or (min_p or 0.0) > 0.0 or repetition_penalty != 1.0:
+        return None
+    return -math.log(top_p) if 0.0 < top_p < 1.0 else 0.0
+
+
+def early_warnings(
+    history: Sequence[dict[str, Any]], config: MonitorConfig, gap_allowance: float | None = 0.0
+) -> list[str]:
+    """Warning lines (empty when healthy) naming the metric, step range and values.
+
+    gap_allowance: :func:`logp_gap_allowance` of the run's sampling settings. Above 0 it raises the vLLM gap's
+    absolute threshold by that much and turns the rise rule off (the allowance moves with the entropy); None turns
+    the vLLM gap check off.
+    """
     warnings = []
     adv = recent(history, config.adv_std_key, config.window)
     if len(adv) == config.window:
@@ -73,25 +95,27 @@ def early_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> 
             f"{ent[0][0]}-{ent[-1][0]}. Precursor of entropy collapse: raise the KL coefficient or lower the "
             "learning rate"
         )
-    warnings.extend(_logp_gap_warnings(history, config))
+    if gap_allowance is not None:
+        warnings.extend(_logp_gap_warnings(history, config, gap_allowance))
     return warnings
 
 
-def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig) -> list[str]:
+def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig, allowance: float) -> list[str]:
     """The vLLM-policy log-prob gap: too large now, or grown far above where the run started."""
     every = recent(history, config.logp_gap_key, len(history))
     gap = every[-config.window :]
-    if len(gap) < min(3, config.window):  # medians: one noisy step does not warn
+    if len(gap) < 3:  # medians of at least 3: one noisy step does not warn
         return []
     median = statistics.median(v for _, v in gap)
     where = f"median {config.logp_gap_key} {median:.4g} nats per token over steps {gap[0][0]}-{gap[-1][0]}"
     cause = (
         "vLLM is generating from other weights than the trained ones (a weight sync that does not reach it: check the "
-        "vLLM version, see steadyrl.trainers.vllm_support) or with other sampling settings; the updates are off-policy"
+        "vLLM version, see steadyrl.trainers.vllm_support); the updates are off-policy"
     )
-    if median > config.logp_gap_max:
-        return [f"vLLM and the policy disagree: {where} > {config.logp_gap_max:g}. {cause}"]
-    if len(every) >= 2 * config.window and median > config.logp_gap_floor:
+    limit = config.logp_gap_max + allowance
+    if median > limit:
+        return [f"vLLM and the policy disagree: {where} > {limit:.4g}. {cause}"]
+    if allowance == 0.0 and len(every) >= 2 * config.window and median > config.logp_gap_floor:
         first = every[: config.window]
         start = statistics.median(v for _, v in first)
         if median >= config.logp_gap_rise_ratio * start:

@@ -229,6 +229,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
         trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), **guard_kwargs(cfg), **common)
+    if getattr(args, "use_vllm", False):
+        from steadyrl.trainers.vllm_support import check_cpu_engine
+
+        check_cpu_engine(trainer)
     fns = {n: f for n, f in rewards.items() if callable(f)}
     if cfg.algorithm != "sft" and cfg.eval.enabled and cfg.eval.every > 0:
         from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn

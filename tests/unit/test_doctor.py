@@ -278,3 +278,20 @@ def test_off_policy_drift_below_the_threshold_is_a_warning():
         f"{gap}, steps 1-200: median 0.02 nats per token over steps 191-200, 10.0x the median 0.002 over steps 1-10"
     )
     assert diagnose(History(rows), DoctorConfig(logp_gap_floor=0.05)) == []
+
+
+def test_doctor_reads_the_runs_sampling_settings(tmp_path):
+    from steadyrl.evidence.doctor import doctor_config_for
+
+    assert doctor_config_for(tmp_path).logp_gap_allowance == 0.0  # no resolved config: exact sampling assumed
+    (tmp_path / "resolved_config.yaml").write_text("trainer:\n  top_p: 0.95\n  top_k: 0\n")
+    assert doctor_config_for(tmp_path).logp_gap_allowance == pytest.approx(0.0513, abs=1e-4)
+    (tmp_path / "resolved_config.yaml").write_text("trainer:\n  top_p: 1.0\n  top_k: 50\n")
+    assert doctor_config_for(tmp_path).logp_gap_allowance is None
+    gap = "sampling/sampling_logp_difference/mean"
+    rows = healthy_rows(5)
+    for r in rows:
+        if "reward" in r:
+            r[gap] = 3.0  # with top-k sampling the gap says nothing about the sync
+    assert diagnose(History(rows), doctor_config_for(tmp_path)) == []
+    assert diagnose(History(rows))[0].mode == "off_policy_rollouts"

@@ -73,3 +73,30 @@ def test_vllm_logp_gap_growing_from_its_start_warns_below_the_absolute_threshold
     assert early_warnings(quiet, CFG) == []  # 10x, but below logp_gap_floor (0.005): float noise
     in_sync = history(key, [0.002, 0.001, 0.003, 0.002, 0.002, 0.003, 0.002, 0.004, 0.002, 0.003])
     assert early_warnings(in_sync, CFG) == []
+
+
+def test_sampling_settings_set_the_gap_allowance():
+    from steadyrl.guards.monitor import logp_gap_allowance
+
+    assert logp_gap_allowance() == 0.0
+    assert logp_gap_allowance(top_p=0.95) == pytest.approx(0.051293, abs=1e-6)  # -log(0.95)
+    assert logp_gap_allowance(top_k=50) is None
+    assert logp_gap_allowance(min_p=0.05) is None
+    assert logp_gap_allowance(repetition_penalty=1.1) is None
+
+
+def test_truncated_sampling_raises_the_bar_and_turns_the_rise_rule_off():
+    key = "sampling/sampling_logp_difference/mean"
+    rising = history(key, [0.002, 0.001, 0.003, 0.002, 0.002, 0.006, 0.01, 0.02, 0.015, 0.03])
+    assert early_warnings(rising, CFG, gap_allowance=0.0)  # exact sampling: 7.5x its start warns
+    assert early_warnings(rising, CFG, gap_allowance=0.0513) == []  # top_p 0.95: the gap moves with the entropy
+    high = history(key, [0.12, 0.13, 0.14, 0.13, 0.12])
+    assert early_warnings(high, CFG, gap_allowance=0.0513) == []  # under 0.1 + 0.0513
+    (warning,) = early_warnings(history(key, [0.2, 0.2, 0.2]), CFG, gap_allowance=0.0513)
+    assert "0.2 nats per token over steps 1-3 > 0.1513" in warning
+    assert early_warnings(history(key, [5.0, 5.0, 5.0]), CFG, gap_allowance=None) == []  # top-k: no gap check
+
+
+def test_two_value_window_never_warns_on_one_step():
+    key = "sampling/sampling_logp_difference/mean"
+    assert early_warnings(history(key, [0.002, 0.3]), MonitorConfig(window=2)) == []

@@ -66,7 +66,7 @@ def test_reward_config_needs_an_eval_split_and_reward_config_fields():
 
 
 def test_ppo_accepts_vllm_rollouts(monkeypatch: pytest.MonkeyPatch):
-    """PPO generates with vLLM like GRPO (tests/vllm runs it for real); validation passes the settings through."""
+    """PPO generates with vLLM like GRPO (tests/vllm_cpu runs it for real); validation passes the settings through."""
     import importlib.util
 
     real = importlib.util.find_spec

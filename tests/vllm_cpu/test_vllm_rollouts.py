@@ -23,6 +23,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test_vll
 
 REPO = Path(__file__).resolve().parents[2]
 GAP = "sampling/sampling_logp_difference/mean"
+# A synced run's gap on the random tiny model (fp32, top_p 1) is float noise, ~6e-4 nats/token; with the sync stopped
+# after step 1 it is ~0.07-0.09 from step 2 on at the learning rates used here (GRPO lr 1e-3, LoRA PPO lr 1e-2).
+SYNCED = 0.005
 pytestmark = pytest.mark.slow
 
 
@@ -65,7 +68,7 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
     ]
     proc, rows = train("grpo.yaml", tiny_model_dir, tmp_path / "synced", "trainer.max_steps=6", *monitor)
     synced = gaps(rows)
-    assert len(synced) == 6 and max(synced) < 0.05, synced
+    assert len(synced) == 6 and max(synced) < SYNCED, synced
     assert "vLLM runs on CPU: weight prepacking is off" in proc.stderr
     assert "EARLY WARNING: vLLM" not in proc.stderr
     assert (tmp_path / "synced" / "final" / "model.safetensors").is_file()
@@ -77,7 +80,7 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
         'callbacks=["steadyrl.faults:StaleVllmAfterStep"]', env={"STEADYRL_FAULT_STEP": "1"},
     )  # fmt: skip
     stale = gaps(rows)
-    assert stale[0] < 0.05  # step 1 generated before the fault
+    assert stale[0] < SYNCED  # step 1 generated before the fault
     assert min(stale[2:]) > 0.02 > 10 * max(synced), (stale, synced)
     assert "EARLY WARNING: vLLM and the policy disagree" in proc.stderr
     from steadyrl.faults import read_fault_log
@@ -94,7 +97,7 @@ def test_every_guard_layer_with_vllm_rollouts(tiny_model_dir, tmp_path):
         "guards.opefo.enabled=true", "guards.opefo.rollback.check_interval=1",
         "guards.quatro.enabled=true", "guards.quatro.replay.enabled=true",
     )  # fmt: skip
-    assert max(gaps(rows)) < 0.05, gaps(rows)
+    assert max(gaps(rows)) < SYNCED, gaps(rows)
     assert max(r["quatro/replay_frac"] for r in rows if "quatro/replay_frac" in r) > 0
     assert [r["opefo/rollbacks"] for r in rows if "opefo/rollbacks" in r] == [0] * 5
     assert [r["gepo/skipped_steps"] for r in rows if "gepo/skipped_steps" in r] == [0] * 5
@@ -107,7 +110,7 @@ def test_ppo_generates_with_vllm_from_the_bare_policy(tiny_model_dir, tmp_path):
     proc, rows = train(
         "ppo.yaml", tiny_model_dir, out, "trainer.num_iterations=1", "trainer.beta=0.04", "ppo.critic_lr=3.0e-3"
     )
-    assert max(gaps(rows)) < 0.05, gaps(rows)
+    assert max(gaps(rows)) < SYNCED, gaps(rows)
     value_loss = [r["ppo/value_loss"] for r in rows if "ppo/value_loss" in r]
     assert len(value_loss) == 4 and all(math.isfinite(v) for v in value_loss)
     assert all(math.isfinite(r["ppo/kl"]) for r in rows if "ppo/kl" in r)
@@ -117,14 +120,20 @@ def test_ppo_generates_with_vllm_from_the_bare_policy(tiny_model_dir, tmp_path):
 
 def test_lora_ppo_merges_adapters_into_vllm(tiny_model_dir, tmp_path):
     """LoRA: TRL merges the adapters into the base weights for the sync and unmerges them after; the gap stays at
-    float noise while the adapters train (lr 1e-2 so that they move the policy)."""
-    out = tmp_path / "lora"
-    _, rows = train(
-        "ppo.yaml", tiny_model_dir, out,
+    float noise while the adapters train (lr 1e-2 so that they move the policy), and the same run with the sync
+    stopped after step 1 shows how far vLLM would drift if the merged weights did not arrive."""
+    lora = (
         "trainer.num_iterations=1", "trainer.beta=0.04", "trainer.learning_rate=1.0e-2",
         "peft.r=8", "peft.lora_alpha=16", "peft.lora_dropout=0.0",
     )  # fmt: skip
-    assert max(gaps(rows)) < 0.05, gaps(rows)
+    out = tmp_path / "lora"
+    _, rows = train("ppo.yaml", tiny_model_dir, out, *lora)
+    assert len(gaps(rows)) == 4 and max(gaps(rows)) < SYNCED, gaps(rows)
+    _, stale_rows = train(
+        "ppo.yaml", tiny_model_dir, tmp_path / "stale", *lora,
+        'callbacks=["steadyrl.faults:StaleVllmAfterStep"]', env={"STEADYRL_FAULT_STEP": "1"},
+    )  # fmt: skip
+    assert min(gaps(stale_rows)[1:]) > 4 * SYNCED, gaps(stale_rows)
     assert not (out / "final" / "model.safetensors").exists()
     from safetensors.torch import load_file
 
@@ -151,5 +160,33 @@ def test_ppo_under_two_process_zero2_with_vllm_on_each_rank(tiny_model_dir, tmp_
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
     assert proc.stderr.count("weight prepacking is off") == 2  # one engine per rank
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(gaps(rows)) == 3 and max(gaps(rows)) < 0.05, gaps(rows)
+    assert len(gaps(rows)) == 3 and max(gaps(rows)) < SYNCED, gaps(rows)
     assert "Traceback" not in proc.stderr  # vLLM shut down before the process group went away
+
+
+def test_moe_or_packed_layers_on_cpu_are_refused_with_the_reason():
+    """vLLM CPU packs MoE experts and conv1d weights outside the dispatch steadyrl keeps plain: refuse, not stale."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from steadyrl.trainers import vllm_support
+
+    class FusedMoE(torch.nn.Module):  # the class name is what the check reads
+        pass
+
+    def trainer_with(model: torch.nn.Module) -> SimpleNamespace:
+        runner = SimpleNamespace(model=model)
+        engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
+        return SimpleNamespace(vllm_generation=SimpleNamespace(llm=SimpleNamespace(llm_engine=engine)))
+
+    vllm_support.check_cpu_engine(trainer_with(torch.nn.Sequential(torch.nn.Linear(2, 2))))  # dense: accepted
+    with pytest.raises(RuntimeError, match=r"packs the weights of FusedMoE layers in place.*dense models only"):
+        vllm_support.check_cpu_engine(trainer_with(torch.nn.Sequential(FusedMoE())))
+    vllm_support._packed_elsewhere.append("ShortConv")  # what the dispatch records for a non-2-D weight
+    try:
+        with pytest.raises(RuntimeError, match=r"packs the weights of ShortConv layers"):
+            vllm_support.check_cpu_engine(trainer_with(torch.nn.Sequential(torch.nn.Linear(2, 2))))
+    finally:
+        vllm_support._packed_elsewhere.clear()
+    vllm_support.check_cpu_engine(SimpleNamespace())  # no vLLM engine (server mode): nothing to check
