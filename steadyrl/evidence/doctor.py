@@ -27,6 +27,7 @@ import numpy as np
 import yaml
 
 from steadyrl.evidence.history import History, to_float
+from steadyrl.guards.monitor import logp_gap_allowance, logp_gap_verdict
 
 MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts")
 TITLES = {
@@ -468,38 +469,30 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
 
 
 def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
-    """The late window's median vLLM-policy log-prob gap above ``logp_gap_max`` (one noisy step does not count)."""
+    """The vLLM-policy log-prob gap rules (``steadyrl.guards.monitor.logp_gap_verdict``) over the whole run."""
     steps, values = _finite(history, LOGP_GAP)
-    allowance = config.logp_gap_allowance
-    if len(values) < 3 or allowance is None:
-        return None
     w = max(3, min(config.window, len(values) // 3))
-    late, late_steps = values[-w:], steps[-w:]
-    median = float(np.median(late))
-    where = f"median {median:.4g} nats per token over steps {int(late_steps[0])}-{int(late_steps[-1])}"
-    limit = config.logp_gap_max + allowance
-    if median > limit:
-        severity, summary = "problem", "vLLM's log-probs of its own samples disagree with the policy's"
-        first_bad = int(steps[np.argmax(values > limit)])
-        detail = f"{where} (> {limit:.4g}); first above it at step {first_bad}, first value {values[0]:.4g}"
+    c = config
+    points = list(zip(steps.tolist(), values.tolist(), strict=True))
+    verdict = logp_gap_verdict(points, w, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, c.logp_gap_allowance)
+    if verdict is None:
+        return None
+    where = f"median {verdict.median:.4g} nats per token over steps {verdict.late[0]}-{verdict.late[1]}"
+    if verdict.severity == "problem":
+        summary = "vLLM's log-probs of its own samples disagree with the policy's"
+        first_bad = int(steps[np.argmax(values > verdict.limit)])
+        detail = f"{where} (> {verdict.limit:.4g}); first above it at step {first_bad}, first value {values[0]:.4g}"
     else:
-        start = float(np.median(values[:w]))
-        if allowance > 0 or len(values) < 2 * w or median <= config.logp_gap_floor:
-            return None
-        if median < config.logp_gap_rise_ratio * start:
-            return None
-        severity, summary = "warning", "vLLM's log-probs drift away from the policy's"
-        detail = (
-            f"{where}, {median / max(start, 1e-12):.1f}x the median {start:.4g} over steps {int(steps[0])}-"
-            f"{int(steps[w - 1])}"
-        )
+        assert verdict.early is not None
+        summary = "vLLM's log-probs drift away from the policy's"
+        detail = f"{where}, {verdict.growth()} over steps {verdict.early[0]}-{verdict.early[1]}"
     changes = [
         "check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 (steadyrl.trainers.vllm_support "
         "warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
         "meanwhile trainer.use_vllm: false generates on-policy",
     ]
     evidence = [Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)]
-    return _Check(severity, summary, evidence, changes)
+    return _Check(verdict.severity, summary, evidence, changes)
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -507,8 +500,6 @@ def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
 
 def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
     """Default thresholds, with the vLLM gap allowance of the run's sampling settings (``resolved_config.yaml``)."""
-    from steadyrl.guards.monitor import logp_gap_allowance
-
     resolved = Path(run_dir) / "resolved_config.yaml"
     trainer = {}
     if resolved.is_file():

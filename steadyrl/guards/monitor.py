@@ -100,27 +100,72 @@ def early_warnings(
     return warnings
 
 
+@dataclass
+class GapVerdict:
+    """What :func:`logp_gap_verdict` found: "problem" (median above ``limit``) or "warning" (grew from ``start``)."""
+
+    severity: str
+    median: float
+    late: tuple[int, int]  # first and last step of the window the median is over
+    limit: float
+    start: float | None = None  # "warning": the median of the first window, over steps ``early``
+    early: tuple[int, int] | None = None
+
+    def growth(self) -> str:
+        """For a "warning": "<ratio>x the median <start>" of the first window."""
+        assert self.start is not None
+        return f"{self.median / max(self.start, 1e-12):.1f}x the median {self.start:.4g}"
+
+
+def logp_gap_verdict(
+    points: Sequence[tuple[int, float]],
+    window: int,
+    gap_max: float,
+    rise_ratio: float,
+    floor: float,
+    allowance: float | None,
+) -> GapVerdict | None:
+    """The two vLLM-gap rules over (step, gap) points, shared by the live monitor and ``steadyrl doctor``.
+
+    problem: the median of the last ``window`` finite values (at least 3) is above ``gap_max + allowance``.
+    warning: with exact sampling (``allowance`` 0) and at least two windows of values, that median is above ``floor``
+    and at least ``rise_ratio`` x the median of the first window. ``allowance`` None: no verdict.
+    """
+    points = [(s, v) for s, v in points if math.isfinite(v)]
+    late = points[-window:]
+    if allowance is None or len(late) < 3:  # medians of at least 3: one noisy step does not decide
+        return None
+    median = statistics.median(v for _, v in late)
+    span = (late[0][0], late[-1][0])
+    limit = gap_max + allowance
+    if median > limit:
+        return GapVerdict("problem", median, span, limit)
+    if allowance > 0 or len(points) < 2 * window or median <= floor:
+        return None
+    first = points[:window]
+    start = statistics.median(v for _, v in first)
+    if median < rise_ratio * start:
+        return None
+    return GapVerdict("warning", median, span, limit, start, (first[0][0], first[-1][0]))
+
+
 def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig, allowance: float) -> list[str]:
     """The vLLM-policy log-prob gap: too large now, or grown far above where the run started."""
-    every = recent(history, config.logp_gap_key, len(history))
-    gap = every[-config.window :]
-    if len(gap) < 3:  # medians of at least 3: one noisy step does not warn
+    points = recent(history, config.logp_gap_key, len(history))
+    c = config
+    verdict = logp_gap_verdict(points, c.window, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, allowance)
+    if verdict is None:
         return []
-    median = statistics.median(v for _, v in gap)
-    where = f"median {config.logp_gap_key} {median:.4g} nats per token over steps {gap[0][0]}-{gap[-1][0]}"
+    first, last = verdict.late
+    where = f"median {c.logp_gap_key} {verdict.median:.4g} nats per token over steps {first}-{last}"
     cause = (
         "vLLM is generating from other weights than the trained ones (a weight sync that does not reach it: check the "
         "vLLM version, see steadyrl.trainers.vllm_support); the updates are off-policy"
     )
-    limit = config.logp_gap_max + allowance
-    if median > limit:
-        return [f"vLLM and the policy disagree: {where} > {limit:.4g}. {cause}"]
-    if allowance == 0.0 and len(every) >= 2 * config.window and median > config.logp_gap_floor:
-        first = every[: config.window]
-        start = statistics.median(v for _, v in first)
-        if median >= config.logp_gap_rise_ratio * start:
-            return [
-                f"vLLM and the policy drift apart: {where}, {median / max(start, 1e-12):.1f}x the median {start:.4g} "
-                f"of steps {first[0][0]}-{first[-1][0]}. {cause}"
-            ]
-    return []
+    if verdict.severity == "problem":
+        return [f"vLLM and the policy disagree: {where} > {verdict.limit:.4g}. {cause}"]
+    assert verdict.early is not None
+    return [
+        f"vLLM and the policy drift apart: {where}, {verdict.growth()} of steps {verdict.early[0]}-{verdict.early[1]}. "
+        f"{cause}"
+    ]
