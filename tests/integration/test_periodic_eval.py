@@ -115,6 +115,7 @@ def _rank_worker(rank: int, tmp: str, model_dir: str) -> None:
             model, state
         )
         torch.save(rows, f"{tmp}/rank{rank}.pt")
+        dist.barrier()  # a rank that tears gloo down while its peer still finishes the last collective hangs it
     finally:
         dist.destroy_process_group()
 
