@@ -16,7 +16,7 @@ from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
 from steadyrl.tasks import arithmetic_dataset
 from steadyrl.tasks.arithmetic import exact_match
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
-from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, weights
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, spawn_or_fail, weights
 
 pytestmark = pytest.mark.slow
 
@@ -121,9 +121,7 @@ def _rank_worker(rank: int, tmp: str, model_dir: str) -> None:
 
 
 def test_two_gloo_ranks_agree_with_one_process(tiny_model_dir, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank_worker, args=(str(tmp_path), str(tiny_model_dir)), nprocs=2)
+    spawn_or_fail(_rank_worker, (str(tmp_path), str(tiny_model_dir)))
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert rank0 == rank1  # every rank logs the same numbers
 

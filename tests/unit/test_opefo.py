@@ -563,9 +563,9 @@ def _two_process_worker(rank: int, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_distributed_ops_on_two_gloo_processes(tmp_path):
-    import torch.multiprocessing as mp
+    from tests.integration.helpers import spawn_or_fail
 
-    mp.spawn(_two_process_worker, args=(str(tmp_path),), nprocs=2)
+    spawn_or_fail(_two_process_worker, (str(tmp_path),))
     (s0, g0, e0, m0), (s1, g1, e1, m1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert s0 == s1 == [3.0, 20.0]
     assert g0 == g1 == [0.0, 1.0, 2.0, 7.0] and e0 == e1 == [5.0]
