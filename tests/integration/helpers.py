@@ -92,3 +92,20 @@ def spawn_or_fail(fn: Any, args: tuple, nprocs: int = 2, timeout: float = 300.0)
             for process in context.processes:
                 process.kill()
             pytest.fail(f"{getattr(fn, '__name__', fn)}: rank(s) {alive} still running after {timeout:.0f} s")
+
+
+def tiny_grpo_trainer(model_dir: Path | str, out: Path | str, guards: dict[str, Any] | None = None, **args: Any):
+    """A ``SteadyGRPOTrainer`` on the tiny model and dataset with the dense ``byte_mean`` reward; ``guards`` are its
+    guard keyword arguments (``quatro=...``, ...), ``args`` override ``grpo_args``."""
+    from transformers import AutoTokenizer
+
+    from steadyrl.trainers import SteadyGRPOTrainer
+
+    return SteadyGRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[byte_mean],
+        args=grpo_args(out, **args),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        **(guards or {}),
+    )

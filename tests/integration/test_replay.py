@@ -6,25 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from steadyrl.guards.quatro import QuatroConfig, ReplayConfig
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY, QuatroRuntime
-from tests.integration.helpers import byte_mean, grpo_args, per_step, small_dataset
+from tests.integration.helpers import per_step, tiny_grpo_trainer
 
 pytestmark = pytest.mark.slow
 
 
 def _trainer(model_dir, out, replay: ReplayConfig, **args) -> SteadyGRPOTrainer:
-    return SteadyGRPOTrainer(
-        model=str(model_dir),
-        reward_funcs=[byte_mean],
-        args=grpo_args(out, **args),
-        train_dataset=small_dataset(),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        quatro=QuatroRuntime(QuatroConfig(replay=replay)),
-    )
+    return tiny_grpo_trainer(model_dir, out, {"quatro": QuatroRuntime(QuatroConfig(replay=replay))}, **args)
 
 
 class LossRecorder:

@@ -10,7 +10,14 @@ from transformers import AutoTokenizer
 
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.grpo import COMPLETE_MARKER, find_resume_checkpoint
-from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, weights
+from tests.integration.helpers import (
+    assert_same_weights,
+    byte_mean,
+    grpo_args,
+    small_dataset,
+    tiny_grpo_trainer,
+    weights,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +25,7 @@ LOGGED = ("reward", "loss", "grad_norm", "learning_rate")
 
 
 def _trainer(model_dir: Path, out: Path, **args) -> SteadyGRPOTrainer:
-    return SteadyGRPOTrainer(
-        model=str(model_dir),
-        reward_funcs=[byte_mean],
-        args=grpo_args(out, **args),
-        train_dataset=small_dataset(),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-    )
+    return tiny_grpo_trainer(model_dir, out, **args)
 
 
 def _logs_from(history: list[dict], first_step: int) -> dict[str, list[float]]:
