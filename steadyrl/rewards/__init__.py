@@ -13,6 +13,7 @@ from typing import Any
 
 from steadyrl.config.loader import ConfigError
 from steadyrl.tasks.arithmetic import digit_credit, exact_match, numeric_match
+from steadyrl.tasks.word_problems import concise_answer, math_answer
 
 RewardFn = Callable[..., list[float | None]]
 
@@ -20,7 +21,25 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "digit_credit": digit_credit,
     "numeric_match": numeric_match,
+    "math_answer": math_answer,
+    "concise_answer": concise_answer,
 }
+
+# Modules a built-in reward imports when called, and what installs them: checked when the config is validated,
+# so a missing package fails before the model loads, not at the first reward call.
+REWARD_REQUIREMENTS: dict[str, dict[str, str]] = {
+    "math_answer": {"math_verify": "pip install -e .[real]  (or: pip install math-verify)"},
+}
+
+
+def check_reward_requirements(spec: str) -> None:
+    """ConfigError naming the package and the install command when a built-in reward's dependency is missing."""
+    import importlib.util
+
+    for module, install in REWARD_REQUIREMENTS.get(spec, {}).items():
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"reward fn {spec!r} needs the {module!r} package, which is not installed; {install}")
+
 
 # Keyword arguments TRL passes to every reward function itself (not dataset columns).
 TRL_REWARD_KWARGS = frozenset(
@@ -32,6 +51,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name (``exact_match``) or ``package.module:function``; raises ConfigError naming the cause."""
     if ":" not in spec:
         if spec in BUILTIN_REWARDS:
+            check_reward_requirements(spec)
             return BUILTIN_REWARDS[spec]
         raise ConfigError(
             f"reward fn {spec!r} is not a built-in ({sorted(BUILTIN_REWARDS)}); "

@@ -158,6 +158,15 @@ def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _model_path(cfg: RunConfig, state: Any) -> str:
+    from steadyrl.tasks.smollm2 import BUILTIN_SMOLLM2
+
+    if cfg.model.path == BUILTIN_SMOLLM2:  # converted once from the installed wheel, then read from the cache
+        from steadyrl.tasks.smollm2 import smollm2_folder
+
+        if state.is_main_process:
+            smollm2_folder()
+        state.wait_for_everyone()
+        return str(smollm2_folder())
     if cfg.model.path != BUILTIN_MODEL:
         return cfg.model.path
     from steadyrl.tasks.tiny_model import build_tiny_model

