@@ -81,7 +81,7 @@ def train(config: str, out: Path, flags: tuple[str, ...], overrides: list[str], 
     if code == 0 and eval_file.is_file():
         result = json.loads(eval_file.read_text())
         row.update(accuracy=result["accuracy"], rewards=result["rewards"], mean_length=result["mean_length"],
-                   samples=result["samples"])  # fmt: skip
+                   truncated_share=result.get("truncated_share"), samples=result["samples"])  # fmt: skip
     history = load_history(out)
     runtime = next((r["train_runtime"] for r in history.rows if "train_runtime" in r), None)
     steps = max((r.get("step", 0) for r in history.rows), default=0)
@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--results", default="docs/results/real_model.json")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
+    code_commit = commit()  # the code that runs (later edits to the tree do not change this record)
     rows: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
         print(f"[bench_real_model] {variant} ...", flush=True)
@@ -147,7 +148,7 @@ def main() -> None:
     results = {
         "benchmark": "real_model",
         "command": command.strip(),
-        "commit": commit(),
+        "commit": code_commit,
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
         "model": "smollm2-135m-instruct",

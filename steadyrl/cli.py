@@ -7,6 +7,7 @@
     steadyrl report RUN_DIR                           plots + RUN_DIR/report/report.md from the run's logs
     steadyrl doctor RUN_DIR                           name the failure mode under way: exit 0 healthy,
                                                       1 a warning or problem found, 2 no logs found
+    steadyrl compare RUN_A RUN_B ... [--out DIR]      several runs overlaid: PNG per metric + compare.md
 
 ``report`` and ``doctor`` read ``RUN_DIR/metrics.jsonl`` (the MetricsLog callback), else the newest
 ``checkpoint-*/trainer_state.json``; they need no config.
@@ -37,13 +38,33 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", help="YAML config file")
         p.add_argument("overrides", nargs="*", help="section.key=value overrides, YAML-typed")
+        if name == "validate":
+            p.add_argument("--accelerate-config", help="the accelerate config the run will be launched with "
+                           "(checks that DeepSpeed is installed when it names DeepSpeed)")  # fmt: skip
     for name, text in (
         ("report", "plot a run's logged metrics into RUN_DIR/report/ (PNGs and report.md)"),
         ("doctor", "name a run's failure mode from its logs (exit 0 healthy, 1 found one, 2 no logs)"),
     ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("run_dir", help="the run's trainer.output_dir (holding metrics.jsonl or checkpoint-*/)")
+    text = "overlay several runs' metrics (one PNG per metric) and tabulate their final values"
+    p = sub.add_parser("compare", help=text, description=text)
+    p.add_argument("run_dirs", nargs="+", help="two or more runs' trainer.output_dir")
+    p.add_argument("--out", default="compare", help="output folder (default: ./compare)")
     return parser
+
+
+def _compare(run_dirs: list[str], out: str) -> int:
+    """``compare``: exit 0 written, 2 a run has no logs or fewer than two runs."""
+    from steadyrl.evidence import HistoryNotFoundError
+    from steadyrl.evidence.compare import write_comparison
+
+    try:
+        print(write_comparison(run_dirs, out))
+    except (HistoryNotFoundError, ValueError) as exc:
+        print(f"steadyrl: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _evidence(command: str, run_dir: str) -> int:
@@ -99,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("report", "doctor"):
         return _evidence(args.command, args.run_dir)
+    if args.command == "compare":
+        return _compare(args.run_dirs, args.out)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
@@ -108,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"`steadyrl {command}` needs algorithm: {command} in the config, got algorithm: {cfg.algorithm}"
                 )
         if args.command == "validate":
+            if args.accelerate_config:
+                from steadyrl.config.requirements import check_requirements
+
+                check_requirements(cfg, args.accelerate_config)
             print(yaml.safe_dump(cfg.to_tree(), sort_keys=False), end="")
             return 0
         if cfg.algorithm == "reward":

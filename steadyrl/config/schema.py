@@ -529,6 +529,9 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
         _check_ppo(cfg)
     if cfg.algorithm == "reward":
         _check_reward(cfg)
+    from steadyrl.config.requirements import check_requirements
+
+    check_requirements(cfg)  # last: the packages the run needs (report_to backends, reward deps, deepspeed)
 
 
 BUILTIN_MODELS = ("builtin:tiny-llama", "builtin:smollm2-135m-instruct")

@@ -25,26 +25,21 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "concise_answer": concise_answer,
 }
 
-# Modules a built-in reward imports when called, and what installs them: checked when the config is validated,
-# so a missing package fails before the model loads, not at the first reward call.
-REWARD_REQUIREMENTS: dict[str, dict[str, str]] = {
-    "math_answer": {"math_verify": "pip install -e .[real]  (or: pip install math-verify)"},
-}
-
-
-def check_reward_requirements(spec: str) -> None:
-    """ConfigError naming the package and the install command when a built-in reward's dependency is missing."""
-    import importlib.util
-
-    for module, install in REWARD_REQUIREMENTS.get(spec, {}).items():
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"reward fn {spec!r} needs the {module!r} package, which is not installed; {install}")
-
-
 # Keyword arguments TRL passes to every reward function itself (not dataset columns).
 TRL_REWARD_KWARGS = frozenset(
     {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
 )
+
+
+def check_reward_requirements(spec: str) -> None:
+    """ConfigError naming the package and the install command when a reward's optional dependency is missing."""
+    from steadyrl.config.requirements import REWARD_MODULES, Missing, installed
+
+    if spec in REWARD_MODULES and not installed(REWARD_MODULES[spec][0]):
+        module, install = REWARD_MODULES[spec]
+        raise ConfigError(
+            f"missing package(s) this config needs:\n  {Missing(module, f'reward fn {spec!r}', install).line()}"
+        )
 
 
 def load_reward_fn(spec: str) -> RewardFn:

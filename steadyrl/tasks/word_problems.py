@@ -14,7 +14,7 @@ with the model's own chat template. Rewards:
 - ``math_answer``: 1.0 when math-verify (the verifier behind TRL's ``accuracy_reward``) finds the answer in
   the completion and it equals the gold number. math-verify takes the anchored answer (``the answer is 29``,
   ``\\boxed{29}``) or else the last number, so a completion cut off mid-ramble usually scores 0.
-- ``concise_answer``: 1.0 when the completion is short (at most ``max_words`` words, default 16) and ends on a
+- ``concise_answer``: 1.0 when the completion is short (at most ``max_words`` words, default 12) and ends on a
   number, 0.0 otherwise. It rewards finishing with an answer inside the length budget instead of rambling into
   the limit, whether or not the number is right: correctness is ``math_answer``'s job. (A bare-number format
   would be the wrong target here: the base model computes only when it writes the sum out, ``30 + 2 = 32``.)
@@ -155,7 +155,7 @@ def math_answer(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> 
 _LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?\D{0,12}$")
 
 
-def concise_answer(completions: Sequence[Any], max_words: int = 16, **_: Any) -> list[float]:
+def concise_answer(completions: Sequence[Any], max_words: int = 12, **_: Any) -> list[float]:
     """1.0 when the completion has at most ``max_words`` words and ends on a number (``29``, ``18 + 11 = 29.``,
     ``29 marbles.``), else 0.0. A completion cut off at the length limit rarely ends on a number."""
     scores = []

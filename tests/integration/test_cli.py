@@ -65,3 +65,31 @@ def test_train_writes_config_model_eval_and_resumes(tiny_model_dir, tmp_path):
 def test_missing_resume_path_is_a_clear_error(tmp_path):
     proc = steadyrl("train", "configs/tiny/grpo.yaml", f"trainer.resume_from_checkpoint={tmp_path / 'nope'}")
     assert proc.returncode == 1 and "does not exist" in proc.stderr
+
+
+def test_compare_overlays_two_real_runs(tiny_model_dir, tmp_path):
+    """Two tiny GRPO runs (plain, and GEPO on) compared: a PNG per logged metric and a table row per run."""
+    common = [f"model.path={tiny_model_dir}", "trainer.max_steps=3", "trainer.logging_steps=1",
+              "trainer.per_device_train_batch_size=8", "trainer.num_generations=4",
+              "trainer.max_completion_length=4", 'trainer.save_strategy="no"', "eval.max_samples=8",
+              "eval.every=2"]  # fmt: skip
+    runs = {"plain": [], "gepo": ["guards.gepo.enabled=true"]}
+    for name, flags in runs.items():
+        proc = steadyrl("train", "configs/tiny/grpo.yaml", *common, *flags, f"trainer.output_dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "cmp"
+    proc = steadyrl("compare", str(tmp_path / "plain"), str(tmp_path / "gepo"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (out / "compare.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in table] == ["| run", "| plain", "| gepo"]
+    assert all(row.split(" | ")[1:3] == ["3", "yes"] for row in table[1:])
+    for png in ("reward.png", "eval_accuracy.png", "grad_norm.png"):
+        assert (out / png).stat().st_size > 1000 and f"]({png})" in report
+    assert (out / "gepo_adv_std.png").is_file()  # logged by one run only: still drawn
+    assert not (out / "quatro_kl_coef.png").exists()  # logged by neither
+
+    missing = steadyrl("compare", str(tmp_path / "plain"), str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "no training logs in" in missing.stderr
+    one = steadyrl("compare", str(tmp_path / "plain"))
+    assert one.returncode == 2 and "at least two runs" in one.stderr

@@ -9,6 +9,7 @@ import pytest
 
 from steadyrl.config import ConfigError, load_config
 from steadyrl.config.loader import load_config_tree, parse_override
+from steadyrl.config.requirements import installed as module_installed
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
@@ -262,8 +263,66 @@ def test_every_shipped_config_validates(path: Path) -> None:
     if not torch.cuda.is_available():  # GPU configs ask for bf16/vllm; validate the rest of them here
         tree, _ = load_config_tree(path)
         overrides = [f"trainer.{k}=false" for k in ("bf16", "use_vllm") if tree.get("trainer", {}).get(k)]
+        if tree.get("trainer", {}).get("report_to") and not module_installed(
+            "tensorboard"
+        ):  # the gpu extra's; see below
+            overrides.append("trainer.report_to=[]")
     cfg = load_config(path, overrides, world_size=8 if "models" in path.parts else 1)
     assert cfg.trainer["output_dir"]
+
+
+GPU_EXTRA_MODULES = ("tensorboard", "math_verify", "deepspeed")
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shipped_configs_name_the_extra_they_need(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the gpu extra's packages, a config that needs them fails validation naming each one and the extra;
+    the header of every config that needs them names the extra too."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in GPU_EXTRA_MODULES else real(n, *a))
+    tree, _ = load_config_tree(path)
+    trainer = tree.get("trainer", {})
+    overrides = [f"trainer.{k}=false" for k in ("bf16", "use_vllm") if trainer.get(k)]
+    needs = []  # (package named, install command named)
+    if trainer.get("report_to"):
+        needs.append(("'tensorboard'", "pip install -e .[gpu]"))
+    fns = [r.get("fn") for r in tree.get("rewards", [])]
+    if "trl.rewards:accuracy_reward" in fns:
+        needs.append(("'math_verify'", "pip install -e .[gpu]"))
+    if "math_answer" in fns:
+        needs.append(("'math_verify'", "pip install -e .[real]"))
+    world_size = 8 if "models" in path.parts else 1
+    if not needs:
+        load_config(path, overrides, world_size=world_size)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, world_size=world_size)
+    message = str(info.value)
+    assert message.startswith("missing package(s) this config needs")
+    assert all(package in message and install in message for package, install in needs), message
+    if "models" in path.parts:
+        header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        assert "pip install -e .[gpu]" in header, "the config's header names the extra to install"
+
+
+def test_deepspeed_accelerate_config_needs_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from steadyrl.config.requirements import check_requirements, deepspeed_accelerate_config
+
+    assert deepspeed_accelerate_config(REPO / "configs/accelerate/zero2.yaml")
+    assert not deepspeed_accelerate_config(REPO / "configs/accelerate/multi_cpu.yaml")
+    cfg = load_config(REPO / "configs/tiny/grpo.yaml")
+    check_requirements(cfg, REPO / "configs/accelerate/zero2.yaml")  # deepspeed is in the dev extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
+    with pytest.raises(ConfigError, match=r"zero2.yaml \(distributed_type: DEEPSPEED\) needs the 'deepspeed'"):
+        check_requirements(cfg, REPO / "configs/accelerate/zero2.yaml")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match=r"DeepSpeed launch \(ACCELERATE_USE_DEEPSPEED\) needs the 'deepspeed'"):
+        load_config(REPO / "configs/tiny/grpo.yaml")
 
 
 def test_gpu_only_backend_on_cpu(base: Path) -> None:

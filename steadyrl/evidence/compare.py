@@ -1,0 +1,124 @@
+"""``steadyrl compare RUN_A RUN_B ...``: several runs' logs overlaid, one PNG per metric, and a table of final values.
+
+The comparison every ablation needs (plain TRL against steadyrl, one layer against all of them). Each run is a
+``trainer.output_dir`` read with ``load_history`` (``metrics.jsonl`` or a checkpoint's ``trainer_state.json``), so a
+run that died is compared up to its last logged step. A metric is drawn when at least one run logged it; runs are
+labelled by their folder name (the parent's name is added when two folders share a name). Non-finite values are
+red crosses along the top edge, as in ``steadyrl report``.
+
+Output (default ``./compare``): ``<metric>.png`` per drawn metric and ``compare.md`` with, per run: steps logged,
+finished or not, eval accuracy (last and best), last reward, GEPO skips, OPEFO rollbacks, and the last value of every
+drawn metric.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from steadyrl.evidence.history import History, load_history
+
+METRICS = (
+    ("eval/accuracy", "Eval accuracy (greedy, held out)"),
+    ("reward", "Training reward"),
+    ("kl", "KL to the reference"),
+    ("entropy", "Entropy"),
+    ("grad_norm", "Gradient norm (pre-clip)"),
+    ("completions/mean_length", "Completion length"),
+    ("gepo/adv_std", "GEPO advantage std"),
+    ("quatro/kl_coef", "QUATRO KL coefficient"),
+    ("quatro/filtered_share", "QUATRO filtered share"),
+    ("grade/scaled_std", "GRADE scaled reward std"),
+)
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Folder names, with the parent's name added where two runs share one."""
+    names = [p.resolve().name for p in run_dirs]
+    return [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(run_dirs, names, strict=True)]
+
+
+def _file_name(metric: str) -> str:
+    return metric.replace("/", "_") + ".png"
+
+
+def _draw(metric: str, title: str, histories: dict[str, History], path: Path) -> None:
+    fig = Figure(figsize=(8.0, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    crosses = False
+    for i, (label, history) in enumerate(histories.items()):
+        steps, values = history.series(metric)
+        if not len(steps):
+            continue
+        finite = np.isfinite(values)
+        ax.plot(steps[finite], values[finite], label=label, color=f"C{i}", marker="." if finite.sum() <= 50 else None)
+        if (~finite).any():
+            label = "_nolegend_" if crosses else "non-finite (NaN/inf)"
+            bad = steps[~finite]
+            ax.scatter(bad, np.full(len(bad), 0.97), marker="x", color="red", clip_on=False,
+                       transform=ax.get_xaxis_transform(), label=label)  # fmt: skip
+            crosses = True
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _last(history: History, metric: str) -> float | None:
+    _, values = history.series(metric)
+    return float(values[-1]) if len(values) else None
+
+
+def _best(history: History, metric: str) -> float | None:
+    _, values = history.series(metric)
+    finite = values[np.isfinite(values)]
+    return float(finite.max()) if len(finite) else None
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4g}"
+
+
+def summary_rows(histories: dict[str, History], metrics: list[str]) -> list[str]:
+    head = ["run", "steps", "finished", "eval acc (last)", "eval acc (best)", "GEPO skips", "OPEFO rollbacks"]
+    head += [f"{m} (last)" for m in metrics if m != "eval/accuracy"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, h in histories.items():
+        cells = [label, str(int(h.steps[-1])) if len(h.steps) else "0", "yes" if h.finished else "no",
+                 _fmt(_last(h, "eval/accuracy")), _fmt(_best(h, "eval/accuracy")),
+                 str(h.count("gepo/skipped_steps", "skip")), str(h.count("opefo/rollbacks", "rollback"))]  # fmt: skip
+        cells += [_fmt(_last(h, m)) for m in metrics if m != "eval/accuracy"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def write_comparison(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.PathLike[str] = "compare") -> Path:
+    """Overlay the runs' metrics; returns the path of ``compare.md``. Raises HistoryNotFoundError for a run without
+    logs (naming it), ValueError for fewer than two runs."""
+    paths = [Path(p) for p in run_dirs]
+    if len(paths) < 2:
+        raise ValueError(f"compare needs at least two runs, got {len(paths)}")
+    histories = {label: load_history(p) for label, p in zip(run_labels(paths), paths, strict=True)}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = []
+    for metric, title in METRICS:
+        if any(h.has(metric) for h in histories.values()):
+            _draw(metric, title, histories, out / _file_name(metric))
+            drawn.append(metric)
+    lines = ["# steadyrl compare", "", "Runs: " + ", ".join(f"`{p}`" for p in paths), ""]
+    lines += [*summary_rows(histories, drawn), ""]
+    lines += [f"![{metric}]({_file_name(metric)})" for metric in drawn]
+    report = out / "compare.md"
+    report.write_text("\n".join(lines) + "\n")
+    return report
