@@ -130,9 +130,12 @@ def train_reward_model(
     rename_for_installed(kwargs, {f.name for f in dataclasses.fields(RewardConfig)}, {})  # activation_checkpointing
     args = RewardConfig(**kwargs)
     tokenizer = _load_tokenizer(model_path)
+    from steadyrl.callbacks.progress import terminal_callbacks
+
     trainer = RewardTrainer(
-        model=str(model_path), args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer
-    )
+        model=str(model_path), args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+        callbacks=terminal_callbacks(),
+    )  # fmt: skip
     trainer.train()
     trainer.save_model(str(Path(output_dir) / "final"))
     return trainer

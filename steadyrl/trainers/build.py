@@ -218,6 +218,9 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     from steadyrl.callbacks.metrics_log import MetricsLog
 
     common["callbacks"] = [MetricsLog(), *common["callbacks"]]  # metrics.jsonl: every row, crash-safe
+    from steadyrl.callbacks.progress import terminal_callbacks
+
+    common["callbacks"] += terminal_callbacks()  # a status line per log on a terminal; quiet when piped
     if cfg.algorithm != "sft" and cfg.guards.gepo.enabled and cfg.guards.gepo.monitor.enabled:
         from steadyrl.callbacks.monitor import SignalMonitor
 

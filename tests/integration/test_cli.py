@@ -93,3 +93,36 @@ def test_compare_overlays_two_real_runs(tiny_model_dir, tmp_path):
     assert missing.returncode == 2 and "no training logs in" in missing.stderr
     one = steadyrl("compare", str(tmp_path / "plain"))
     assert one.returncode == 2 and "at least two runs" in one.stderr
+
+
+def test_progress_line_on_a_terminal_and_none_when_piped(tiny_model_dir, tmp_path):
+    import pty
+
+    args = [sys.executable, "-m", "steadyrl", "train", "configs/tiny/grpo.yaml", f"model.path={tiny_model_dir}",
+            "trainer.max_steps=2", "trainer.logging_steps=1", "trainer.per_device_train_batch_size=8",
+            "trainer.num_generations=4", "trainer.max_completion_length=4", 'trainer.save_strategy="no"',
+            "eval.max_samples=8", "eval.every=0", "guards.gepo.enabled=true"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("STEADYRL_PROGRESS", None)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([*args, f"trainer.output_dir={tmp_path / 'tty'}"], cwd=REPO, env=env, stdin=follower,
+                            stdout=follower, stderr=follower)  # fmt: skip
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=600) == 0
+    shown = b"".join(chunks).decode(errors="replace")
+    assert "step 1/2 (50%) | " in shown and "step 2/2 (100%) | " in shown and "skipped 0" in shown
+
+    piped = subprocess.run([*args, f"trainer.output_dir={tmp_path / 'pipe'}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert "step 1/2 (50%)" not in piped.stderr + piped.stdout
