@@ -107,7 +107,9 @@ def evaluate_rewards(
 ) -> dict[str, Any]:
     """Mean of each reward over greedy completions of ``dataset['prompt']``; also mean completion length.
 
-    Returns ``{"rewards": {name: mean}, "mean_length": float, "samples": [(prompt, completion), ...]}``.
+    Returns ``{"rewards": {name: mean}, "mean_length": float, "truncated_share": float, "samples": [(prompt,
+    completion), ...]}``; ``truncated_share`` is the share of completions that reached ``max_new_tokens`` without
+    an end-of-sequence token (cut off, as TRL's ``completions/clipped_ratio`` counts them in training).
     """
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
@@ -117,8 +119,11 @@ def evaluate_rewards(
         finite = finite_scores(scores)
         means[name] = sum(finite) / len(finite) if finite else float("nan")
     ids = out["completion_ids"]
+    eos = tokenizer.eos_token_id
+    truncated = sum(len(i) >= max_new_tokens and (not i or i[-1] != eos) for i in ids)
     return {
         "rewards": means,
         "mean_length": sum(len(i) for i in ids) / max(len(ids), 1),
+        "truncated_share": truncated / max(len(ids), 1),
         "samples": list(zip(out["prompts"][:5], out["completions"][:5], strict=True)),
     }

@@ -29,6 +29,8 @@ from typing import Any
 
 from datasets import Dataset
 
+from steadyrl.tasks.arithmetic import _completion_text as completion_text
+
 NAMES = (
     ("Sam", "He"), ("Mia", "She"), ("Leo", "He"), ("Ava", "She"), ("Noah", "He"), ("Zoe", "She"),
     ("Omar", "He"), ("Lina", "She"), ("Ivan", "He"), ("Maya", "She"), ("Ken", "He"), ("Rosa", "She"),
@@ -133,12 +135,6 @@ def word_problem_dataset(split: str = "train", **kwargs: Any) -> Dataset:
     return Dataset.from_list(train if split == "train" else evaluation)
 
 
-def _text(completion: Any) -> str:
-    if isinstance(completion, list):
-        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
-    return str(completion)
-
-
 def math_answer(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
     """1.0 when math-verify extracts the gold number from the completion, else 0.0 (see the module doc)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -147,7 +143,7 @@ def math_answer(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> 
     scores = []
     for completion, gold in zip(completions, answer, strict=True):
         gold_parsed = parse(gold, extraction_config=[ExprExtractionConfig()])
-        predicted = parse(_text(completion), extraction_config=extraction, extraction_mode="first_match")
+        predicted = parse(completion_text(completion), extraction_config=extraction, extraction_mode="first_match")
         scores.append(float(bool(predicted) and verify(gold_parsed, predicted)))
     return scores
 
@@ -160,6 +156,6 @@ def concise_answer(completions: Sequence[Any], max_words: int = 12, **_: Any) ->
     ``29 marbles.``), else 0.0. A completion cut off at the length limit rarely ends on a number."""
     scores = []
     for completion in completions:
-        text = _text(completion).strip()
+        text = completion_text(completion).strip()
         scores.append(float(0 < len(text.split()) <= max_words and _LAST_NUMBER.search(text) is not None))
     return scores

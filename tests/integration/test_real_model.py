@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import REPO
 
@@ -154,9 +155,9 @@ def test_two_lora_grpo_steps_with_every_layer(smollm2_cache: Path, tmp_path: Pat
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    resolved = (out / "resolved_config.yaml").read_text()
-    for layer in ("gepo", "grade", "opefo", "quatro"):
-        assert f"  {layer}:\n    enabled: true" in resolved
+    resolved = yaml.safe_load((out / "resolved_config.yaml").read_text())
+    assert all(resolved["guards"][layer]["enabled"] for layer in ("gepo", "grade", "opefo", "quatro"))
+    assert resolved["peft"]["r"] == 16
     rows = [r for r in load_history(out).rows if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("gepo/adv_std", "grade/raw_std", "quatro/kl_coef", "opefo/rollbacks", "steadyrl/guard_seconds"):
