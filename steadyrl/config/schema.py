@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from steadyrl.config.loader import ConfigError, Origins
+from steadyrl.evidence.early_warnings import MonitorConfig
 from steadyrl.guards.grade import GradeConfig
-from steadyrl.guards.monitor import MonitorConfig
 from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
 from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
 from steadyrl.guards.spike import SpikeConfig

@@ -46,6 +46,16 @@ from typing import Any
 
 import torch
 
+from steadyrl.metrics import (
+    GRADE_CLIP_FRAC_HIGH,
+    GRADE_CLIP_FRAC_LOW,
+    GRADE_RAW_MEAN,
+    GRADE_RAW_STD,
+    GRADE_SCALED_MEAN,
+    GRADE_SCALED_STD,
+    GRADE_WINDOW,
+)
+
 
 @dataclass
 class GradeConfig:
@@ -237,13 +247,13 @@ class GradeScaler:
             return t.std().item() if t.numel() > 1 else float("nan")
 
         self._last = {
-            "grade/raw_mean": raw_f.mean().item() if n else float("nan"),
-            "grade/raw_std": std(raw_f),
-            "grade/scaled_mean": out_f.mean().item() if n else float("nan"),
-            "grade/scaled_std": std(out_f),
-            "grade/clip_frac_low": low / n if n else 0.0,
-            "grade/clip_frac_high": high / n if n else 0.0,
-            "grade/window": float(len(self._raw)),
+            GRADE_RAW_MEAN: raw_f.mean().item() if n else float("nan"),
+            GRADE_RAW_STD: std(raw_f),
+            GRADE_SCALED_MEAN: out_f.mean().item() if n else float("nan"),
+            GRADE_SCALED_STD: std(out_f),
+            GRADE_CLIP_FRAC_LOW: low / n if n else 0.0,
+            GRADE_CLIP_FRAC_HIGH: high / n if n else 0.0,
+            GRADE_WINDOW: float(len(self._raw)),
         }
         self._last_whitened = whitened
 
@@ -257,7 +267,7 @@ class GradeScaler:
         warmup, or ``whiten=False``) or the ratio is undefined."""
         if not self._last_whitened:
             return 1.0
-        ratio = self._last["grade/raw_std"] / self._last["grade/scaled_std"] if self._last["grade/scaled_std"] else 1.0
+        ratio = self._last[GRADE_RAW_STD] / self._last[GRADE_SCALED_STD] if self._last[GRADE_SCALED_STD] else 1.0
         if not math.isfinite(ratio):
             return 1.0
         return min(max(ratio, lo), hi)

@@ -58,6 +58,16 @@ from typing import Any
 
 import torch
 
+from steadyrl.metrics import (
+    OPEFO_EF_INJECTED_NORM,
+    OPEFO_EF_PENDING,
+    OPEFO_EF_WEIGHT,
+    OPEFO_FLOOR_TRIGGERED,
+    opefo_floor_raised_frac,
+    opefo_floor_value,
+    opefo_tiny_frac,
+)
+
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -190,9 +200,9 @@ class SecondMomentFloor:
             for i, states in enumerate(groups):
                 n_tiny, numel = counts_list[i]
                 frac = n_tiny / numel if numel else 0.0
-                metrics[f"opefo/tiny_frac/{i}"] = frac
-                metrics[f"opefo/floor_value/{i}"] = 0.0
-                metrics[f"opefo/floor_raised_frac/{i}"] = 0.0
+                metrics[opefo_tiny_frac(i)] = frac
+                metrics[opefo_floor_value(i)] = 0.0
+                metrics[opefo_floor_raised_frac(i)] = 0.0
                 if frac <= cfg.trigger_frac:
                     continue
                 value = self._percentile(states, int(numel), generator, home)
@@ -205,13 +215,13 @@ class SecondMomentFloor:
                     v.clamp_(min=value)
                 floored.append(i)
                 raised.append(count.to(torch.float64))
-                metrics[f"opefo/floor_value/{i}"] = value
+                metrics[opefo_floor_value(i)] = value
             if floored:
                 raised_list = self.reduce_sum(torch.stack(raised)).tolist()
                 for i, n in zip(floored, raised_list, strict=True):
-                    metrics[f"opefo/floor_raised_frac/{i}"] = n / counts_list[i][1]
+                    metrics[opefo_floor_raised_frac(i)] = n / counts_list[i][1]
         self.floored_groups += len(floored)
-        metrics["opefo/floor_triggered"] = float(len(floored))
+        metrics[OPEFO_FLOOR_TRIGGERED] = float(len(floored))
         return metrics
 
     def _percentile(
@@ -379,12 +389,12 @@ class ErrorFeedback:
         nothing is added and k stays (the schedule is delayed to the next taken step, never lost); counted in
         ``deferred``. Slots whose gradient (or stored residual) is None are left out.
         """
-        out = {"opefo/ef_pending": 0.0, "opefo/ef_weight": 0.0, "opefo/ef_injected_norm": 0.0}
+        out = {OPEFO_EF_PENDING: 0.0, OPEFO_EF_WEIGHT: 0.0, OPEFO_EF_INJECTED_NORM: 0.0}
         residual = self._residual
         if not self.config.enabled or residual is None:
             return out
         self._check_slots(gradients)
-        out["opefo/ef_pending"] = 1.0
+        out[OPEFO_EF_PENDING] = 1.0
         home = _first_device(gradients)
         with torch.no_grad():
             present = torch.tensor(
@@ -409,8 +419,8 @@ class ErrorFeedback:
         if self._position >= len(self.config.weights):
             self._free()
             self.completed += 1
-        out["opefo/ef_weight"] = weight
-        out["opefo/ef_injected_norm"] = scale * math.sqrt(r_total)
+        out[OPEFO_EF_WEIGHT] = weight
+        out[OPEFO_EF_INJECTED_NORM] = scale * math.sqrt(r_total)
         return out
 
     def _check_slots(self, gradients: list[torch.Tensor | None]) -> None:

@@ -59,6 +59,23 @@ from typing import Any
 
 import torch
 
+from steadyrl.metrics import (
+    QUATRO_ENTROPY,
+    QUATRO_ENTROPY_BONUS,
+    QUATRO_ENTROPY_FLOOR,
+    QUATRO_FILTERED_SHARE,
+    QUATRO_FLOOR_ACTIVE,
+    QUATRO_KL_COEF,
+    QUATRO_KL_FACTOR,
+    QUATRO_KL_MEAN,
+    QUATRO_KL_NAN,
+    QUATRO_KL_TARGET,
+    QUATRO_REPLAY_AGE_MEAN,
+    QUATRO_REPLAY_FRAC,
+    QUATRO_ZERO_VARIANCE_GROUPS,
+    quatro_filtered,
+)
+
 NAN = float("nan")
 
 
@@ -163,11 +180,11 @@ class AdaptiveKL:
     def metrics(self) -> dict[str, float]:
         """``quatro/kl_mean`` is the window mean of the last update (NaN before the first)."""
         return {
-            "quatro/kl_coef": self.beta,
-            "quatro/kl_factor": self.factor,
-            "quatro/kl_mean": self.last_mean,
-            "quatro/kl_target": self.config.target,
-            "quatro/kl_nan": float(self.nan_count),
+            QUATRO_KL_COEF: self.beta,
+            QUATRO_KL_FACTOR: self.factor,
+            QUATRO_KL_MEAN: self.last_mean,
+            QUATRO_KL_TARGET: self.config.target,
+            QUATRO_KL_NAN: float(self.nan_count),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -313,10 +330,10 @@ class EntropyFloor:
     def metrics(self) -> dict[str, float]:
         """``quatro/entropy``: the rolling window mean (what the floor is compared with); floor NaN until set."""
         return {
-            "quatro/entropy": self.window_mean(),
-            "quatro/entropy_floor": self.floor if self.floor is not None else NAN,
-            "quatro/entropy_bonus": self.bonus,
-            "quatro/floor_active": 1.0 if self.active else 0.0,
+            QUATRO_ENTROPY: self.window_mean(),
+            QUATRO_ENTROPY_FLOOR: self.floor if self.floor is not None else NAN,
+            QUATRO_ENTROPY_BONUS: self.bonus,
+            QUATRO_FLOOR_ACTIVE: 1.0 if self.active else 0.0,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -486,9 +503,9 @@ class FilterResult:
 
     def metrics(self) -> dict[str, float]:
         n = self.keep.numel()
-        out = {f"quatro/filtered/{reason}": float(count) for reason, count in self.reasons.items()}
-        out["quatro/filtered_share"] = (n - int(self.keep.sum())) / n if n else 0.0
-        out["quatro/zero_variance_groups"] = float(self.zero_variance_groups.sum())
+        out = {quatro_filtered(reason): float(count) for reason, count in self.reasons.items()}
+        out[QUATRO_FILTERED_SHARE] = (n - int(self.keep.sum())) / n if n else 0.0
+        out[QUATRO_ZERO_VARIANCE_GROUPS] = float(self.zero_variance_groups.sum())
         return out
 
 
@@ -745,7 +762,7 @@ class ReplayInfo:
     ages: list[int]  # age of each of those rows, same order
 
     def metrics(self) -> dict[str, float]:
-        return {"quatro/replay_frac": self.replay_frac, "quatro/replay_age_mean": self.replay_age_mean}
+        return {QUATRO_REPLAY_FRAC: self.replay_frac, QUATRO_REPLAY_AGE_MEAN: self.replay_age_mean}
 
     def mask(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """(batch_size,) bool, True on replayed rows."""

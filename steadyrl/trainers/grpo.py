@@ -36,6 +36,20 @@ from steadyrl.guards.base import (
     combine_decisions,
 )
 from steadyrl.guards.quatro import masked_group_advantages
+from steadyrl.metrics import (
+    EVENT_SKIP,
+    GEPO_ADV_MAX_ABS,
+    GEPO_ADV_STD,
+    GEPO_NONFINITE_LOGPROBS,
+    GEPO_NONFINITE_LOSS,
+    GEPO_NONFINITE_RATIOS,
+    GEPO_NONFINITE_REWARDS,
+    GEPO_SKIPPED_STEPS,
+    GRADE_BETA,
+    GRADE_KL_FACTOR,
+    GUARD_SECONDS,
+    gepo_skipped,
+)
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
 from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
@@ -250,7 +264,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
     ) -> torch.Tensor:
         """Gathered rewards (N, num_funcs) -> (N,): weighted sum, filtered rows NaN, then the reward processor
         (GRADE, with its KL compensation factor of ``beta``). NaN marks unscorable rows."""
-        self._guard_metric("gepo/nonfinite_rewards", float((~torch.isfinite(rewards_per_func)).sum()))
+        self._guard_metric(GEPO_NONFINITE_REWARDS, float((~torch.isfinite(rewards_per_func)).sum()))
         rewards = self._weighted_rewards(rewards_per_func)
         if keep is not None:
             rewards = rewards.masked_fill(~keep.to(rewards.device), torch.nan)
@@ -261,8 +275,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             if self.kl_compensation is not None:
                 factor = self.reward_processor.kl_compensation(*self.kl_compensation)
                 self.set_beta_factor("grade", factor)
-                self._guard_metric("grade/kl_factor", factor)
-                self._guard_metric("grade/beta", self.beta)
+                self._guard_metric(GRADE_KL_FACTOR, factor)
+                self._guard_metric(GRADE_BETA, self.beta)
         return rewards
 
     def compute_advantages(
@@ -279,8 +293,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             advantages = advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
         else:
             advantages = masked_group_advantages(rewards, keep, num_generations, advantage_fn)
-        self._guard_metric("gepo/adv_std", float(advantages.std()) if advantages.numel() > 1 else 0.0)
-        self._guard_metric("gepo/adv_max_abs", float(advantages.abs().max()))
+        self._guard_metric(GEPO_ADV_STD, float(advantages.std()) if advantages.numel() > 1 else 0.0)
+        self._guard_metric(GEPO_ADV_MAX_ABS, float(advantages.abs().max()))
         return advantages
 
     def _guard_metric(self, name: str, value: float) -> None:
@@ -290,7 +304,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self.finite_checks:
-            self._guard_metric("gepo/nonfinite_logprobs", float((~torch.isfinite(logps)).sum()))
+            self._guard_metric(GEPO_NONFINITE_LOGPROBS, float((~torch.isfinite(logps)).sum()))
         if self.logprob_min is not None:
             logps = logps.clamp(min=self.logprob_min)  # -inf -> floor; NaN stays NaN and is caught at the step
         inputs = self._steady_loss_inputs
@@ -301,7 +315,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 old = inputs.get("old_per_token_logps")
                 log_ratio = logps.detach() - (logps.detach() if old is None else old)
                 bad = ~torch.isfinite(torch.exp(log_ratio)) & inputs["completion_mask"].bool()
-                self._guard_metric("gepo/nonfinite_ratios", float(bad.sum()))
+                self._guard_metric(GEPO_NONFINITE_RATIOS, float(bad.sum()))
         return logps, entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
@@ -323,7 +337,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
             return loss
         # A non-finite loss makes the gradient, hence the global norm, non-finite: the step guard skips that step.
         finite = bool(torch.isfinite(loss.detach()))
-        self._guard_metric("gepo/nonfinite_loss", float(not finite))
+        self._guard_metric(GEPO_NONFINITE_LOSS, float(not finite))
         if not finite and self.opefo is not None:
             self.opefo.on_nonfinite_loss()
         return loss
@@ -372,16 +386,16 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 self.opefo.on_skip(gradients)
             self.steady_counters["skipped_steps"] += 1
             # numbered like the log rows: the step being decided ends with global_step == step + 1
-            self.emit_event("skip", step=step + 1, reason=decision.reason, grad_norm=float(norm))
+            self.emit_event(EVENT_SKIP, step=step + 1, reason=decision.reason, grad_norm=float(norm))
             for reason in decision.reason.split(","):
                 self.steady_counters[f"skipped_{reason}"] += 1
             logger.warning(
                 "step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, decision.reason, float(norm)
             )
-        self._guard_metric("gepo/skipped_steps", self.steady_counters["skipped_steps"])
+        self._guard_metric(GEPO_SKIPPED_STEPS, self.steady_counters["skipped_steps"])
         for key, value in self.steady_counters.items():
             if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
-                self._guard_metric(f"gepo/{key}", value)
+                self._guard_metric(gepo_skipped(key.removeprefix("skipped_")), value)
         return decision
 
     def install_deepspeed_step_hook(self) -> None:
@@ -499,7 +513,7 @@ class _GuardClock(TrainerCallback):
         if trainer.step_guards or trainer._rewrites_advantages() or trainer.quatro is not None:
             # seconds spent in steadyrl's guard code during this optimizer step (its whole overhead but the
             # checks in the log-prob hook, which are a few elementwise ops)
-            trainer._guard_metric("steadyrl/guard_seconds", trainer.guard_seconds - self._last_guard_seconds)
+            trainer._guard_metric(GUARD_SECONDS, trainer.guard_seconds - self._last_guard_seconds)
         self._last_guard_seconds = trainer.guard_seconds
 
 

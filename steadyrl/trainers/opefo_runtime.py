@@ -45,6 +45,14 @@ from steadyrl.guards.opefo import (
     distributed_ops,
     optimizer_state_finite,
 )
+from steadyrl.metrics import (
+    EVENT_ROLLBACK,
+    OPEFO_EF_PENDING,
+    OPEFO_EF_WEIGHT,
+    OPEFO_LR_FACTOR,
+    OPEFO_RECOVERY_ACTIVE,
+    OPEFO_ROLLBACKS,
+)
 
 logger = logging.getLogger("steadyrl.opefo")
 
@@ -125,7 +133,7 @@ class OpefoRuntime:
         metrics = self.feedback.apply(gradients)
         for name, value in metrics.items():
             self.trainer._guard_metric(name, value)
-        return metrics.get("opefo/ef_weight", 0.0) > 0.0
+        return metrics.get(OPEFO_EF_WEIGHT, 0.0) > 0.0
 
     def on_nonfinite_loss(self) -> None:
         self._check_now = "non-finite loss"
@@ -149,9 +157,9 @@ class OpefoRuntime:
                     self._snapshot(step)
             self._check_now = None
             self._apply_lr_factor(step)
-            trainer._guard_metric("opefo/rollbacks", float(self.policy.rollbacks))
-            trainer._guard_metric("opefo/recovery_active", float(self.policy.recovery_active(step)))
-        trainer._guard_metric("opefo/ef_pending", float(self.feedback.pending))
+            trainer._guard_metric(OPEFO_ROLLBACKS, float(self.policy.rollbacks))
+            trainer._guard_metric(OPEFO_RECOVERY_ACTIVE, float(self.policy.recovery_active(step)))
+        trainer._guard_metric(OPEFO_EF_PENDING, float(self.feedback.pending))
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
@@ -211,7 +219,7 @@ class OpefoRuntime:
             "step %d: OPEFO rollback #%d to the snapshot of step %d (cause: %s); learning rate x%g for %d steps",
             step, self.policy.rollbacks, snap_step, cause, rb.recovery_lr_factor, rb.recovery_steps,
         )  # fmt: skip
-        self.trainer.emit_event("rollback", cause=cause, snapshot_step=snap_step)
+        self.trainer.emit_event(EVENT_ROLLBACK, cause=cause, snapshot_step=snap_step)
 
     def _apply_lr_factor(self, step: int) -> None:
         """Scale the LR the schedule just set by the recovery factor (the schedule itself runs on unchanged).
@@ -233,7 +241,7 @@ class OpefoRuntime:
             g["lr"] = lr * factor
         self._lr_scaled = None if factor == 1.0 else [g["lr"] for g in groups]
         self._last_factor = factor
-        self.trainer._guard_metric("opefo/lr_factor", factor)
+        self.trainer._guard_metric(OPEFO_LR_FACTOR, factor)
 
     # ------------------------------------------------------------------ state
 

@@ -57,6 +57,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from steadyrl.config.schema import PPOSection
+from steadyrl.metrics import (
+    PPO_BETA,
+    PPO_CLIPFRAC_VALUE,
+    PPO_EXPLAINED_VARIANCE,
+    PPO_KL,
+    PPO_RETURNS_MEAN,
+    PPO_VALUE_LOSS,
+    PPO_VALUES_MEAN,
+)
 from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
 from steadyrl.ppo.value import CriticModel
 from steadyrl.ppo.wrapper import PolicyAndValue
@@ -256,14 +265,14 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         _, residual_var = self._global_mean_var(returns - values, mask)
         values_mean, _ = self._global_mean_var(values, mask)
         ev = 1.0 - residual_var / returns_var if returns_var > 0 else torch.tensor(float("nan"))
-        self._guard_metric("ppo/returns_mean", float(returns_mean))
-        self._guard_metric("ppo/values_mean", float(values_mean))
-        self._guard_metric("ppo/explained_variance", float(ev))
-        self._guard_metric("ppo/beta", float(self.beta))  # the coefficient place_rewards just used
+        self._guard_metric(PPO_RETURNS_MEAN, float(returns_mean))
+        self._guard_metric(PPO_VALUES_MEAN, float(values_mean))
+        self._guard_metric(PPO_EXPLAINED_VARIANCE, float(ev))
+        self._guard_metric(PPO_BETA, float(self.beta))  # the coefficient place_rewards just used
         kl_mean = float("nan")
         if kl is not None:
             kl_mean = float(self._global_mean_var(kl, mask)[0])
-            self._guard_metric("ppo/kl", kl_mean)
+            self._guard_metric(PPO_KL, kl_mean)
         if self.quatro is not None and self.quatro.kl is not None:
             tokens = float(self.accelerator.reduce(mask.sum().float().reshape(1), reduction="sum").item())
             self.quatro.record_rollout_kl(kl_mean if tokens > 0 else float("nan"), tokens)
@@ -287,8 +296,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         vf_loss, clipfrac = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], mask, self.ppo.cliprange_value
         )
-        self._guard_metric("ppo/value_loss", float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
-        self._guard_metric("ppo/clipfrac_value", float(self.accelerator.reduce(clipfrac, reduction="mean")))
+        self._guard_metric(PPO_VALUE_LOSS, float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
+        self._guard_metric(PPO_CLIPFRAC_VALUE, float(self.accelerator.reduce(clipfrac, reduction="mean")))
         # scaled for gradient accumulation like TRL's grpo/bnpo losses (HF auto-scaling is off in GRPOTrainer)
         return loss + self.ppo.vf_coef * vf_loss / self.current_gradient_accumulation_steps
 

@@ -81,6 +81,14 @@ from steadyrl.guards.quatro import (
     RolloutFilter,
     replay_importance_ratio_sum,
 )
+from steadyrl.metrics import (
+    EVENT_ENTROPY_FLOOR_WARNING,
+    EVENT_FILTER_WARNING,
+    QUATRO_BETA,
+    QUATRO_REPLAY_AGE_MEAN,
+    QUATRO_REPLAY_FRAC,
+    QUATRO_REPLAY_RATIO_MEAN,
+)
 
 logger = logging.getLogger("steadyrl.quatro")
 
@@ -218,11 +226,11 @@ class QuatroRuntime:
             warning = self.entropy.observe(entropy_mean)
             if warning is not None:
                 logger.warning("step %d: %s", step, warning)
-                trainer.emit_event("entropy_floor_warning", message=warning)
+                trainer.emit_event(EVENT_ENTROPY_FLOOR_WARNING, message=warning)
             metrics.update(self.entropy.metrics())
         self._apply()
         if self.kl is not None:
-            metrics["quatro/beta"] = trainer.beta  # the effective coefficient, every factor included
+            metrics[QUATRO_BETA] = trainer.beta  # the effective coefficient, every factor included
         for name, value in metrics.items():
             if math.isfinite(value):  # NaN = not measured yet (floor before its baseline): left out of the log
                 trainer._guard_metric(name, value)
@@ -243,7 +251,7 @@ class QuatroRuntime:
             self.trainer._guard_metric(name, value)
         if result.warning is not None:
             logger.warning("step %d: %s", self.trainer.state.global_step, result.warning)
-            self.trainer.emit_event("filter_warning", message=result.warning)
+            self.trainer.emit_event(EVENT_FILTER_WARNING, message=result.warning)
         return result
 
     # ------------------------------------------------------------------ replay
@@ -314,11 +322,11 @@ class QuatroRuntime:
         local = [float(rows.sum()), float(rows.numel()), ages, ratio_sum, tokens]
         local_t = torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device)
         replayed, total, age_sum, ratio_total, ratio_tokens = trainer.accelerator.reduce(local_t, "sum").tolist()
-        trainer._guard_metric("quatro/replay_frac", replayed / total if total > 0 else 0.0)
+        trainer._guard_metric(QUATRO_REPLAY_FRAC, replayed / total if total > 0 else 0.0)
         if replayed > 0:
-            trainer._guard_metric("quatro/replay_age_mean", age_sum / replayed)
+            trainer._guard_metric(QUATRO_REPLAY_AGE_MEAN, age_sum / replayed)
         if ratio_tokens > 0:
-            trainer._guard_metric("quatro/replay_ratio_mean", ratio_total / ratio_tokens)
+            trainer._guard_metric(QUATRO_REPLAY_RATIO_MEAN, ratio_total / ratio_tokens)
 
     # ------------------------------------------------------------------ state
 
