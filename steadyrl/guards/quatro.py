@@ -6,8 +6,9 @@ QUATRO breaks the "bad policy -> bad rollouts -> worse policy" loop. Four pieces
    ``target`` (0.02): above -> beta x 1.2, below -> beta x 0.8, equal -> unchanged, clamped to
    [``beta_min``, ``beta_max``]. ``factor = beta / beta0`` is one multiplicative factor of the trainer's KL
    coefficient; GRADE's KL compensation is another, so the effective coefficient is
-   ``trainer.beta x factor x grade_compensation`` (``SteadyGRPOTrainer.set_beta_factor``). The clamp bounds the
-   controller's own beta only, so the effective value can leave [beta_min, beta_max] by GRADE's factor (<= 2).
+   ``trainer.beta x factor x grade_compensation`` (``steadyrl.trainers.trl_state.set_beta_factor``). The clamp
+   bounds the controller's own beta only, so the effective value can leave [beta_min, beta_max] by GRADE's factor
+   (<= 2).
 2. ``EntropyFloor``: baseline = mean token entropy of the first ``baseline_steps`` (10) optimizer steps,
    floor = ``floor_ratio`` (0.8) x baseline, compared with the mean of a rolling ``window`` (20 steps). Below the
    floor the floor turns active; it releases when the window mean is above floor x ``hysteresis``. While active the

@@ -4,8 +4,9 @@ The loop, per generation batch (seed 003 §3.1, §3.3; the math is in ``steadyrl
 
 1. TRL generates, scores (reward functions / reward models) and computes the reference log-probs (``trainer.beta``
    > 0 makes it load the reference; under LoRA it disables the adapter instead).
-2. ``compute_advantages`` (the parent's hook) returns the *sequence reward* of each completion: the weighted sum of
-   the reward functions, then GRADE when enabled. It lands in ``output["advantages"]`` for a moment.
+2. ``compute_advantages`` (the parent's hook, with ``SequenceRewardPipeline``) returns the *sequence reward* of each
+   completion: the weighted sum of the reward functions, then GRADE when enabled. It lands in
+   ``output["advantages"]`` for a moment.
 3. ``_generate_and_score_completions`` then computes the critic's values V_old on the rollout (no grad), the
    per-token KL ``k1|k3(logp_old, logp_ref)``, token rewards ``-beta * kl_t`` plus the sequence reward on the last
    completion token, GAE (``gamma``, ``lam``), and whitens the advantages over all ranks' real tokens (optionally
@@ -69,6 +70,7 @@ from steadyrl.metrics import (
 from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
 from steadyrl.ppo.value import CriticModel
 from steadyrl.ppo.wrapper import PolicyAndValue
+from steadyrl.trainers.advantage_pipeline import SequenceRewardPipeline
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     """
 
     kl_in_reward = True  # QUATRO's KL controller reads the rollout's KL (record_rollout_kl), not TRL's loss-side kl
+    # rewards -> *sequence rewards* (weighted sum, then GRADE; unscorable and filtered rows 0); GAE comes later
+    pipeline_class = SequenceRewardPipeline
 
     def __init__(self, *args: Any, ppo: PPOSection | None = None, critic: CriticModel | None = None, **kwargs: Any):
         # a copy: PEFT rewrites target_modules ("all-linear" -> the causal LM's module names) when it wraps the policy
@@ -198,17 +202,6 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     def _rewrites_advantages(self) -> bool:
         return True  # always: the sequence reward, not TRL's group advantage, goes on
 
-    def compute_advantages(
-        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """PPO: gathered rewards (N, num_funcs) -> *sequence rewards* (N,): weighted sum, then GRADE when enabled.
-
-        GAE turns them into token advantages later (``_generate_and_score_completions``). Unscorable rows and rows
-        QUATRO's filters dropped get reward 0 (dropped rows also leave the loss: their completion mask is 0).
-        """
-        rewards = self.scaled_rewards(rewards_per_func, prompts, num_generations, keep)
-        return torch.nan_to_num(rewards, nan=0.0)
-
     def _global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, unbiased var) of ``x`` over the real tokens of every rank (all-reduced n, sum, sum of squares)."""
         real = mask.bool()
@@ -223,7 +216,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
-        with self.guard_timer():
+        with self.ctx.timer():
             self._add_gae(output)
         return output
 
