@@ -22,9 +22,9 @@ from typing import Any
 
 from steadyrl.config.loader import ConfigError, Origins
 from steadyrl.evidence.early_warnings import MonitorConfig
-from steadyrl.guards.grade import GradeConfig
 from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
 from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
+from steadyrl.guards.reward_scaler import GradeConfig
 from steadyrl.guards.spike import SpikeConfig
 
 ALGORITHMS = ("grpo", "sft", "reward", "ppo")
@@ -574,7 +574,7 @@ def _check_guards(cfg: RunConfig) -> None:
             "set trainer.multi_objective_aggregation=sum_then_normalize or turn them off"
         )
     if gepo.enabled and gepo.advantage.enabled:
-        from steadyrl.guards.gepo import GEPOAdvantage
+        from steadyrl.guards.robust_advantage import GEPOAdvantage
 
         try:
             GEPOAdvantage(gepo.advantage.clip_scale)

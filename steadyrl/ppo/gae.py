@@ -193,7 +193,7 @@ def soft_clip(advantages: Tensor, clip_scale: float = 3.0) -> Tensor:
     """``clip_scale * tanh(advantages / clip_scale)``: near-identity for small values, bounded by ``clip_scale``.
 
     Any shape -> same shape; zeros stay zeros (so padding stays 0). The same tanh GEPO applies to its group
-    advantages (seed 000 §2, ``steadyrl/guards/gepo.py`` inlines it); here it is an option for whitened GAE
+    advantages (seed 000 §2, ``steadyrl/guards/robust_advantage.py`` inlines it); here it is an option for whitened GAE
     advantages.
     """
     if clip_scale <= 0:

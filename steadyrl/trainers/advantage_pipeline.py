@@ -22,7 +22,7 @@ import torch
 
 from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor
-from steadyrl.guards.quatro import masked_group_advantages
+from steadyrl.guards.rollout_filters import masked_group_advantages
 from steadyrl.metrics import GEPO_ADV_MAX_ABS, GEPO_ADV_STD, GEPO_NONFINITE_REWARDS
 
 

@@ -40,15 +40,11 @@ from typing import Any
 
 import torch
 
-from steadyrl.guards.opefo import (
-    ErrorFeedback,
-    OpefoConfig,
-    RollbackPolicy,
-    SecondMomentFloor,
-    SnapshotStore,
-    distributed_ops,
-    optimizer_state_finite,
-)
+from steadyrl.guards.error_feedback import ErrorFeedback
+from steadyrl.guards.moment_floor import SecondMomentFloor
+from steadyrl.guards.opefo import OpefoConfig
+from steadyrl.guards.optimizer_state import distributed_ops, optimizer_state_finite
+from steadyrl.guards.rollback import RollbackPolicy, SnapshotStore
 from steadyrl.metrics import (
     EVENT_ROLLBACK,
     OPEFO_EF_PENDING,

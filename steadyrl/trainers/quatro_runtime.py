@@ -78,15 +78,11 @@ from typing import Any
 
 import torch
 
-from steadyrl.guards.quatro import (
-    AdaptiveKL,
-    EntropyFloor,
-    FilterResult,
-    QuatroConfig,
-    ReplayBuffer,
-    RolloutFilter,
-    replay_importance_ratio_sum,
-)
+from steadyrl.guards.entropy_floor import EntropyFloor
+from steadyrl.guards.kl_controller import AdaptiveKL
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.replay import ReplayBuffer, replay_importance_ratio_sum
+from steadyrl.guards.rollout_filters import FilterResult, RolloutFilter
 from steadyrl.metrics import (
     EVENT_ENTROPY_FLOOR_WARNING,
     EVENT_FILTER_WARNING,
