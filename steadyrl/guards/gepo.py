@@ -3,6 +3,12 @@
 They live in ``steadyrl.guards.robust_advantage``; the spike detector is ``steadyrl.guards.spike``.
 """
 
-from steadyrl.guards.robust_advantage import CLIP_SCALE_RANGE, GEPOAdvantage, nan_median, robust_group_advantages
+from steadyrl.guards.robust_advantage import (
+    CLIP_SCALE_RANGE,
+    AdvantageConfig,
+    GEPOAdvantage,
+    nan_median,
+    robust_group_advantages,
+)
 
-__all__ = ["CLIP_SCALE_RANGE", "GEPOAdvantage", "nan_median", "robust_group_advantages"]
+__all__ = ["CLIP_SCALE_RANGE", "AdvantageConfig", "GEPOAdvantage", "nan_median", "robust_group_advantages"]

@@ -32,6 +32,8 @@ What this simplifies or leaves out:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 CLIP_SCALE_RANGE = (2.5, 4.0)
@@ -100,8 +102,19 @@ def _nan_std(r: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(sq / (count - 1).clamp(min=0))
 
 
+@dataclass
+class AdvantageConfig:
+    """``guards.gepo.advantage``: the tanh soft-clip bound of the median/MAD advantages (checked by GEPOAdvantage)."""
+
+    clip_scale: float = 3.0
+
+
 class GEPOAdvantage:
     """``AdvantageFunction`` wrapping :func:`robust_group_advantages` with fixed hyper-parameters; stateless."""
+
+    @classmethod
+    def from_config(cls, config: AdvantageConfig) -> GEPOAdvantage:
+        return cls(config.clip_scale)
 
     def __init__(self, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8) -> None:
         _validate_clip_scale(clip_scale)

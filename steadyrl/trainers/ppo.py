@@ -122,7 +122,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         stats = None
         stats_file = Path(source) / "reward_stats.json"
         if stats_file.is_file():
-            from steadyrl.ppo.reward_stage import load_reward_stats
+            from steadyrl.trainers.reward_model import load_reward_stats
 
             stats = load_reward_stats(stats_file, source)
         critic_peft = None
