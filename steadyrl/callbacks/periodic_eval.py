@@ -2,7 +2,7 @@
 
 After optimizer step k (k a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval
 set and scores it with the run's reward functions; score sums and counts are all-reduced, so every rank logs
-the same row (seed 000 §6.4: reward hacking caught during training is far cheaper than after it):
+the same row (docs/DESIGN.md "Periodic eval": reward hacking caught during training is far cheaper than after it):
 
     {"eval/reward": 0.31, "eval/accuracy": 0.31, "eval/reward/exact_match": 0.31,
      "eval/mean_length": 3.0, "eval/num_samples": 200, "step": 10}

@@ -94,7 +94,9 @@ class EvalSection:
 
 @dataclass
 class PPOSection:
-    """``ppo``: the critic and the token-level rewards of ``algorithm: ppo`` (seed 003 §3.1, §3.3).
+    """``ppo``: the critic and the token-level rewards of ``algorithm: ppo``.
+
+    docs/DESIGN.md, "PPO: critic, rewards and GAE".
 
     The KL coefficient is ``trainer.beta`` (here it weighs the per-token KL penalty in the *reward*, not a loss term).
     """

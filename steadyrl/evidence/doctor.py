@@ -1,17 +1,18 @@
 """``steadyrl doctor``: which of the three ways a GRPO run dies is under way, from its logged metrics alone.
 
-Design note seed 000 §1.2 names the three deaths, and §2.2/§5.2 says each announces itself in the logs:
+The three ways a run dies (docs/DESIGN.md, "Why GRPO runs die") each announce themselves in the logs:
 - ``hard_crash``: loss/grad norm go inf/NaN; before that the grad norm jumps by orders of magnitude, advantage
   std creeps up, non-finite rewards/log-probs appear, GEPO skips and OPEFO rollbacks pile up.
-- ``entropy_collapse``: entropy falls while KL rises and reward stays flat or falls (§6.2); the model repeats
+- ``entropy_collapse``: entropy falls while KL rises and reward stays flat or falls; the model repeats
   itself (repetition filter counts rise).
 - ``reward_hacking`` (silent failure): training reward rises while eval accuracy falls, or while completion
-  length or truncation drifts far from where it started (§6.4, seed 003 §4.5).
-The remedies are seed 000 §6 and the seed 003 §5.4 table, written as steadyrl config keys.
+  length or truncation drifts far from where it started.
+The remedies are the design's (docs/DESIGN.md), written as steadyrl config keys.
 
-One more silent failure, outside the design notes: ``off_policy_rollouts``, vLLM generating from other weights than
-the ones being trained (a weight sync that does not reach it). TRL's ``sampling/sampling_logp_difference/mean``
-(per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then grows from float noise to nats.
+One more silent failure, outside the original design notes: ``off_policy_rollouts``, vLLM generating from other
+weights than the ones being trained (a weight sync that does not reach it). TRL's
+``sampling/sampling_logp_difference/mean`` (per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then
+grows from float noise to nats.
 
 Trends compare an early window of logged rows with a late one (``DoctorConfig.window`` rows each, a third of a
 short series). Every check needs a large, sustained change, so a noisy but healthy run gives no finding. The
@@ -235,13 +236,15 @@ class _Check:
 
 CHANGE_SPIKE = (
     "guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip an optimizer step whose gradient norm is "
-    "non-finite or above spike_factor x its EMA (seed 000 §2.2); lower guards.gepo.spike.spike_factor (5.0) to "
+    "non-finite or above spike_factor x its EMA (docs/DESIGN.md: GEPO: spike skip); lower "
+    "guards.gepo.spike.spike_factor (5.0) to "
     "catch smaller jumps"
 )
-CHANGE_LR = "trainer.learning_rate: lower it 2-3x (seed 003 §5.4: NaN loss -> lower the learning rate, clip gradients)"
+CHANGE_LR = "trainer.learning_rate: lower it 2-3x (NaN loss -> lower the learning rate, clip gradients)"
 CHANGE_CLIP = "trainer.max_grad_norm: 1.0 (clip what the spike guard lets through)"
 CHANGE_LOGPROB = (
-    "guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (seed 000 §6.1); also check that the "
+    "guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (docs/DESIGN.md: GEPO: log-prob floor and "
+    "finite checks); also check that the "
     "attention mask covers the padding"
 )
 
@@ -329,7 +332,10 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
     if n_skipped and history.last_step and n_skipped / history.last_step > config.skip_fraction:
         first, last = (int(skipped[0]), int(skipped[-1])) if len(skipped) else (0, history.last_step)
         detail = f"{n_skipped} of {history.last_step} optimizer steps skipped ({n_skipped / history.last_step:.0%})"
-        changes = [CHANGE_LR, "guards.grade.enabled: true: reward outliers drive gradient spikes (seed 004)"]
+        changes = [
+            CHANGE_LR,
+            "guards.grade.enabled: true: reward outliers drive gradient spikes (docs/DESIGN.md: GRADE: reward scaler)",
+        ]
         checks.append(
             _Check("warning", "GEPO skips many steps", [Evidence(GEPO_SKIPPED_STEPS, first, last, detail)], changes)
         )
@@ -349,7 +355,8 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
             tail_steps = adv_steps[tail]
             detail = "chunk means " + " -> ".join(f"{m:.3g}" for m in means)
             changes = [
-                "guards.grade.enabled: true: reward outliers hijack the group statistics (seed 000 §2.1, seed 004)",
+                "guards.grade.enabled: true: reward outliers hijack the group statistics (docs/DESIGN.md: GRADE: "
+                "reward scaler)",
                 "guards.gepo.advantage.enabled: true (median/MAD + tanh clip, clip_scale 3.0)",
             ]
             evidence = Evidence(GEPO_ADV_STD, int(tail_steps[0]), int(tail_steps[-1]), detail)
@@ -377,11 +384,12 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
 # ----------------------------------------------------------------------------------------------- collapse
 
 CHANGE_FLOOR = (
-    "guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; seed 000 §4.1)"
+    "guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; docs/DESIGN.md: "
+    "QUATRO: entropy floor)"
 )
 CHANGE_KL = (
     "guards.quatro.kl.target: lower it (0.02 -> 0.01), or trainer.beta: raise it 2-3x, to pull the policy back "
-    "to the reference (seed 000 §6.2, seed 003 §5.1)"
+    "to the reference (docs/DESIGN.md: QUATRO: adaptive KL)"
 )
 
 
@@ -412,11 +420,12 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
         detail = f"floor active at {len(active)} logged step(s) and entropy still fell"
         evidence.append(Evidence(QUATRO_FLOOR_ACTIVE, int(active[0]), int(active[-1]), detail))
     changes = [CHANGE_FLOOR, CHANGE_KL, "trainer.learning_rate: lower it"]
-    changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (seed 003 §5.4: repeated text)")
+    changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
     if signs and not rising:
         summary = f"entropy fell to {entropy.ratio:.0%} of its early mean with {', '.join(signs)}"
         return _Check("problem", summary, evidence, changes)
-    # Reward still rising: the policy is sharpening, not yet collapsed (seed 000 §1.2: collapse = reward stuck).
+    # Reward still rising: the policy is sharpening, not yet collapsed (collapse = reward stuck; docs/DESIGN.md,
+    # "Why GRPO runs die").
     note = " while reward still rises" if rising else ""
     note += f" ({', '.join(signs)})" if signs else ""
     summary = f"entropy fell to {entropy.ratio:.0%} of its early mean{note}: precursor"
@@ -427,9 +436,11 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
 
 CHANGE_FILTER = (
     "guards.quatro: tighten the rollout filters (reward z-score 3.5 -> 3.0, length and repetition filters; "
-    "seed 000 §6.2)"
+    "docs/DESIGN.md: QUATRO: rollout filters)"
 )
-CHANGE_LOOK = "read the highest-reward rollouts for padding, format tricks, repeated phrases (seed 000 §6.4)"
+CHANGE_LOOK = (
+    "read the highest-reward rollouts for padding, format tricks, repeated phrases (docs/DESIGN.md: Periodic eval)"
+)
 
 
 def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
@@ -470,7 +481,7 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
             reward_trend.evidence(REWARD),
         ]
         changes = [
-            "add a length penalty to rewards: (seed 003 §5.4), or tighten the guards.quatro length filter",
+            "add a length penalty to rewards: (a reward function), or tighten the guards.quatro length filter",
             CHANGE_LOOK,
         ]
         checks.append(

@@ -1,4 +1,5 @@
-"""Early warnings from a run's log history (design note seed 000 §2.2, §5.2): GRPO crashes announce themselves.
+"""Early warnings from a run's log history: GRPO crashes announce themselves (docs/DESIGN.md, "Early warnings
+and the doctor").
 
 Three signals are checked over the last ``window`` logged values of a metric:
 - advantage std rising steadily: at least ``rising_fraction`` of consecutive pairs go up and the last value is

@@ -25,7 +25,7 @@ from steadyrl.metrics import (
 @dataclass
 class EntropyConfig:
     enabled: bool = True
-    baseline_steps: int = 10  # optimizer steps whose mean entropy is the baseline (seed 000 §4.1)
+    baseline_steps: int = 10  # optimizer steps whose mean entropy is the baseline
     floor_ratio: float = 0.8  # floor = floor_ratio x baseline
     window: int = 20  # rolling window (steps) compared with the floor
     coef_delta: float = 0.001  # bonus ramp per step, in TRL's entropy_coef units
@@ -128,7 +128,7 @@ class EntropyFloor:
                             f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, bonus {self.bonus:.4g}): "
                             "the bonus is not holding it; set a smaller guards.quatro.kl.target (e.g. halve it) to "
                             "pull the policy back to the reference, or raise guards.quatro.entropy.coef_max "
-                            "(seed 000 §6.2)"
+                            '(docs/DESIGN.md, "QUATRO: entropy floor")'
                         )
                     self._check_ref, self._check_steps = mean, 0
         else:

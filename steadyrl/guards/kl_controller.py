@@ -25,7 +25,7 @@ from steadyrl.metrics import (
 @dataclass
 class KLConfig:
     enabled: bool = True
-    target: float = 0.02  # mean per-token KL to the reference (seed 000 §4.1)
+    target: float = 0.02  # mean per-token KL to the reference
     update_every: int = 1  # optimizer steps per controller update (PPO: generation batches)
     up: float = 1.2  # KL above target: beta x up
     down: float = 0.8  # KL below target: beta x down

@@ -29,7 +29,9 @@ class FloorConfig:
     percentile: float = 10.0
     sample_size: int = 65536
     seed: int = 0
-    exclude_tiny: bool = True  # percentile over entries > tiny (see the module docstring); False: the seed literally
+    exclude_tiny: bool = (
+        True  # percentile over entries > tiny (see the module docstring); False: the original rule literally
+    )
 
     def __post_init__(self) -> None:
         problems = []

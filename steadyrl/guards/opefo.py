@@ -1,4 +1,4 @@
-"""OPEFO optimizer-state protection (design note seed 000 §3.2, §6.3): pure torch over an optimizer's state.
+"""OPEFO optimizer-state protection (docs/DESIGN.md, the "OPEFO" sections): pure torch over an optimizer's state.
 
 Works on any ``torch.optim.Optimizer`` whose state holds ``exp_avg``/``exp_avg_sq`` (torch AdamW; under DeepSpeed
 ZeRO-2 pass the base optimizer, whose params are one flat fp32 partition per param group, a different slice on each
@@ -8,7 +8,7 @@ order``, both the identity by default (one process). ``distributed_ops()`` build
 Every collective is called the same number of times on every rank, with tensors on the device of the optimizer
 state (or of the gradients); every decision comes from reduced values, so all ranks decide the same.
 
-Three pieces, with the seed's numbers as defaults:
+Three pieces, with the original design's numbers as defaults:
 
 1. ``SecondMomentFloor``: every ``interval`` = 100 steps, per param group, the global fraction of ``exp_avg_sq``
    entries ``<= tiny`` (1e-20). Above ``trigger_frac`` = 1 %, every entry below the group's p10 is raised to p10,
@@ -19,7 +19,7 @@ Three pieces, with the seed's numbers as defaults:
    for n iid draws the rank of the sample p-quantile has standard deviation sqrt(p(1-p)/n); p = 0.1, n = 65536
    gives 0.00117, so the floor sits at the 10th percentile +-0.12 percentile points (1 sigma). Deviation from the
    seed, on by default (``exclude_tiny``): the percentile is taken over the entries above ``tiny`` (finite ones),
-   because the seed's literal p10 over all entries is itself ~0 once more than 10 % underflowed, which switches
+   because the original rule's literal p10 over all entries is itself ~0 once more than 10 % underflowed, which switches
    the floor off exactly when it is most needed; ``exclude_tiny=False`` gives the literal rule.
 2. ``ErrorFeedback``: the gradient of a step GEPO skipped is kept as a residual r and fed back over the next 4
    taken steps with weights 0.3, 0.3, 0.2, 0.2, each piece renormalised to the current gradient's scale:
@@ -33,7 +33,7 @@ Three pieces, with the seed's numbers as defaults:
    under DDP, e.g. 28 GB for 7B fp32 grads; this rank's 1/world partition under ZeRO-2); nothing otherwise.
 3. Rollback support: ``optimizer_state_finite`` (one ``aminmax`` per state tensor, reduced over ranks),
    ``SnapshotStore`` (a healthy snapshot every ``snapshot_interval`` = 500 steps, in memory or on disk written
-   to a temp file and ``os.replace``d, seed §6.3), and ``RollbackPolicy`` (after a rollback the learning rate is
+   to a temp file and ``os.replace``d), and ``RollbackPolicy`` (after a rollback the learning rate is
    scaled by 0.3 for 100 steps; more than ``max_rollbacks`` within ``rollback_window`` steps stops the run).
 
 What this simplifies or leaves out: the floor treats a ZeRO-2 partition's alignment padding (a few zero entries)

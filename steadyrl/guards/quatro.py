@@ -1,6 +1,7 @@
-"""QUATRO loop layer (seed 000 §4.1, §5.2, §6.2, §6.4; seed 003 §3.3, §5.1): the pure, trainer-independent parts.
+"""QUATRO loop layer (docs/DESIGN.md, the "QUATRO" sections): the pure, trainer-independent parts.
 
-QUATRO breaks the "bad policy -> bad rollouts -> worse policy" loop. Four pieces, the seeds' numbers as defaults:
+QUATRO breaks the "bad policy -> bad rollouts -> worse policy" loop. Four pieces, the original design's numbers as
+defaults:
 
 1. ``AdaptiveKL``: every ``update_every`` optimizer steps the mean per-token KL to the reference is compared with
    ``target`` (0.02): above -> beta x 1.2, below -> beta x 0.8, equal -> unchanged, clamped to
@@ -15,7 +16,7 @@ QUATRO breaks the "bad policy -> bad rollouts -> worse policy" loop. Four pieces
    entropy bonus coefficient ramps up by ``coef_delta`` per step to ``coef_max`` and ``clip_scale()`` is
    ``clip_factor`` (0.5; the trainer multiplies PPO's epsilon by it); inactive, the bonus ramps down to 0 and the
    clip scale is 1. If the window mean still fell over ``window`` active steps, ``observe`` returns a warning that
-   suggests a smaller KL target (seed 000 §6.2).
+   suggests a smaller KL target.
 3. ``RolloutFilter``: drops rollouts before advantages (reward z-score, length, parrot, repetition, near-duplicate,
    zero-variance group), see ``FILTER_REASONS``; ``masked_group_advantages`` computes advantages without them.
 4. ``ReplayBuffer``: keeps the rows with a learning signal of the last ``capacity`` (8) scored micro-batches, and

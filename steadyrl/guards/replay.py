@@ -64,7 +64,7 @@ LOGPROB_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_toke
 @dataclass
 class ReplayConfig:
     enabled: bool = True
-    capacity: int = 8  # micro-batches remembered, FIFO (seed 000 §4.1)
+    capacity: int = 8  # micro-batches remembered, FIFO (docs/DESIGN.md "QUATRO: rollout replay")
     replay_ratio: float = 0.3  # share of each micro-batch replaced by replayed rows
     min_abs_advantage: float = 1e-6  # rows with a smaller |advantage| carry no learning signal and are not stored
 

@@ -1,4 +1,5 @@
-"""GRADE reward scaler: rolling whitening, quantile tail clipping, per-prompt counterfactual centring (seed 004).
+"""GRADE reward scaler: rolling whitening, quantile tail clipping, per-prompt counterfactual centring
+(docs/DESIGN.md "GRADE: reward scaler").
 
 ``GradeScaler`` is a ``RewardProcessor`` (and ``Stateful``): it maps the raw rewards of a whole generation batch,
 shape (N,), to scaled rewards before any advantage is computed. Three stages, in this order:
@@ -106,12 +107,12 @@ class GradeConfig:
 
 
 def whiten(values: torch.Tensor, mean: float, std: float, eps: float) -> torch.Tensor:
-    """Rolling whitening (seed 004 a): (r - mean) / (std + eps). values: (N,) -> (N,)."""
+    """Rolling whitening (stage a): (r - mean) / (std + eps). values: (N,) -> (N,)."""
     return (values - mean) / (std + eps)
 
 
 def soft_tail_clip(values: torch.Tensor, low: float, high: float, slope: float) -> torch.Tensor:
-    """Quantile tail clip (seed 004 b): beyond a bound, x -> bound + slope * (x - bound). values: (N,) -> (N,).
+    """Quantile tail clip (stage b): beyond a bound, x -> bound + slope * (x - bound). values: (N,) -> (N,).
 
     NaN stays NaN. slope = 0 is a hard clamp, slope = 1 the identity.
     """

@@ -1,4 +1,5 @@
-"""GEPO robust group advantages: median/MAD centring and scaling with tanh soft clipping (design note seed 000 §2).
+"""GEPO robust group advantages: median/MAD centring and scaling with tanh soft clipping (docs/DESIGN.md, "GEPO:
+robust advantages").
 
 For each prompt's group of G rewards::
 
@@ -61,7 +62,7 @@ def robust_group_advantages(
     grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape and dtype, finite, and
     ``|adv| < clip_scale`` strictly. Unscorable rows, constant groups and groups with fewer than 2 scorable rows
     get exactly 0; MAD == 0 in a non-constant group falls back to the unbiased group std (see module docstring).
-    Source: design note seed 000 §2.
+    Source: docs/DESIGN.md, "GEPO: robust advantages".
     """
     _validate_clip_scale(clip_scale)
     if grouped_rewards.ndim != 2:

@@ -29,7 +29,7 @@ FILTER_REASONS = ("zscore", "length", "parrot", "repetition", "near_duplicate", 
 @dataclass
 class ZScoreConfig:
     enabled: bool = True
-    max_abs_z: float = 3.5  # |r - mean| / std over the whole generation batch (seed 000 §4.1)
+    max_abs_z: float = 3.5  # |r - mean| / std over the whole generation batch
     min_distinct: int = 3  # skip the filter when the finite rewards take fewer distinct values (pass/fail rewards)
 
 
@@ -68,7 +68,7 @@ class NearDuplicateConfig:
 
 @dataclass
 class ZeroVarianceConfig:
-    enabled: bool = True  # drop groups without a learning signal (DAPO dynamic sampling, seed 003 §5.1)
+    enabled: bool = True  # drop groups without a learning signal (DAPO dynamic sampling)
 
 
 @dataclass

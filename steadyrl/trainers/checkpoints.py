@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from steadyrl.guards.base import RankStateful, Stateful
+
 logger = logging.getLogger(__name__)
 
 GUARD_STATE_FILE = "steadyrl_state.pt"
@@ -39,8 +41,8 @@ STAGING_DIR = ".staging"
 class GuardState:
     """What steadyrl saves beside the Trainer's own checkpoint files."""
 
-    stateful: dict[str, Any] = field(default_factory=dict)  # name -> object with state_dict/load_state_dict
-    rank_stateful: dict[str, Any] = field(default_factory=dict)  # name -> object with rank_state_dict/load_...
+    stateful: dict[str, Stateful] = field(default_factory=dict)  # saved by the main process
+    rank_stateful: dict[str, RankStateful] = field(default_factory=dict)  # saved by every rank, in its rank file
     counters: dict[str, float] = field(default_factory=dict)  # the step gate's skip counters
 
     @classmethod

@@ -25,7 +25,7 @@ from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard
+from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard, Stepping
 from steadyrl.metrics import (
     GEPO_NONFINITE_LOGPROBS,
     GEPO_NONFINITE_LOSS,
@@ -66,7 +66,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
             every optimizer step with the global pre-clip gradient norm.
         stateful: extra named objects with ``state_dict``/``load_state_dict`` saved in every checkpoint.
         logprob_min: clamp every per-token log-prob (policy, old and reference) at this floor (-100, see
-            docs/DESIGN.md "GEPO: log-prob floor"); None leaves TRL's values untouched.
+            docs/DESIGN.md "GEPO: log-prob floor and finite checks"); None leaves TRL's values untouched.
         finite_checks: count non-finite log-probs, importance ratios and losses per step (``gepo/nonfinite_*``).
         opefo: the OPEFO optimizer layer (``OpefoRuntime``): error feedback of skipped gradients, second-moment
             floor, snapshots and automatic rollback. Needs at least one step guard (the skip it feeds back).
@@ -327,7 +327,7 @@ class _GuardClock(TrainerCallback):
         t = self.trainer
         with t.ctx.timer():
             for obj in (t.reward_processor, t.advantage_fn, *t.step_guards):
-                if obj is not None and callable(getattr(obj, "step", None)):
+                if isinstance(obj, Stepping) and callable(obj.step):
                     obj.step()
             if t.opefo is not None and (factor := t.opefo.on_step_end()) is not None:
                 trl_state.apply_lr_factor(t, t.lr_scale, factor)

@@ -1,6 +1,6 @@
 """SteadyPPOTrainer: PPO with a critic and GAE on TRL's GRPO rollout machinery (generation, rewards, reference).
 
-The loop, per generation batch (seed 003 §3.1, §3.3; the math is in ``steadyrl.ppo.gae``):
+The loop, per generation batch (docs/DESIGN.md "PPO: critic, rewards and GAE"; the math is in ``steadyrl.ppo.gae``):
 
 1. TRL generates, scores (reward functions / reward models) and computes the reference log-probs (``trainer.beta``
    > 0 makes it load the reference; under LoRA it disables the adapter instead).
