@@ -1,7 +1,7 @@
 """Old home of the reward-model stage; it lives in ``steadyrl.trainers.reward_model`` (it is not PPO-specific).
 
 ``steadyrl.ppo.reward_stage:reward_model_score`` is a public reward spec in configs and the README, so this module
-re-exports everything.
+re-exports everything. (A package rather than ``reward_stage.py``, so that git sees the move of the old file.)
 """
 
 from steadyrl.trainers.reward_model import (
