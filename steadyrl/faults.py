@@ -54,7 +54,8 @@ def exact_match_cauchy(
     trainer_state: Any = None,
     **_: Any,
 ) -> list[float]:
-    """Exact match plus Cauchy noise of the given scale: a heavy-tailed reward model (seed 004's scenario).
+    """Exact match plus Cauchy noise of the given scale: a heavy-tailed reward model (the scenario of
+    docs/DESIGN.md, "GRADE: reward scaler").
 
     The noise is drawn from a generator seeded by (seed, optimizer step), so a run is reproducible and the
     same step sees the same noise in every variant of a benchmark.

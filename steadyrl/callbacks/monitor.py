@@ -1,6 +1,6 @@
 """SignalMonitor: every ``monitor.every`` optimizer steps, a one-line health summary and early warnings.
 
-The warnings themselves are computed by the pure ``steadyrl.guards.monitor.early_warnings``; this callback
+The warnings themselves are computed by the pure ``steadyrl.evidence.early_warnings.early_warnings``; this callback
 feeds it the Trainer's log history and writes what it finds to the log (main process only).
 """
 
@@ -11,20 +11,31 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from steadyrl.guards.monitor import MonitorConfig, early_warnings, logp_gap_allowance
+from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, logp_gap_allowance
+from steadyrl.metrics import (
+    ENTROPY,
+    GEPO_ADV_MAX_ABS,
+    GEPO_ADV_STD,
+    GEPO_NONFINITE_REWARDS,
+    GEPO_SKIPPED_STEPS,
+    GRAD_NORM,
+    KL,
+    REWARD,
+    REWARD_STD,
+)
 
 logger = logging.getLogger("steadyrl.monitor")
 
 SUMMARY_KEYS = (
-    "grad_norm",
-    "reward",
-    "reward_std",
-    "gepo/adv_std",
-    "gepo/adv_max_abs",
-    "entropy",
-    "kl",
-    "gepo/skipped_steps",
-    "gepo/nonfinite_rewards",
+    GRAD_NORM,
+    REWARD,
+    REWARD_STD,
+    GEPO_ADV_STD,
+    GEPO_ADV_MAX_ABS,
+    ENTROPY,
+    KL,
+    GEPO_SKIPPED_STEPS,
+    GEPO_NONFINITE_REWARDS,
 )
 
 

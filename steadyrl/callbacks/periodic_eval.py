@@ -2,7 +2,7 @@
 
 After optimizer step k (k a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval
 set and scores it with the run's reward functions; score sums and counts are all-reduced, so every rank logs
-the same row (seed 000 §6.4: reward hacking caught during training is far cheaper than after it):
+the same row (docs/DESIGN.md "Periodic eval": reward hacking caught during training is far cheaper than after it):
 
     {"eval/reward": 0.31, "eval/accuracy": 0.31, "eval/reward/exact_match": 0.31,
      "eval/mean_length": 3.0, "eval/num_samples": 200, "step": 10}
@@ -36,6 +36,7 @@ from datasets import Dataset
 from transformers import Trainer, TrainerCallback
 
 from steadyrl.evaluation import finite_scores, greedy_scores
+from steadyrl.metrics import EVAL_ACCURACY, EVAL_MEAN_LENGTH, EVAL_NUM_SAMPLES, EVAL_REWARD, eval_reward
 
 logger = logging.getLogger("steadyrl.eval")
 
@@ -243,11 +244,11 @@ class PeriodicEval(TrainerCallback):
         else:  # nan-skipping like TRL's nansum over reward functions
             reward = sum(self.reward_weights[n] * m for n, m in means.items() if not math.isnan(m))
         metrics = {
-            "eval/reward": reward,
-            "eval/accuracy": means[self.metric],
-            **{f"eval/reward/{name}": mean for name, mean in means.items()},
-            "eval/mean_length": length_sum / rows if rows else math.nan,
-            "eval/num_samples": int(rows),
+            EVAL_REWARD: reward,
+            EVAL_ACCURACY: means[self.metric],
+            **{eval_reward(name): mean for name, mean in means.items()},
+            EVAL_MEAN_LENGTH: length_sum / rows if rows else math.nan,
+            EVAL_NUM_SAMPLES: int(rows),
         }
         metric_scores = out["scores"][self.metric]
         samples = [

@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 from transformers import TrainerCallback
 
+from steadyrl import metrics as M
+
 
 def progress_wanted(stream: TextIO | None = None) -> bool:
     """On when the stream is a terminal, unless ``STEADYRL_PROGRESS`` says otherwise (1 = on, 0 = off)."""
@@ -43,11 +45,11 @@ def status_line(step: int, max_steps: int, seconds_per_step: float | None, lates
         if max_steps > step:
             parts.append(f"ETA {_duration(seconds_per_step * (max_steps - step))}")
     for key, label, fmt in (
-        ("reward", "reward", "{:.3g}"),
-        ("eval/accuracy", "eval acc", "{:.3f}"),
-        ("gepo/skipped_steps", "skipped", "{:.0f}"),
-        ("opefo/rollbacks", "rollbacks", "{:.0f}"),
-        ("quatro/filtered_share", "filtered", "{:.0%}"),
+        (M.REWARD, "reward", "{:.3g}"),
+        (M.EVAL_ACCURACY, "eval acc", "{:.3f}"),
+        (M.GEPO_SKIPPED_STEPS, "skipped", "{:.0f}"),
+        (M.OPEFO_ROLLBACKS, "rollbacks", "{:.0f}"),
+        (M.QUATRO_FILTERED_SHARE, "filtered", "{:.0%}"),
     ):
         if key in latest:
             parts.append(f"{label} {fmt.format(latest[key])}")
@@ -84,7 +86,7 @@ class ProgressLine(TrainerCallback):
         done = state.global_step - self._start_step  # a resumed run times the steps this process ran
         per_step = (time.monotonic() - self._start) / done if done > 0 else None
         line = status_line(state.global_step, state.max_steps, per_step, self.latest)
-        for key, flag in (("gepo/skipped_steps", "SKIPPED"), ("opefo/rollbacks", "ROLLED BACK")):
+        for key, flag in ((M.GEPO_SKIPPED_STEPS, "SKIPPED"), (M.OPEFO_ROLLBACKS, "ROLLED BACK")):
             if self.latest.get(key, 0) > before.get(key, 0):
                 line += f" | {flag}"
         print(line, file=self.stream, flush=True)

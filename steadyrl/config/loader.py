@@ -115,3 +115,19 @@ def load_config_tree(path: str | Path, overrides: list[str] | None = None) -> tu
     """Load a config file, resolve ``extends:`` and apply overrides."""
     tree, origins = load_tree(path)
     return apply_overrides(tree, origins, list(overrides or [])), origins
+
+
+def load_object(spec: str, where: str) -> Any:
+    """Import ``package.module:Name``; a ConfigError names ``where`` and the cause."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{where}: {spec!r} is not of the form 'package.module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of the user's module is a config problem to report
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {exc!r}") from exc
+    if not hasattr(module, attr):
+        raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)

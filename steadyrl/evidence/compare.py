@@ -21,19 +21,20 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from steadyrl import metrics as M
 from steadyrl.evidence.history import History, load_history
 
 METRICS = (
-    ("eval/accuracy", "Eval accuracy (greedy, held out)"),
-    ("reward", "Training reward"),
-    ("kl", "KL to the reference"),
-    ("entropy", "Entropy"),
-    ("grad_norm", "Gradient norm (pre-clip)"),
-    ("completions/mean_length", "Completion length"),
-    ("gepo/adv_std", "GEPO advantage std"),
-    ("quatro/kl_coef", "QUATRO KL coefficient"),
-    ("quatro/filtered_share", "QUATRO filtered share"),
-    ("grade/scaled_std", "GRADE scaled reward std"),
+    (M.EVAL_ACCURACY, "Eval accuracy (greedy, held out)"),
+    (M.REWARD, "Training reward"),
+    (M.KL, "KL to the reference"),
+    (M.ENTROPY, "Entropy"),
+    (M.GRAD_NORM, "Gradient norm (pre-clip)"),
+    (M.COMPLETIONS_MEAN_LENGTH, "Completion length"),
+    (M.GEPO_ADV_STD, "GEPO advantage std"),
+    (M.QUATRO_KL_COEF, "QUATRO KL coefficient"),
+    (M.QUATRO_FILTERED_SHARE, "QUATRO filtered share"),
+    (M.GRADE_SCALED_STD, "GRADE scaled reward std"),
 )
 
 
@@ -91,13 +92,14 @@ def _fmt(value: float | None) -> str:
 
 def summary_rows(histories: dict[str, History], metrics: list[str]) -> list[str]:
     head = ["run", "steps", "finished", "eval acc (last)", "eval acc (best)", "GEPO skips", "OPEFO rollbacks"]
-    head += [f"{m} (last)" for m in metrics if m != "eval/accuracy"]
+    head += [f"{m} (last)" for m in metrics if m != M.EVAL_ACCURACY]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, h in histories.items():
+        skips, rollbacks = h.count(M.GEPO_SKIPPED_STEPS, M.EVENT_SKIP), h.count(M.OPEFO_ROLLBACKS, M.EVENT_ROLLBACK)
         cells = [label, str(int(h.steps[-1])) if len(h.steps) else "0", "yes" if h.finished else "no",
-                 _fmt(_last(h, "eval/accuracy")), _fmt(_best(h, "eval/accuracy")),
-                 str(h.count("gepo/skipped_steps", "skip")), str(h.count("opefo/rollbacks", "rollback"))]  # fmt: skip
-        cells += [_fmt(_last(h, m)) for m in metrics if m != "eval/accuracy"]
+                 _fmt(_last(h, M.EVAL_ACCURACY)), _fmt(_best(h, M.EVAL_ACCURACY)),
+                 str(skips), str(rollbacks)]  # fmt: skip
+        cells += [_fmt(_last(h, m)) for m in metrics if m != M.EVAL_ACCURACY]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 

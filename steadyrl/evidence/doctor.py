@@ -1,17 +1,18 @@
 """``steadyrl doctor``: which of the three ways a GRPO run dies is under way, from its logged metrics alone.
 
-Design note seed 000 §1.2 names the three deaths, and §2.2/§5.2 says each announces itself in the logs:
+The three ways a run dies (docs/DESIGN.md, "Why GRPO runs die") each announce themselves in the logs:
 - ``hard_crash``: loss/grad norm go inf/NaN; before that the grad norm jumps by orders of magnitude, advantage
   std creeps up, non-finite rewards/log-probs appear, GEPO skips and OPEFO rollbacks pile up.
-- ``entropy_collapse``: entropy falls while KL rises and reward stays flat or falls (§6.2); the model repeats
+- ``entropy_collapse``: entropy falls while KL rises and reward stays flat or falls; the model repeats
   itself (repetition filter counts rise).
 - ``reward_hacking`` (silent failure): training reward rises while eval accuracy falls, or while completion
-  length or truncation drifts far from where it started (§6.4, seed 003 §4.5).
-The remedies are seed 000 §6 and the seed 003 §5.4 table, written as steadyrl config keys.
+  length or truncation drifts far from where it started.
+The remedies are the design's (docs/DESIGN.md), written as steadyrl config keys.
 
-One more silent failure, outside the design notes: ``off_policy_rollouts``, vLLM generating from other weights than
-the ones being trained (a weight sync that does not reach it). TRL's ``sampling/sampling_logp_difference/mean``
-(per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then grows from float noise to nats.
+One more silent failure, outside the original design notes: ``off_policy_rollouts``, vLLM generating from other
+weights than the ones being trained (a weight sync that does not reach it). TRL's
+``sampling/sampling_logp_difference/mean`` (per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then
+grows from float noise to nats.
 
 Trends compare an early window of logged rows with a late one (``DoctorConfig.window`` rows each, a third of a
 short series). Every check needs a large, sustained change, so a noisy but healthy run gives no finding. The
@@ -26,8 +27,33 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from steadyrl.evidence.early_warnings import logp_gap_allowance, logp_gap_verdict
 from steadyrl.evidence.history import History, to_float
-from steadyrl.guards.monitor import logp_gap_allowance, logp_gap_verdict
+from steadyrl.metrics import (
+    COMPLETIONS_CLIPPED_RATIO,
+    COMPLETIONS_MEAN_LENGTH,
+    ENTROPY,
+    EVAL_ACCURACY,
+    EVENT_ROLLBACK,
+    EVENT_SKIP,
+    GEPO_ADV_STD,
+    GEPO_NONFINITE_LOGPROBS,
+    GEPO_NONFINITE_LOSS,
+    GEPO_NONFINITE_RATIOS,
+    GEPO_NONFINITE_REWARDS,
+    GEPO_SKIPPED_STEPS,
+    GRAD_NORM,
+    KL,
+    LOSS,
+    OPEFO_ROLLBACKS,
+    QUATRO_ENTROPY,
+    QUATRO_FILTERED_PREFIX,
+    QUATRO_FLOOR_ACTIVE,
+    QUATRO_KL_MEAN,
+    REWARD,
+    SAMPLING_LOGP_GAP,
+    TRAIN_RUNTIME,
+)
 
 MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts")
 TITLES = {
@@ -36,29 +62,29 @@ TITLES = {
     "reward_hacking": "reward hacking (training reward up, real quality not)",
     "off_policy_rollouts": "off-policy rollouts (vLLM generates from other weights than the trained ones)",
 }
-LOGP_GAP = "sampling/sampling_logp_difference/mean"
+LOGP_GAP = SAMPLING_LOGP_GAP
 NONFINITE_COUNTERS = (
-    "gepo/nonfinite_rewards",
-    "gepo/nonfinite_logprobs",
-    "gepo/nonfinite_loss",
-    "gepo/nonfinite_ratios",
+    GEPO_NONFINITE_REWARDS,
+    GEPO_NONFINITE_LOGPROBS,
+    GEPO_NONFINITE_LOSS,
+    GEPO_NONFINITE_RATIOS,
 )
 CHECKED = (
-    "loss",
-    "grad_norm",
-    "reward",
-    "entropy",
-    "quatro/entropy",
-    "kl",
-    "quatro/kl_mean",
-    "gepo/adv_std",
-    "gepo/skipped_steps",
+    LOSS,
+    GRAD_NORM,
+    REWARD,
+    ENTROPY,
+    QUATRO_ENTROPY,
+    KL,
+    QUATRO_KL_MEAN,
+    GEPO_ADV_STD,
+    GEPO_SKIPPED_STEPS,
     *NONFINITE_COUNTERS,
-    "opefo/rollbacks",
-    "quatro/floor_active",
-    "eval/accuracy",
-    "completions/mean_length",
-    "completions/clipped_ratio",
+    OPEFO_ROLLBACKS,
+    QUATRO_FLOOR_ACTIVE,
+    EVAL_ACCURACY,
+    COMPLETIONS_MEAN_LENGTH,
+    COMPLETIONS_CLIPPED_RATIO,
     LOGP_GAP,
 )
 REPETITION_WORDS = ("repet", "parrot")  # quatro/filtered/<reason> names that count repeated output
@@ -210,13 +236,15 @@ class _Check:
 
 CHANGE_SPIKE = (
     "guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip an optimizer step whose gradient norm is "
-    "non-finite or above spike_factor x its EMA (seed 000 §2.2); lower guards.gepo.spike.spike_factor (5.0) to "
+    "non-finite or above spike_factor x its EMA (docs/DESIGN.md: GEPO: spike skip); lower "
+    "guards.gepo.spike.spike_factor (5.0) to "
     "catch smaller jumps"
 )
-CHANGE_LR = "trainer.learning_rate: lower it 2-3x (seed 003 §5.4: NaN loss -> lower the learning rate, clip gradients)"
+CHANGE_LR = "trainer.learning_rate: lower it 2-3x (NaN loss -> lower the learning rate, clip gradients)"
 CHANGE_CLIP = "trainer.max_grad_norm: 1.0 (clip what the spike guard lets through)"
 CHANGE_LOGPROB = (
-    "guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (seed 000 §6.1); also check that the "
+    "guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (docs/DESIGN.md: GEPO: log-prob floor and "
+    "finite checks); also check that the "
     "attention mask covers the padding"
 )
 
@@ -225,7 +253,7 @@ def _nonfinite_checks(history: History, config: DoctorConfig) -> list[_Check]:
     checks = []
     skipped = set(history.skipped_steps.tolist())
     died, survived, last_step = [], [], 0
-    for name in ("loss", "grad_norm"):
+    for name in (LOSS, GRAD_NORM):
         steps, values = history.series(name)
         bad = steps[~np.isfinite(values)]
         if not len(bad):
@@ -256,7 +284,7 @@ def _nonfinite_checks(history: History, config: DoctorConfig) -> list[_Check]:
         names = ", ".join(e.metric for e in survived)
         summary = f"{names} non-finite at some steps; training went on"
         checks.append(_Check("warning", summary, survived, [CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB]))
-    rows = [r for r in history.rows if "train_runtime" not in r]
+    rows = [r for r in history.rows if TRAIN_RUNTIME not in r]
     if rows and not history.finished and not any(c.severity == "problem" for c in checks):
         last = max(rows, key=lambda r: r["step"])
         if last["step"] in skipped:  # a skipped step's NaN never reached the weights
@@ -276,7 +304,7 @@ def _nonfinite_checks(history: History, config: DoctorConfig) -> list[_Check]:
 
 
 def _spike_check(history: History, config: DoctorConfig) -> _Check | None:
-    steps, values = _finite(history, "grad_norm")
+    steps, values = _finite(history, GRAD_NORM)
     jumps = []
     for i in range(config.spike_min_history, len(values)):
         median = float(np.median(values[max(0, i - config.spike_median_window) : i]))
@@ -290,7 +318,7 @@ def _spike_check(history: History, config: DoctorConfig) -> _Check | None:
         for s, v, m in jumps[:3]
     )
     evidence = Evidence(
-        "grad_norm", jumps[0][0], jumps[-1][0], f"{len(jumps)} jump(s) of >= {config.spike_ratio:g}x: {shown}"
+        GRAD_NORM, jumps[0][0], jumps[-1][0], f"{len(jumps)} jump(s) of >= {config.spike_ratio:g}x: {shown}"
     )
     return _Check(
         "warning", "grad norm jumped by orders of magnitude", [evidence], [CHANGE_SPIKE, CHANGE_CLIP, CHANGE_LR]
@@ -300,22 +328,25 @@ def _spike_check(history: History, config: DoctorConfig) -> _Check | None:
 def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
     checks = []
     skipped = history.skipped_steps
-    n_skipped = history.count("gepo/skipped_steps", "skip")
+    n_skipped = history.count(GEPO_SKIPPED_STEPS, EVENT_SKIP)
     if n_skipped and history.last_step and n_skipped / history.last_step > config.skip_fraction:
         first, last = (int(skipped[0]), int(skipped[-1])) if len(skipped) else (0, history.last_step)
         detail = f"{n_skipped} of {history.last_step} optimizer steps skipped ({n_skipped / history.last_step:.0%})"
-        changes = [CHANGE_LR, "guards.grade.enabled: true: reward outliers drive gradient spikes (seed 004)"]
+        changes = [
+            CHANGE_LR,
+            "guards.grade.enabled: true: reward outliers drive gradient spikes (docs/DESIGN.md: GRADE: reward scaler)",
+        ]
         checks.append(
-            _Check("warning", "GEPO skips many steps", [Evidence("gepo/skipped_steps", first, last, detail)], changes)
+            _Check("warning", "GEPO skips many steps", [Evidence(GEPO_SKIPPED_STEPS, first, last, detail)], changes)
         )
     for name in NONFINITE_COUNTERS:
         if (trend := _counter_rising(history, name, config)) is not None:
             change = {
-                "gepo/nonfinite_rewards": "fix the reward function that returns NaN/inf (rewards:); "
+                GEPO_NONFINITE_REWARDS: "fix the reward function that returns NaN/inf (rewards:); "
                 "guards.gepo.enabled: true treats such rewards as unscorable",
             }.get(name, CHANGE_LOGPROB)
             checks.append(_Check("warning", f"{name} rising", [trend.evidence(name)], [change, CHANGE_SPIKE]))
-    adv_steps, adv = _finite(history, "gepo/adv_std")
+    adv_steps, adv = _finite(history, GEPO_ADV_STD)
     if len(adv) >= max(config.min_points, 8):
         tail = slice(-min(len(adv), 4 * config.window), None)
         chunks = np.array_split(adv[tail], 4)
@@ -324,15 +355,16 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
             tail_steps = adv_steps[tail]
             detail = "chunk means " + " -> ".join(f"{m:.3g}" for m in means)
             changes = [
-                "guards.grade.enabled: true: reward outliers hijack the group statistics (seed 000 §2.1, seed 004)",
+                "guards.grade.enabled: true: reward outliers hijack the group statistics (docs/DESIGN.md: GRADE: "
+                "reward scaler)",
                 "guards.gepo.advantage.enabled: true (median/MAD + tanh clip, clip_scale 3.0)",
             ]
-            evidence = Evidence("gepo/adv_std", int(tail_steps[0]), int(tail_steps[-1]), detail)
+            evidence = Evidence(GEPO_ADV_STD, int(tail_steps[0]), int(tail_steps[-1]), detail)
             checks.append(_Check("warning", "advantage std rising steadily", [evidence], changes))
-    n_rollbacks = history.count("opefo/rollbacks", "rollback")
+    n_rollbacks = history.count(OPEFO_ROLLBACKS, EVENT_ROLLBACK)
     if n_rollbacks:
         steps = history.rollback_steps
-        causes = sorted({str(e.get("cause")) for e in history.events_of("rollback") if e.get("cause")})
+        causes = sorted({str(e.get("cause")) for e in history.events_of(EVENT_ROLLBACK) if e.get("cause")})
         detail = f"{n_rollbacks} rollback(s)" + (f", causes: {', '.join(causes)}" if causes else "")
         first, last = (int(steps[0]), int(steps[-1])) if len(steps) else (0, history.last_step)
         severity = "problem" if n_rollbacks >= config.rollbacks_problem else "warning"
@@ -343,7 +375,7 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
         ]
         checks.append(
             _Check(
-                severity, "OPEFO rolled back to a snapshot", [Evidence("opefo/rollbacks", first, last, detail)], changes
+                severity, "OPEFO rolled back to a snapshot", [Evidence(OPEFO_ROLLBACKS, first, last, detail)], changes
             )
         )
     return checks
@@ -352,46 +384,48 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
 # ----------------------------------------------------------------------------------------------- collapse
 
 CHANGE_FLOOR = (
-    "guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; seed 000 §4.1)"
+    "guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; docs/DESIGN.md: "
+    "QUATRO: entropy floor)"
 )
 CHANGE_KL = (
     "guards.quatro.kl.target: lower it (0.02 -> 0.01), or trainer.beta: raise it 2-3x, to pull the policy back "
-    "to the reference (seed 000 §6.2, seed 003 §5.1)"
+    "to the reference (docs/DESIGN.md: QUATRO: adaptive KL)"
 )
 
 
 def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
-    name = _first(history, "entropy", "quatro/entropy")
+    name = _first(history, ENTROPY, QUATRO_ENTROPY)
     entropy = _trend(history, name, config) if name else None
     if entropy is None or entropy.early.mean() <= 0 or entropy.ratio >= config.entropy_drop_frac:
         return None
     evidence = [entropy.evidence(name, f" ({entropy.ratio:.0%} of the early mean)")]
     signs = []
-    kl_name = _first(history, "kl", "quatro/kl_mean")
+    kl_name = _first(history, KL, QUATRO_KL_MEAN)
     kl = _trend(history, kl_name, config) if kl_name else None
     if kl is not None and kl.ratio >= config.kl_rise_ratio:
         signs.append("KL rising")
         evidence.append(kl.evidence(kl_name))
-    for reason in history.matching("quatro/filtered/"):
+    for reason in history.matching(QUATRO_FILTERED_PREFIX):
         if any(w in reason for w in REPETITION_WORDS) and (rep := _counter_rising(history, reason, config)):
             signs.append("repetition filter counts rising")
             evidence.append(rep.evidence(reason))
-    reward = _trend(history, "reward", config)
+    reward = _trend(history, REWARD, config)
     rising = reward is not None and reward.z >= config.rise_z
     if reward is not None and reward.z < config.flat_z:
         signs.append("reward flat" if reward.z > -config.flat_z else "reward falling")
-        evidence.append(reward.evidence("reward", f" (change {reward.z:+.1f} pooled std)"))
-    floor_steps, floor = _finite(history, "quatro/floor_active")
+        evidence.append(reward.evidence(REWARD, f" (change {reward.z:+.1f} pooled std)"))
+    floor_steps, floor = _finite(history, QUATRO_FLOOR_ACTIVE)
     if np.count_nonzero(floor):
         active = floor_steps[floor > 0]
         detail = f"floor active at {len(active)} logged step(s) and entropy still fell"
-        evidence.append(Evidence("quatro/floor_active", int(active[0]), int(active[-1]), detail))
+        evidence.append(Evidence(QUATRO_FLOOR_ACTIVE, int(active[0]), int(active[-1]), detail))
     changes = [CHANGE_FLOOR, CHANGE_KL, "trainer.learning_rate: lower it"]
-    changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (seed 003 §5.4: repeated text)")
+    changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
     if signs and not rising:
         summary = f"entropy fell to {entropy.ratio:.0%} of its early mean with {', '.join(signs)}"
         return _Check("problem", summary, evidence, changes)
-    # Reward still rising: the policy is sharpening, not yet collapsed (seed 000 §1.2: collapse = reward stuck).
+    # Reward still rising: the policy is sharpening, not yet collapsed (collapse = reward stuck; docs/DESIGN.md,
+    # "Why GRPO runs die").
     note = " while reward still rises" if rising else ""
     note += f" ({', '.join(signs)})" if signs else ""
     summary = f"entropy fell to {entropy.ratio:.0%} of its early mean{note}: precursor"
@@ -402,15 +436,17 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
 
 CHANGE_FILTER = (
     "guards.quatro: tighten the rollout filters (reward z-score 3.5 -> 3.0, length and repetition filters; "
-    "seed 000 §6.2)"
+    "docs/DESIGN.md: QUATRO: rollout filters)"
 )
-CHANGE_LOOK = "read the highest-reward rollouts for padding, format tricks, repeated phrases (seed 000 §6.4)"
+CHANGE_LOOK = (
+    "read the highest-reward rollouts for padding, format tricks, repeated phrases (docs/DESIGN.md: Periodic eval)"
+)
 
 
 def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
     checks = []
-    e_steps, acc = _finite(history, "eval/accuracy")
-    r_steps, reward = _finite(history, "reward")
+    e_steps, acc = _finite(history, EVAL_ACCURACY)
+    r_steps, reward = _finite(history, REWARD)
     if len(acc) >= config.min_eval_points:
         best = int(np.argmax(acc))
         best_step, last_step = int(e_steps[best]), int(e_steps[-1])
@@ -424,8 +460,8 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
             if trend.z >= config.rise_z:
                 detail = f"best {acc[best]:.4g} at step {best_step} -> {acc[-1]:.4g} at step {last_step}"
                 evidence = [
-                    Evidence("eval/accuracy", best_step, last_step, detail),
-                    trend.evidence("reward", f" (+{trend.z:.1f} pooled std)"),
+                    Evidence(EVAL_ACCURACY, best_step, last_step, detail),
+                    trend.evidence(REWARD, f" (+{trend.z:.1f} pooled std)"),
                 ]
                 changes = [
                     f"keep the checkpoint nearest step {best_step} (best eval accuracy), not the last one",
@@ -434,26 +470,26 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
                     CHANGE_LOOK,
                 ]
                 checks.append(_Check("problem", "training reward rises while eval accuracy falls", evidence, changes))
-    reward_trend = _trend(history, "reward", config)
+    reward_trend = _trend(history, REWARD, config)
     if reward_trend is None or reward_trend.z < config.rise_z:
         return checks
-    length = _trend(history, "completions/mean_length", config)
+    length = _trend(history, COMPLETIONS_MEAN_LENGTH, config)
     if length is not None and not 1 / config.length_ratio < length.ratio < config.length_ratio:
         way = "grew" if length.ratio > 1 else "shrank"
         evidence = [
-            length.evidence("completions/mean_length", f" ({length.ratio:.2g}x)"),
-            reward_trend.evidence("reward"),
+            length.evidence(COMPLETIONS_MEAN_LENGTH, f" ({length.ratio:.2g}x)"),
+            reward_trend.evidence(REWARD),
         ]
         changes = [
-            "add a length penalty to rewards: (seed 003 §5.4), or tighten the guards.quatro length filter",
+            "add a length penalty to rewards: (a reward function), or tighten the guards.quatro length filter",
             CHANGE_LOOK,
         ]
         checks.append(
             _Check("warning", f"completion length {way} {length.ratio:.2g}x while reward rises", evidence, changes)
         )
-    clipped = _trend(history, "completions/clipped_ratio", config)
+    clipped = _trend(history, COMPLETIONS_CLIPPED_RATIO, config)
     if clipped is not None and clipped.late.mean() - clipped.early.mean() >= config.clipped_rise:
-        evidence = [clipped.evidence("completions/clipped_ratio"), reward_trend.evidence("reward")]
+        evidence = [clipped.evidence(COMPLETIONS_CLIPPED_RATIO), reward_trend.evidence(REWARD)]
         changes = [
             "the reward favours long answers: add a length penalty to rewards: or tighten the guards.quatro length "
             "filter; a larger trainer.max_completion_length only hides it",
@@ -469,7 +505,7 @@ def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
 
 
 def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
-    """The vLLM-policy log-prob gap rules (``steadyrl.guards.monitor.logp_gap_verdict``) over the whole run."""
+    """The vLLM-policy log-prob gap rules (``steadyrl.evidence.early_warnings.logp_gap_verdict``) over the whole run."""
     steps, values = _finite(history, LOGP_GAP)
     w = max(3, min(config.window, len(values) // 3))
     c = config
@@ -546,7 +582,7 @@ def diagnose(history: History, config: DoctorConfig | None = None) -> list[Findi
 
 def checked_metrics(history: History) -> list[str]:
     """The metrics the doctor reads that this history has."""
-    return [m for m in CHECKED if history.has(m)] + history.matching("quatro/filtered/")
+    return [m for m in CHECKED if history.has(m)] + history.matching(QUATRO_FILTERED_PREFIX)
 
 
 def format_findings(findings: list[Finding], history: History) -> str:

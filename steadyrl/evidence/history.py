@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from steadyrl.metrics import EVENT_ROLLBACK, EVENT_SKIP, GEPO_SKIPPED_STEPS, OPEFO_ROLLBACKS
+
 METRICS_FILE = "metrics.jsonl"  # written by steadyrl.callbacks.metrics_log.MetricsLog
 STATE_FILE = "trainer_state.json"
 FINAL_ROW_KEY = "train_runtime"  # only the Trainer's end-of-training summary row has it
@@ -154,11 +156,11 @@ class History:
 
     @property
     def skipped_steps(self) -> np.ndarray:
-        return self.marked_steps("gepo/skipped_steps", "skip")
+        return self.marked_steps(GEPO_SKIPPED_STEPS, EVENT_SKIP)
 
     @property
     def rollback_steps(self) -> np.ndarray:
-        return self.marked_steps("opefo/rollbacks", "rollback")
+        return self.marked_steps(OPEFO_ROLLBACKS, EVENT_ROLLBACK)
 
 
 def _drop_superseded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,23 +24,59 @@ from matplotlib.ticker import MaxNLocator
 
 from steadyrl.evidence.doctor import diagnose, doctor_config_for, format_findings
 from steadyrl.evidence.history import History, load_history
+from steadyrl.metrics import (
+    COMPLETIONS_CLIPPED_RATIO,
+    COMPLETIONS_MAX_LENGTH,
+    COMPLETIONS_MEAN_LENGTH,
+    COMPLETIONS_MIN_LENGTH,
+    ENTROPY,
+    EVAL_ACCURACY,
+    EVAL_MEAN_LENGTH,
+    EVAL_REWARD,
+    EVENT_ROLLBACK,
+    EVENT_SKIP,
+    GEPO_ADV_STD,
+    GEPO_SKIPPED_STEPS,
+    GRAD_NORM,
+    GRADE_CLIP_FRAC_HIGH,
+    GRADE_CLIP_FRAC_LOW,
+    GRADE_RAW_STD,
+    GRADE_SCALED_STD,
+    KL,
+    LOSS,
+    OPEFO_ROLLBACKS,
+    QUATRO_ENTROPY,
+    QUATRO_ENTROPY_BONUS,
+    QUATRO_ENTROPY_FLOOR,
+    QUATRO_FILTERED_PREFIX,
+    QUATRO_FLOOR_ACTIVE,
+    QUATRO_KL_COEF,
+    QUATRO_KL_MEAN,
+    QUATRO_KL_TARGET,
+    QUATRO_REPLAY_FRAC,
+    REWARD,
+    REWARD_STD,
+    REWARDS_PREFIX,
+    SAMPLING_LOGP_GAP,
+    SAMPLING_LOGP_GAP_MAX,
+)
 
 STEP = "optimizer step"
 NONFINITE = "non-finite (NaN/inf)"
-MAXIMISE = ("reward", "reward_std", "eval/reward", "eval/accuracy")  # the "best" column is the max for these
+MAXIMISE = (REWARD, REWARD_STD, EVAL_REWARD, EVAL_ACCURACY)  # the "best" column is the max for these
 SUMMARY = (
-    "reward",
-    "eval/accuracy",
-    "eval/reward",
-    "loss",
-    "grad_norm",
-    "entropy",
-    "kl",
-    "completions/mean_length",
-    "completions/clipped_ratio",
-    "gepo/adv_std",
-    "grade/scaled_std",
-    "quatro/kl_coef",
+    REWARD,
+    EVAL_ACCURACY,
+    EVAL_REWARD,
+    LOSS,
+    GRAD_NORM,
+    ENTROPY,
+    KL,
+    COMPLETIONS_MEAN_LENGTH,
+    COMPLETIONS_CLIPPED_RATIO,
+    GEPO_ADV_STD,
+    GRADE_SCALED_STD,
+    QUATRO_KL_COEF,
 )
 
 
@@ -120,53 +156,53 @@ def _twin(ax: Axes, history: History, names: list[tuple[str, str]], ylabel: str,
 
 def _draw_reward(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
-    if history.has("reward"):
-        _line(ax, history, "reward", "train reward (mean)", color="C0")
-        steps, mean = history.series("reward")
-        s2, std = history.series("reward_std")
+    if history.has(REWARD):
+        _line(ax, history, REWARD, "train reward (mean)", color="C0")
+        steps, mean = history.series(REWARD)
+        s2, std = history.series(REWARD_STD)
         if len(s2) == len(steps) and np.array_equal(s2, steps):
             ok = np.isfinite(mean) & np.isfinite(std)
             ax.fill_between(steps[ok], (mean - std)[ok], (mean + std)[ok], color="C0", alpha=0.15, label="± reward std")
-    per_func = history.matching("rewards/")
-    if len(per_func) > 2 or not history.has("reward"):  # one function's mean is the reward itself
+    per_func = history.matching(REWARDS_PREFIX)
+    if len(per_func) > 2 or not history.has(REWARD):  # one function's mean is the reward itself
         for name in (n for n in per_func if n.endswith("/mean")):
             _line(ax, history, name, f"{name.split('/')[1]} (mean)", linewidth=0.8)
-    if history.has("eval/reward"):
-        _line(ax, history, "eval/reward", "eval reward", linestyle="none", marker="o", color="C2")
-    twin = _twin(ax, history, [("eval/accuracy", "eval accuracy")], "eval accuracy (fraction correct)", marker="s")
+    if history.has(EVAL_REWARD):
+        _line(ax, history, EVAL_REWARD, "eval reward", linestyle="none", marker="o", color="C2")
+    twin = _twin(ax, history, [(EVAL_ACCURACY, "eval accuracy")], "eval accuracy (fraction correct)", marker="s")
     _finish(ax, history, "Reward (train) and eval accuracy", "reward (reward-function units)", twin)
 
 
 def _draw_kl(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
-    _line(ax, history, "kl", "KL to reference (logged)")
-    _line(ax, history, "quatro/kl_mean", "KL mean (QUATRO)")
-    _line(ax, history, "quatro/kl_target", "KL target", linestyle="--", color="gray", marker=None)
-    twin = _twin(ax, history, [("quatro/kl_coef", "KL coefficient β")], "KL coefficient β (dimensionless)")
+    _line(ax, history, KL, "KL to reference (logged)")
+    _line(ax, history, QUATRO_KL_MEAN, "KL mean (QUATRO)")
+    _line(ax, history, QUATRO_KL_TARGET, "KL target", linestyle="--", color="gray", marker=None)
+    twin = _twin(ax, history, [(QUATRO_KL_COEF, "KL coefficient β")], "KL coefficient β (dimensionless)")
     _finish(ax, history, "KL to the reference policy and its coefficient", "KL (nats per token)", twin)
 
 
 def _draw_entropy(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
-    _line(ax, history, "entropy", "policy entropy")
-    _line(ax, history, "quatro/entropy", "entropy (QUATRO window)")
-    _line(ax, history, "quatro/entropy_floor", "entropy floor", linestyle="--", color="red", marker=None)
-    steps, active = history.series("quatro/floor_active")
+    _line(ax, history, ENTROPY, "policy entropy")
+    _line(ax, history, QUATRO_ENTROPY, "entropy (QUATRO window)")
+    _line(ax, history, QUATRO_ENTROPY_FLOOR, "entropy floor", linestyle="--", color="red", marker=None)
+    steps, active = history.series(QUATRO_FLOOR_ACTIVE)
     on = steps[np.isfinite(active) & (active > 0)]
     if len(on):
         ax.scatter(
             on, np.full(len(on), 0.03), marker="|", color="C2", transform=ax.get_xaxis_transform(), label="floor active"
         )
-    twin = _twin(ax, history, [("quatro/entropy_bonus", "entropy bonus")], "entropy bonus coefficient")
+    twin = _twin(ax, history, [(QUATRO_ENTROPY_BONUS, "entropy bonus")], "entropy bonus coefficient")
     _finish(ax, history, "Policy entropy and the entropy floor", "entropy (nats per token)", twin)
 
 
 def _draw_grad_norm(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
-    _, values = history.series("grad_norm")
+    _, values = history.series(GRAD_NORM)
     if (np.isfinite(values) & (values > 0)).any():
         ax.set_yscale("log")
-    _line(ax, history, "grad_norm", "gradient norm (before clipping)", positive=True)
+    _line(ax, history, GRAD_NORM, "gradient norm (before clipping)", positive=True)
     skipped = history.skipped_steps
     if len(skipped):
         ax.scatter(
@@ -186,33 +222,33 @@ def _draw_grad_norm(history: History, fig: Figure) -> None:
 
 def _draw_grade(history: History, fig: Figure) -> None:
     left, right = fig.subplots(1, 2)
-    _line(left, history, "grade/raw_std", "raw reward std")
-    _line(left, history, "grade/scaled_std", "scaled reward std")
+    _line(left, history, GRADE_RAW_STD, "raw reward std")
+    _line(left, history, GRADE_SCALED_STD, "scaled reward std")
     _finish(left, history, "GRADE: reward std before/after", "std (reward units)")
-    _line(right, history, "grade/clip_frac_low", "clipped low")
-    _line(right, history, "grade/clip_frac_high", "clipped high")
+    _line(right, history, GRADE_CLIP_FRAC_LOW, "clipped low")
+    _line(right, history, GRADE_CLIP_FRAC_HIGH, "clipped high")
     _finish(right, history, "GRADE: tail clip", "fraction of rewards clipped")
 
 
 def _draw_filters(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
-    for name in history.matching("quatro/filtered/"):
-        _line(ax, history, name, name.removeprefix("quatro/filtered/"))
-    twin = _twin(ax, history, [("quatro/replay_frac", "replay fraction")], "replayed fraction of the batch")
+    for name in history.matching(QUATRO_FILTERED_PREFIX):
+        _line(ax, history, name, name.removeprefix(QUATRO_FILTERED_PREFIX))
+    twin = _twin(ax, history, [(QUATRO_REPLAY_FRAC, "replay fraction")], "replayed fraction of the batch")
     _finish(ax, history, "QUATRO rollout filters, per reason", "rollouts filtered per logged step (count)", twin)
 
 
 def _draw_length(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
-    _line(ax, history, "completions/mean_length", "mean length", color="C0")
-    s_min, lo = history.series("completions/min_length")
-    s_max, hi = history.series("completions/max_length")
+    _line(ax, history, COMPLETIONS_MEAN_LENGTH, "mean length", color="C0")
+    s_min, lo = history.series(COMPLETIONS_MIN_LENGTH)
+    s_max, hi = history.series(COMPLETIONS_MAX_LENGTH)
     if len(s_min) and np.array_equal(s_min, s_max):
         ok = np.isfinite(lo) & np.isfinite(hi)
         ax.fill_between(s_min[ok], lo[ok], hi[ok], color="C0", alpha=0.15, label="min-max")
-    if history.has("eval/mean_length"):
-        _line(ax, history, "eval/mean_length", "eval mean length", linestyle="none", marker="o", color="C2")
-    twin = _twin(ax, history, [("completions/clipped_ratio", "clipped ratio")], "fraction cut at max length")
+    if history.has(EVAL_MEAN_LENGTH):
+        _line(ax, history, EVAL_MEAN_LENGTH, "eval mean length", linestyle="none", marker="o", color="C2")
+    twin = _twin(ax, history, [(COMPLETIONS_CLIPPED_RATIO, "clipped ratio")], "fraction cut at max length")
     _finish(ax, history, "Completion length", "completion length (tokens)", twin)
 
 
@@ -222,7 +258,7 @@ def _draw_vllm(history: History, fig: Figure) -> None:
     ax = fig.add_subplot()
     ax.set_yscale("log")
     _line(ax, history, LOGP_GAP, "mean over tokens", positive=True)
-    _line(ax, history, "sampling/sampling_logp_difference/max", "max over tokens", positive=True, alpha=0.5)
+    _line(ax, history, SAMPLING_LOGP_GAP_MAX, "max over tokens", positive=True, alpha=0.5)
     ax.axhline(DoctorConfig.logp_gap_max, color="red", linestyle="--", label="doctor's threshold (mean)")
     _finish(ax, history, "vLLM vs policy: |log-prob gap| of the sampled tokens", "nats per token (log scale)")
 
@@ -242,20 +278,20 @@ class Panel:
 
 
 PANELS = (
-    Panel("reward", "Reward", ("reward", "rewards/", "eval/reward", "eval/accuracy"), _draw_reward),
-    Panel("kl", "KL and KL coefficient", ("kl", "quatro/kl_mean", "quatro/kl_coef"), _draw_kl),
-    Panel("entropy", "Entropy and entropy floor", ("entropy", "quatro/entropy"), _draw_entropy),
-    Panel("grad_norm", "Gradient norm, skips, rollbacks", ("grad_norm",), _draw_grad_norm),
+    Panel("reward", "Reward", (REWARD, REWARDS_PREFIX, EVAL_REWARD, EVAL_ACCURACY), _draw_reward),
+    Panel("kl", "KL and KL coefficient", (KL, QUATRO_KL_MEAN, QUATRO_KL_COEF), _draw_kl),
+    Panel("entropy", "Entropy and entropy floor", (ENTROPY, QUATRO_ENTROPY), _draw_entropy),
+    Panel("grad_norm", "Gradient norm, skips, rollbacks", (GRAD_NORM,), _draw_grad_norm),
     Panel(
         "grade",
         "GRADE reward scaler",
-        ("grade/raw_std", "grade/scaled_std", "grade/clip_frac_high"),
+        (GRADE_RAW_STD, GRADE_SCALED_STD, GRADE_CLIP_FRAC_HIGH),
         _draw_grade,
         (11.0, 4.5),
     ),
-    Panel("filters", "QUATRO filters", ("quatro/filtered/",), _draw_filters),
-    Panel("length", "Completion length", ("completions/mean_length",), _draw_length),
-    Panel("vllm", "vLLM-policy log-prob gap", ("sampling/sampling_logp_difference/mean",), _draw_vllm),
+    Panel("filters", "QUATRO filters", (QUATRO_FILTERED_PREFIX,), _draw_filters),
+    Panel("length", "Completion length", (COMPLETIONS_MEAN_LENGTH,), _draw_length),
+    Panel("vllm", "vLLM-policy log-prob gap", (SAMPLING_LOGP_GAP,), _draw_vllm),
 )
 
 
@@ -268,7 +304,9 @@ def _fmt(value: float) -> str:
 
 def _summary_rows(history: History) -> list[str]:
     rows = ["| metric | first | last | min | max | best (step) | non-finite |", "|---|---|---|---|---|---|---|"]
-    names = [n for n in SUMMARY if history.has(n)] + [n for n in history.matching("rewards/") if n.endswith("/mean")]
+    names = [n for n in SUMMARY if history.has(n)] + [
+        n for n in history.matching(REWARDS_PREFIX) if n.endswith("/mean")
+    ]
     for name in names:
         steps, values = history.series(name)
         finite = np.isfinite(values)
@@ -277,7 +315,7 @@ def _summary_rows(history: History) -> list[str]:
             continue
         fs, fv = steps[finite], values[finite]
         best = "—"
-        if name in MAXIMISE or name.startswith("rewards/"):
+        if name in MAXIMISE or name.startswith(REWARDS_PREFIX):
             i = int(np.argmax(fv))
             best = f"{_fmt(fv[i])} ({fs[i]})"
         rows.append(
@@ -295,8 +333,8 @@ def _steps_text(steps: np.ndarray, limit: int = 10) -> str:
 def _markdown(run_dir: Path, history: History, drawn: dict[str, str | None]) -> str:
     steps = history.steps
     skipped, rollbacks = history.skipped_steps, history.rollback_steps
-    n_skipped = history.count("gepo/skipped_steps", "skip")
-    n_rollbacks = history.count("opefo/rollbacks", "rollback")
+    n_skipped = history.count(GEPO_SKIPPED_STEPS, EVENT_SKIP)
+    n_rollbacks = history.count(OPEFO_ROLLBACKS, EVENT_ROLLBACK)
     source = f"`{history.source}`" + (f" ({history.bad_lines} unreadable line(s) skipped)" if history.bad_lines else "")
     lines = [
         f"# Run report: {run_dir.resolve().name}",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from trl.trainer.utils import nanstd
 
-from steadyrl.guards.gepo import robust_group_advantages
+from steadyrl.guards.robust_advantage import robust_group_advantages
 
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 

@@ -1,6 +1,6 @@
 """The shapes every defence layer plugs into. Pure interfaces: no Trainer import here.
 
-Four extension points, in the order data meets them (see ARCHITECTURE.md):
+Four extension points, in the order data meets them (see docs/ARCHITECTURE.md):
 
 1. ``RewardProcessor``: raw rewards of a whole generation batch (gathered from all processes) -> scaled rewards,
    before any advantage (GRADE).
@@ -9,6 +9,12 @@ Four extension points, in the order data meets them (see ARCHITECTURE.md):
 3. ``StepGuard``: sees the global pre-clip gradient norm before each optimizer step and may veto the step
    (GEPO spike skip, OPEFO hooks).
 4. ``Stateful``: every piece with state saves into checkpoints and restores on resume.
+
+The generic part of a layer's life, which the trainer handles the same way for every layer: ``Stateful`` (the
+checkpoint's guard state, main process), ``RankStateful`` (per-rank state in the rank files: OPEFO's residual,
+QUATRO's replay buffer) and ``Stepping`` (``step()`` after every optimizer step, e.g. GRADE's quantile refresh).
+The calls whose order matters (OPEFO before QUATRO at a step's end, GRADE before GEPO in the advantage pipeline)
+stay explicit in the trainer.
 
 Every method receives values that are identical on all ranks (gathered rewards, all-reduced norms), so
 deterministic implementations decide the same everywhere.
@@ -27,6 +33,20 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class RankStateful(Protocol):
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Stepping(Protocol):
+    def step(self) -> None:
+        """Called once after every optimizer step."""
+        ...
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""GEPO's gradient-spike detector (design note seed 000 §2): veto an optimizer step whose gradient is poisoned.
+"""GEPO's gradient-spike detector: veto an optimizer step whose gradient is poisoned (docs/DESIGN.md, "GEPO: spike
+skip").
 
 An EMA of the global pre-clip gradient norm tracks what "normal" looks like. After ``warmup_steps`` accepted
 steps, a step is skipped when its norm exceeds ``spike_factor`` x EMA *and* ``abs_threshold`` (both, so a

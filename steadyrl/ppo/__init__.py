@@ -1,7 +1,7 @@
-"""PPO building blocks: GAE and value-loss math, the critic model, the policy+critic wrapper, the reward-model stage.
+"""PPO building blocks: GAE and value-loss math, the critic model, the policy+critic wrapper.
 
 The trainer that wires these into TRL's GRPO rollout machinery lives in ``steadyrl.trainers``.
-``reward_stage`` is not imported here (it pulls in TRL and matplotlib); import it directly.
+The reward-model stage lives in ``steadyrl.trainers.reward_model`` (``steadyrl.ppo.reward_stage`` re-exports it).
 """
 
 from steadyrl.ppo.gae import (

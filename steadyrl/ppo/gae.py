@@ -3,7 +3,7 @@
 Every function is a pure function over tensors (no Trainer, no distributed calls); shapes are
 ``B`` = completions in the batch, ``T`` = completion tokens (right-padded; ``mask`` is 1 on real tokens).
 
-Pipeline, as the PPO trainer uses it (seed 003 §3.1, §3.3)::
+Pipeline, as the PPO trainer uses it (docs/DESIGN.md "PPO: critic, rewards and GAE")::
 
     kl        = kl_k1(logp, ref_logp)                         # or kl_k3, per token
     rewards   = place_rewards(seq_reward, mask, kl, beta)     # -beta*kl_t everywhere, + seq reward on the last token
@@ -46,7 +46,7 @@ def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 per-token KL estimate ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, always >= 0, lower variance).
 
-    Source: http://joschu.net/blog/kl-approx.html (r = ref/pi; k3 = (r - 1) - log r). Seed 003 §3.3 notes it is
+    Source: http://joschu.net/blog/kl-approx.html (r = ref/pi; k3 = (r - 1) - log r). The original design notes call it
     the common choice in practice. It grows exponentially where the reference is much likelier than the policy.
     """
     log_ratio = ref_logp - logp
@@ -85,8 +85,8 @@ def place_rewards(
 
     sequence_rewards: (B,), completion_mask: (B, T) 0/1, per_token_kl: (B, T) or None -> token_rewards: (B, T),
     exactly 0 on masked positions. Rows have different lengths; the reward goes to each row's own last real token.
-    A row with no real token cannot hold its reward and gets all zeros. Source: seed 003 §3.1 (sequence-end reward)
-    and §3.3 (KL penalty in the reward); Ziegler et al. 2019, Ouyang et al. 2022.
+    A row with no real token cannot hold its reward and gets all zeros. Source: docs/DESIGN.md "PPO: critic, rewards
+    and GAE" (sequence-end reward, KL penalty in the reward); Ziegler et al. 2019, Ouyang et al. 2022.
     """
     if completion_mask.ndim != 2 or sequence_rewards.shape != completion_mask.shape[:1]:
         raise ValueError(
@@ -193,7 +193,7 @@ def soft_clip(advantages: Tensor, clip_scale: float = 3.0) -> Tensor:
     """``clip_scale * tanh(advantages / clip_scale)``: near-identity for small values, bounded by ``clip_scale``.
 
     Any shape -> same shape; zeros stay zeros (so padding stays 0). The same tanh GEPO applies to its group
-    advantages (seed 000 §2, ``steadyrl/guards/gepo.py`` inlines it); here it is an option for whitened GAE
+    advantages (``steadyrl/guards/robust_advantage.py`` inlines it); here it is an option for whitened GAE
     advantages.
     """
     if clip_scale <= 0:

@@ -3,7 +3,7 @@
 ``CriticModel(input_ids, attention_mask) -> values (B, T)``: V(s_t) for the state "prompt + completion up to and
 including token t". The trainer slices the completion positions out, as it does for the policy's log-probs.
 
-Initialisation (``CriticModel.from_pretrained``), seed 003 §3.1:
+Initialisation (``CriticModel.from_pretrained``; docs/DESIGN.md "PPO: critic, rewards and GAE"):
 
 - **policy weights** (default): a causal-LM folder; the backbone (``AutoModel``, i.e. without ``lm_head``) gets the
   policy's weights and the value head starts at zero, so the first values are exactly 0 and the first advantages
@@ -24,8 +24,8 @@ DeepSpeed", accelerator.py). Its multi-model API (a dict of ``DeepSpeedPlugin`` 
 a second ``Accelerator`` for a second *trained* model) is documented as "very experimental"
 (docs: usage_guides/deepspeed_multiple_model). A second engine inside ``transformers.Trainer`` would also need its
 own backward, step, gradient-accumulation boundaries, LR scheduler, checkpoint save/load and resume code, all
-outside the Trainer's normal path: exactly the override surface ARCHITECTURE.md rule 1 asks us to avoid, and the
-guards (GEPO spike skip, OPEFO) would then have to watch two optimizers.
+outside the Trainer's normal path: exactly the override surface docs/ARCHITECTURE.md's house rule 2 asks us to avoid,
+and the guards (GEPO spike skip, OPEFO) would then have to watch two optimizers.
 
 Recommendation: **one module, one engine, one optimizer with two parameter groups** (what TRL's former PPO did
 with ``PolicyAndValueWrapper``). ``self.model`` becomes a small ``nn.Module`` holding ``policy`` and ``critic``;
@@ -48,8 +48,8 @@ The extra memory is one frozen base copy without optimizer state (the LoRA polic
 ``disable_adapter``, so the total equals GRPO with a separate reference). Two adapters on the *policy's* base would
 save that copy but need PEFT's ``set_adapter`` switching, which flips ``requires_grad`` after DeepSpeed has built
 its flat gradient partitions: not safe. The cheapest alternative, for the tightest budgets, is a shared trunk (a
-value head on the policy's last hidden states, seed 003 §3.1): no extra backbone, but the value loss then trains the
-policy's adapter too (policy/value interference); offer it as an option, not the default.
+value head on the policy's last hidden states, the original design's choice): no extra backbone, but the value
+loss then trains the policy's adapter too (policy/value interference); offer it as an option, not the default.
 
 What this leaves out: the optimizer (the trainer builds it, see above), dropout control (call ``.eval()`` or
 disable dropout as TRL does for the policy), and ZeRO-3 (parameters are gathered only inside engine forwards).

@@ -52,7 +52,7 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"reward fn {spec!r} is not a built-in ({sorted(BUILTIN_REWARDS)}); "
             "for your own function write 'package.module:function'"
         )
-    from steadyrl.config.schema import load_object
+    from steadyrl.config.loader import load_object
 
     fn = load_object(spec, f"reward fn {spec!r}")
     if not callable(fn):

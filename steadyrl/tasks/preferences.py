@@ -1,4 +1,4 @@
-"""Preference pairs for the reward-model stage, built from the arithmetic task (seed 003 §4.3).
+"""Preference pairs for the reward-model stage, built from the arithmetic task (docs/DESIGN.md "Reward-model stage").
 
 Each row is one Bradley-Terry pair in TRL ``RewardTrainer``'s explicit-prompt format::
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -117,44 +115,11 @@ def resolve_resume(cfg: RunConfig) -> str | None:
     return str(path)
 
 
-def _section_config(config_cls: type, section: Any) -> Any:
-    """The guard's own config dataclass from its config section (the section adds ``enabled``)."""
-    return config_cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(config_cls)})
-
-
 def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """SteadyGRPOTrainer's extension points filled from the ``guards`` section (nothing when all are off)."""
-    from steadyrl.guards.gepo import GEPOAdvantage
-    from steadyrl.guards.grade import GradeConfig, GradeScaler
-    from steadyrl.guards.spike import SpikeConfig, SpikeGuard
+    """SteadyGRPOTrainer's extension points filled from the ``guards`` section (``steadyrl.trainers.layers``)."""
+    from steadyrl.trainers.layers import layer_kwargs
 
-    g = cfg.guards
-    out: dict[str, Any] = {}
-    if g.grade.enabled:
-        out["reward_processor"] = GradeScaler(_section_config(GradeConfig, g.grade))
-        if g.grade.kl_compensation:
-            out["kl_compensation"] = tuple(g.grade.kl_compensation_range)
-    if g.gepo.enabled and g.gepo.advantage.enabled:
-        out["advantage_fn"] = GEPOAdvantage(g.gepo.advantage.clip_scale)
-    if g.gepo.enabled:
-        out["logprob_min"] = g.gepo.logprob_min
-        out["finite_checks"] = True
-        spike = _section_config(SpikeConfig, g.gepo.spike)
-        if not g.gepo.spike.enabled:  # finite checks stay: a non-finite gradient norm still skips the step
-            spike = dataclasses.replace(spike, spike_factor=math.inf)
-        out["step_guards"] = [SpikeGuard(spike)]
-    if g.opefo.enabled:
-        from steadyrl.trainers.opefo_runtime import OpefoRuntime
-
-        out["opefo"] = OpefoRuntime(g.opefo.to_config())
-        out["finite_checks"] = True
-        if "step_guards" not in out:  # OPEFO alone: a non-finite gradient must still never reach Adam's moments
-            out["step_guards"] = [SpikeGuard(SpikeConfig(spike_factor=math.inf))]
-    if g.quatro.enabled:
-        from steadyrl.trainers.quatro_runtime import QuatroRuntime
-
-        out["quatro"] = QuatroRuntime(g.quatro.to_config())
-    return out
+    return layer_kwargs(cfg.guards)
 
 
 def _model_path(cfg: RunConfig, state: Any) -> str:

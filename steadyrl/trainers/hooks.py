@@ -43,7 +43,7 @@ Private details of TRL, accelerate and DeepSpeed are relied on as well (``intern
   step sets it so the Trainer leaves the LR schedule alone (as for an fp16 overflow).
 - ``DeepSpeedZeroOptimizer.step`` (ZeRO-1/2) calls ``scaled_global_norm()``, then ``_update_scale(overflow)``,
   then returns early ``if self.overflow``; the step guards are installed on the first two
-  (``SteadyGRPOTrainer.install_deepspeed_step_hook``).
+  (``steadyrl.trainers.step_gate.StepGate.install_deepspeed``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """OPEFO inside a running SteadyGRPOTrainer: when to floor, feed back, snapshot, check and roll back.
 
 The pure pieces (``steadyrl.guards.opefo``) know nothing about the Trainer; this module decides when they run
-and where their tensors live:
+and where their tensors live. It never holds the trainer: ``attach`` gives it a ``RuntimeContext`` (metrics,
+events, collectives, step, rank), the optimizer and the trainable parameters it protects, and the registry of
+guard states a snapshot holds; the recovery learning-rate factor it *returns* from ``on_step_end``, and the
+trainer applies it (``steadyrl.trainers.trl_state.LearningRateScale``).
 
 - the optimizer they work on is the innermost torch optimizer (AdamW): under DDP it holds every parameter's
   moments (identical on all ranks), under DeepSpeed ZeRO-1/2 it holds this rank's flat fp32 partitions;
@@ -31,20 +34,26 @@ while a residual is pending.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from steadyrl.guards.opefo import (
-    ErrorFeedback,
-    OpefoConfig,
-    RollbackPolicy,
-    SecondMomentFloor,
-    SnapshotStore,
-    distributed_ops,
-    optimizer_state_finite,
+from steadyrl.guards.error_feedback import ErrorFeedback
+from steadyrl.guards.moment_floor import SecondMomentFloor
+from steadyrl.guards.opefo import OpefoConfig
+from steadyrl.guards.optimizer_state import distributed_ops, optimizer_state_finite
+from steadyrl.guards.rollback import RollbackPolicy, SnapshotStore
+from steadyrl.metrics import (
+    EVENT_ROLLBACK,
+    OPEFO_EF_PENDING,
+    OPEFO_EF_WEIGHT,
+    OPEFO_RECOVERY_ACTIVE,
+    OPEFO_ROLLBACKS,
 )
+from steadyrl.trainers.checkpoints import GuardState
+from steadyrl.trainers.context import RuntimeContext
 
 logger = logging.getLogger("steadyrl.opefo")
 
@@ -79,19 +88,30 @@ class OpefoRuntime:
         )
         self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.store: SnapshotStore | None = None
-        self.trainer: Any = None
+        self.ctx = RuntimeContext()
+        self.guards = GuardState()
+        self._named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]] = lambda: []
         self.base: torch.optim.Optimizer | None = None
         self.zero: Any = None
         self._check_now: str | None = None
-        self._lr_scaled: list[float] | None = None
-        self._last_factor = 1.0
 
     # ------------------------------------------------------------------ setup
 
-    def attach(self, trainer: Any) -> None:
-        """Bind to the prepared optimizer (called at train begin, after any resume) and take the first snapshot."""
-        self.trainer = trainer
-        chain = optimizer_chain(trainer.optimizer)
+    def attach(
+        self,
+        ctx: RuntimeContext,
+        optimizer: Any,
+        named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]],
+        output_dir: str,
+        guards: GuardState,
+    ) -> None:
+        """Bind to the prepared optimizer (called at train begin, after any resume) and take the first snapshot.
+
+        ``named_parameters``: the model's (name, parameter) pairs, read at each use; ``guards``: the trainer's guard
+        states, which a snapshot holds and a rollback restores (all but this runtime's own).
+        """
+        self.ctx, self._named_parameters, self.guards = ctx, named_parameters, guards
+        chain = optimizer_chain(optimizer)
         self.base = chain[-1]
         self.zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -101,14 +121,13 @@ class OpefoRuntime:
                 self._reduce_partitioned, self._gather_partitioned = reduce_sum, all_gather
         rb = self.config.rollback
         if rb.enabled:
-            rank = trainer.accelerator.process_index
             directory = None
             if rb.storage == "disk":
-                base = Path(rb.snapshot_dir) if rb.snapshot_dir else Path(trainer.args.output_dir) / "opefo_snapshots"
-                directory = base / f"rank{rank}"
+                base = Path(rb.snapshot_dir) if rb.snapshot_dir else Path(output_dir) / "opefo_snapshots"
+                directory = base / f"rank{ctx.rank}"
             self.store = SnapshotStore(rb.storage, directory)
             self.store.clear()  # a snapshot from an earlier run of this output_dir is not this run's state
-            self._snapshot(trainer.state.global_step)
+            self._snapshot(ctx.global_step())
 
     # ------------------------------------------------------------------ error feedback
 
@@ -116,28 +135,28 @@ class OpefoRuntime:
         stored = self.feedback.store(gradients)
         self._check_now = "skipped step"
         if stored:
-            logger.info("step %d: skipped gradient kept for error feedback", self.trainer.state.global_step)
+            logger.info("step %d: skipped gradient kept for error feedback", self.ctx.global_step())
 
     def feed_back(self, gradients: list[torch.Tensor | None]) -> bool:
         """Inject the pending residual's next piece into this step's gradients; True when it changed them."""
         if not self.feedback.pending:
             return False
         metrics = self.feedback.apply(gradients)
-        for name, value in metrics.items():
-            self.trainer._guard_metric(name, value)
-        return metrics.get("opefo/ef_weight", 0.0) > 0.0
+        self.ctx.log_metrics(metrics)
+        return metrics.get(OPEFO_EF_WEIGHT, 0.0) > 0.0
 
     def on_nonfinite_loss(self) -> None:
         self._check_now = "non-finite loss"
 
     # ------------------------------------------------------------------ after each optimizer step
 
-    def on_step_end(self) -> None:
-        trainer, step = self.trainer, self.trainer.state.global_step
+    def on_step_end(self) -> float | None:
+        """After each optimizer step: floor, check, roll back or snapshot. Returns the recovery factor of the
+        learning rate for the trainer to apply (1.0 outside a recovery; None when rollback is off)."""
+        step = self.ctx.global_step()
         rb = self.config.rollback
         if self.config.floor.enabled:
-            for name, value in self.floor.maybe_apply(self.base, step).items():
-                trainer._guard_metric(name, value)
+            self.ctx.log_metrics(self.floor.maybe_apply(self.base, step))
         if rb.enabled:
             due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
             if self._check_now is not None or due:
@@ -148,13 +167,13 @@ class OpefoRuntime:
                 elif step % rb.snapshot_interval == 0:
                     self._snapshot(step)
             self._check_now = None
-            self._apply_lr_factor(step)
-            trainer._guard_metric("opefo/rollbacks", float(self.policy.rollbacks))
-            trainer._guard_metric("opefo/recovery_active", float(self.policy.recovery_active(step)))
-        trainer._guard_metric("opefo/ef_pending", float(self.feedback.pending))
+            self.ctx.log_metric(OPEFO_ROLLBACKS, float(self.policy.rollbacks))
+            self.ctx.log_metric(OPEFO_RECOVERY_ACTIVE, float(self.policy.recovery_active(step)))
+        self.ctx.log_metric(OPEFO_EF_PENDING, float(self.feedback.pending))
+        return self.policy.lr_factor(step) if rb.enabled else None  # recovery_steps steps after a rollback
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        return [(n, p) for n, p in self._named_parameters() if p.requires_grad]
 
     def _health_problem(self) -> str | None:
         """None when every rank's trainable weights and Adam moments are finite, else the cause (same on all ranks)."""
@@ -179,7 +198,7 @@ class OpefoRuntime:
         payload: dict[str, Any] = {
             "params": {n: p.detach() for n, p in self._trainable()},
             "optimizer": self.base.state_dict(),
-            "guards": {name: obj.state_dict() for name, obj in self.trainer.stateful.items() if obj is not self},
+            "guards": self.guards.guard_state_dicts(exclude=self),
         }
         if self.zero is not None:
             payload["fp32_partitions"] = [t.detach() for t in self.zero.single_partition_of_fp32_groups]
@@ -202,38 +221,14 @@ class OpefoRuntime:
                 ):
                     live.copy_(saved.to(live.device))
         self.base.load_state_dict(payload["optimizer"])
-        for name, obj in self.trainer.stateful.items():
-            if obj is not self and name in payload["guards"]:
-                obj.load_state_dict(payload["guards"][name])
+        self.guards.load_guard_state_dicts(payload["guards"], exclude=self)
         self.feedback.clear()
         rb = self.config.rollback
         logger.warning(
             "step %d: OPEFO rollback #%d to the snapshot of step %d (cause: %s); learning rate x%g for %d steps",
             step, self.policy.rollbacks, snap_step, cause, rb.recovery_lr_factor, rb.recovery_steps,
         )  # fmt: skip
-        self.trainer.emit_event("rollback", cause=cause, snapshot_step=snap_step)
-
-    def _apply_lr_factor(self, step: int) -> None:
-        """Scale the LR the schedule just set by the recovery factor (the schedule itself runs on unchanged).
-
-        HF schedules are ``LambdaLR``s: each ``step()`` sets ``lr = base_lr * lambda(step)``, so the scaling never
-        compounds. A schedule that leaves ``lr`` untouched is detected (the value is still the one set here) and
-        un-scaled first.
-        """
-        groups = self.trainer.optimizer.param_groups
-        factor = self.policy.lr_factor(step)  # recovery_steps optimizer steps after the rollback
-        current = [g["lr"] for g in groups]
-        if self._lr_scaled is not None:
-            current = [
-                lr / self._last_factor if lr == mine else lr for lr, mine in zip(current, self._lr_scaled, strict=True)
-            ]
-        if factor == 1.0 and self._lr_scaled is None:
-            return
-        for g, lr in zip(groups, current, strict=True):
-            g["lr"] = lr * factor
-        self._lr_scaled = None if factor == 1.0 else [g["lr"] for g in groups]
-        self._last_factor = factor
-        self.trainer._guard_metric("opefo/lr_factor", factor)
+        self.ctx.emit_event(EVENT_ROLLBACK, cause=cause, snapshot_step=snap_step)
 
     # ------------------------------------------------------------------ state
 

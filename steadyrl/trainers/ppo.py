@@ -1,11 +1,12 @@
 """SteadyPPOTrainer: PPO with a critic and GAE on TRL's GRPO rollout machinery (generation, rewards, reference).
 
-The loop, per generation batch (seed 003 §3.1, §3.3; the math is in ``steadyrl.ppo.gae``):
+The loop, per generation batch (docs/DESIGN.md "PPO: critic, rewards and GAE"; the math is in ``steadyrl.ppo.gae``):
 
 1. TRL generates, scores (reward functions / reward models) and computes the reference log-probs (``trainer.beta``
    > 0 makes it load the reference; under LoRA it disables the adapter instead).
-2. ``compute_advantages`` (the parent's hook) returns the *sequence reward* of each completion: the weighted sum of
-   the reward functions, then GRADE when enabled. It lands in ``output["advantages"]`` for a moment.
+2. ``compute_advantages`` (the parent's hook, with ``SequenceRewardPipeline``) returns the *sequence reward* of each
+   completion: the weighted sum of the reward functions, then GRADE when enabled. It lands in
+   ``output["advantages"]`` for a moment.
 3. ``_generate_and_score_completions`` then computes the critic's values V_old on the rollout (no grad), the
    per-token KL ``k1|k3(logp_old, logp_ref)``, token rewards ``-beta * kl_t`` plus the sequence reward on the last
    completion token, GAE (``gamma``, ``lam``), and whitens the advantages over all ranks' real tokens (optionally
@@ -57,9 +58,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from steadyrl.config.schema import PPOSection
+from steadyrl.metrics import (
+    PPO_BETA,
+    PPO_CLIPFRAC_VALUE,
+    PPO_EXPLAINED_VARIANCE,
+    PPO_KL,
+    PPO_RETURNS_MEAN,
+    PPO_VALUE_LOSS,
+    PPO_VALUES_MEAN,
+)
 from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
 from steadyrl.ppo.value import CriticModel
 from steadyrl.ppo.wrapper import PolicyAndValue
+from steadyrl.trainers.advantage_pipeline import SequenceRewardPipeline
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +86,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     """
 
     kl_in_reward = True  # QUATRO's KL controller reads the rollout's KL (record_rollout_kl), not TRL's loss-side kl
+    # rewards -> *sequence rewards* (weighted sum, then GRADE; unscorable and filtered rows 0); GAE comes later
+    pipeline_class = SequenceRewardPipeline
 
     def __init__(self, *args: Any, ppo: PPOSection | None = None, critic: CriticModel | None = None, **kwargs: Any):
         # a copy: PEFT rewrites target_modules ("all-linear" -> the causal LM's module names) when it wraps the policy
@@ -109,7 +122,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         stats = None
         stats_file = Path(source) / "reward_stats.json"
         if stats_file.is_file():
-            from steadyrl.ppo.reward_stage import load_reward_stats
+            from steadyrl.trainers.reward_model import load_reward_stats
 
             stats = load_reward_stats(stats_file, source)
         critic_peft = None
@@ -189,17 +202,6 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     def _rewrites_advantages(self) -> bool:
         return True  # always: the sequence reward, not TRL's group advantage, goes on
 
-    def compute_advantages(
-        self, rewards_per_func: torch.Tensor, prompts: list[Any], num_generations: int, keep: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """PPO: gathered rewards (N, num_funcs) -> *sequence rewards* (N,): weighted sum, then GRADE when enabled.
-
-        GAE turns them into token advantages later (``_generate_and_score_completions``). Unscorable rows and rows
-        QUATRO's filters dropped get reward 0 (dropped rows also leave the loss: their completion mask is 0).
-        """
-        rewards = self.scaled_rewards(rewards_per_func, prompts, num_generations, keep)
-        return torch.nan_to_num(rewards, nan=0.0)
-
     def _global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, unbiased var) of ``x`` over the real tokens of every rank (all-reduced n, sum, sum of squares)."""
         real = mask.bool()
@@ -214,7 +216,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
-        with self.guard_timer():
+        with self.ctx.timer():
             self._add_gae(output)
         return output
 
@@ -256,14 +258,14 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         _, residual_var = self._global_mean_var(returns - values, mask)
         values_mean, _ = self._global_mean_var(values, mask)
         ev = 1.0 - residual_var / returns_var if returns_var > 0 else torch.tensor(float("nan"))
-        self._guard_metric("ppo/returns_mean", float(returns_mean))
-        self._guard_metric("ppo/values_mean", float(values_mean))
-        self._guard_metric("ppo/explained_variance", float(ev))
-        self._guard_metric("ppo/beta", float(self.beta))  # the coefficient place_rewards just used
+        self._guard_metric(PPO_RETURNS_MEAN, float(returns_mean))
+        self._guard_metric(PPO_VALUES_MEAN, float(values_mean))
+        self._guard_metric(PPO_EXPLAINED_VARIANCE, float(ev))
+        self._guard_metric(PPO_BETA, float(self.beta))  # the coefficient place_rewards just used
         kl_mean = float("nan")
         if kl is not None:
             kl_mean = float(self._global_mean_var(kl, mask)[0])
-            self._guard_metric("ppo/kl", kl_mean)
+            self._guard_metric(PPO_KL, kl_mean)
         if self.quatro is not None and self.quatro.kl is not None:
             tokens = float(self.accelerator.reduce(mask.sum().float().reshape(1), reduction="sum").item())
             self.quatro.record_rollout_kl(kl_mean if tokens > 0 else float("nan"), tokens)
@@ -287,8 +289,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         vf_loss, clipfrac = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], mask, self.ppo.cliprange_value
         )
-        self._guard_metric("ppo/value_loss", float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
-        self._guard_metric("ppo/clipfrac_value", float(self.accelerator.reduce(clipfrac, reduction="mean")))
+        self._guard_metric(PPO_VALUE_LOSS, float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
+        self._guard_metric(PPO_CLIPFRAC_VALUE, float(self.accelerator.reduce(clipfrac, reduction="mean")))
         # scaled for gradient accumulation like TRL's grpo/bnpo losses (HF auto-scaling is off in GRPOTrainer)
         return loss + self.ppo.vf_coef * vf_loss / self.current_gradient_accumulation_steps
 

@@ -1,14 +1,18 @@
 """QUATRO inside a running SteadyGRPOTrainer: when the KL and entropy controllers observe, what they set, where the
 rollout filters cut and how rollout replay mixes old rows into training micro-batches.
 
-The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; this module wires them in:
+The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; this module wires them in. It never
+holds the trainer: it gets a ``RuntimeContext`` (metrics, events, collectives, step, rank) and the few settings it
+needs (``QuatroSetup``), and it *returns* what should change in TRL's state (``QuatroControls``: the ``quatro_kl``
+factor of beta, the entropy coefficient, the clip-range scale); ``SteadyGRPOTrainer`` writes them
+(``steadyrl.trainers.trl_state``) after ``bind``, after every optimizer step and after any state load.
 
 - measurements: after every training micro-batch loss (``SteadyGRPOTrainer._compute_loss``) the runtime records
   TRL's just-logged ``kl`` and ``entropy`` (each already a token mean over all ranks) with the micro-batch's token
   count over all ranks; at the optimizer step's end the step mean is the token-weighted mean of those entries.
   Micro-batches whose every row the filters dropped have no tokens and do not count (TRL logs 0 for them).
-- adaptive KL (after each optimizer step): ``AdaptiveKL.observe(step mean KL)``, then
-  ``trainer.set_beta_factor("quatro_kl", factor)``. The effective coefficient is
+- adaptive KL (after each optimizer step): ``AdaptiveKL.observe(step mean KL)``; its factor becomes
+  the ``quatro_kl`` factor of beta. The effective coefficient is
   ``trainer.beta = beta_base x quatro_kl x grade`` (GRADE's KL compensation, when on, is the other factor).
   PPO (a trainer with ``kl_in_reward = True``) has no loss-side KL: its loss runs with beta 0, TRL logs no ``kl``.
   There the KL is measured once per generation batch, where PPO places ``-beta * kl_t`` in the token rewards
@@ -19,21 +23,22 @@ The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; thi
   do not observe, so ``update_every`` counts generation batches in PPO, and a rollout's KL is never counted twice.
   The new coefficient applies from the next rollout's reward placement on (like GRPO's, from the next step's loss).
 - entropy floor (after each optimizer step): ``EntropyFloor.observe(step mean entropy)``, then TRL's own entropy
-  bonus coefficient ``trainer.entropy_coef = floor.bonus`` (TRL's ``_entropy_bonus_enabled`` is switched on at
-  bind time, with coefficient 0 the term adds exactly 0) and, for the loss types whose epsilon is PPO's clip range
+  bonus coefficient ``entropy_coef = floor.bonus`` (the trainer switches TRL's ``_entropy_bonus_enabled`` on at
+  bind time; with coefficient 0 the term adds exactly 0) and, for the loss types whose epsilon is PPO's clip range
   (``CLIP_LOSS_TYPES``), ``epsilon_low/high = initial x floor.clip_scale()``. Both apply from the next step on.
 - filters (per generation batch, train mode): the gathered weighted rewards and token ids of the whole generation
-  batch go through ``RolloutFilter``; ``SteadyGRPOTrainer`` then computes advantages with
-  ``masked_group_advantages`` and zeroes the completion mask of this rank's dropped rows.
+  batch go through ``RolloutFilter`` (``filter_generation``); the advantage pipeline then computes advantages with
+  ``masked_group_advantages`` and ``mask_dropped_rows`` zeroes the completion mask of this rank's dropped rows.
 - replay (per rank, train mode; ``ReplayBuffer`` seeded with ``args.seed + rank``):
-  1. sampling log-probs: after every generation batch is scored (``SteadyGRPOTrainer._generate_and_score_completions``)
-     ``ensure_sampling_logps`` fills ``old_per_token_logps`` where TRL left it None (TRL computes it only when it
-     believes the data is off-policy: ``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``,
-     or vLLM's importance sampling correction). It is one no-grad forward of the current model over the generation
-     batch, TRL's own ``_get_per_token_logps_and_entropies`` with TRL's arguments, before any optimizer step, i.e.
-     the log-probs of the policy that sampled the rows. Fresh rows then train with ratio exp(current - these),
-     1 up to float rounding on their first pass (TRL's ``per_token_logps.detach()`` gives exactly 1), so a run with
-     replay on is not bit-identical to one without it even before anything is replayed.
+  1. sampling log-probs: after every generation batch is scored
+     (``SteadyGRPOTrainer._generate_and_score_completions``) ``trl_state.ensure_sampling_logps`` fills
+     ``old_per_token_logps`` where TRL left it None (TRL computes it only when it believes the data is off-policy:
+     ``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``, or vLLM's importance sampling
+     correction). It is one no-grad forward of the current model over the generation batch, TRL's own
+     ``_get_per_token_logps_and_entropies`` with TRL's arguments, before any optimizer step, i.e. the log-probs of
+     the policy that sampled the rows. Fresh rows then train with ratio exp(current - these), 1 up to float
+     rounding on their first pass (TRL's ``per_token_logps.detach()`` gives exactly 1), so a run with replay on is
+     not bit-identical to one without it even before anything is replayed.
   2. mixing (``SteadyGRPOTrainer._prepare_inputs``, only on the calls where TRL generated, i.e. once per
      ``steps_per_generation x num_iterations`` micro-steps): every micro-batch TRL just split off is mixed with
      rows of earlier generations (``ReplayBuffer.mix``), then the fresh micro-batches are added to the buffer, so
@@ -47,8 +52,8 @@ The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; thi
      rows' loss tokens: the importance ratio TRL's loss forms for them, before clipping; a token mean also under
      ``importance_sampling_level: sequence``). The last two are left out of the log when nothing was replayed.
   Interplay: whether TRL computes the old log-probs itself (e.g. ``num_iterations > 1`` with one generation per
-  optimizer step) or ``ensure_sampling_logps`` does, every row, fresh or replayed, is ratio-corrected against its
-  own sampling policy in every pass, so any ``steps_per_generation`` / ``num_iterations`` combination works.
+  optimizer step) or ``trl_state.ensure_sampling_logps`` does, every row, fresh or replayed, is ratio-corrected
+  against its own sampling policy in every pass, so any ``steps_per_generation`` / ``num_iterations`` combination works.
   Replayed rows keep their reference log-probs (the reference never moves, so they stay exact; present when
   beta != 0 at generation) and their advantage (computed within their own group at sampling time). With vLLM's
   importance sampling correction a replayed row also keeps its ``importance_sampling_ratio`` (the vLLM-vs-trainer
@@ -68,19 +73,24 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from steadyrl.guards.quatro import (
-    AdaptiveKL,
-    EntropyFloor,
-    FilterResult,
-    QuatroConfig,
-    ReplayBuffer,
-    RolloutFilter,
-    replay_importance_ratio_sum,
+from steadyrl.guards.entropy_floor import EntropyFloor
+from steadyrl.guards.kl_controller import AdaptiveKL
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.replay import ReplayBuffer, replay_importance_ratio_sum
+from steadyrl.guards.rollout_filters import FilterResult, RolloutFilter
+from steadyrl.metrics import (
+    EVENT_ENTROPY_FLOOR_WARNING,
+    EVENT_FILTER_WARNING,
+    QUATRO_REPLAY_AGE_MEAN,
+    QUATRO_REPLAY_FRAC,
+    QUATRO_REPLAY_RATIO_MEAN,
 )
+from steadyrl.trainers.context import RuntimeContext
 
 logger = logging.getLogger("steadyrl.quatro")
 
@@ -92,6 +102,28 @@ CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 REPLAY_STEP_KEY = "steady_replay_step"
 
 
+@dataclass(frozen=True)
+class QuatroSetup:
+    """The trainer settings QUATRO reads once, at bind time."""
+
+    beta: float  # the base KL coefficient (trainer.beta before any factor)
+    seed: int  # args.seed; the replay buffer is seeded with seed + rank
+    pad_token_id: int
+    loss_type: str
+    entropy_coef: float = 0.0  # TRL's own coefficient, replaced by the floor's bonus
+    use_adaptive_entropy: bool = False
+    kl_from_rollouts: bool = False  # PPO: the KL is in the reward, measured at the rollout
+
+
+@dataclass(frozen=True)
+class QuatroControls:
+    """What QUATRO wants in TRL's state; None = leave that part alone."""
+
+    kl_factor: float | None = None  # the ``quatro_kl`` factor of beta
+    entropy_coef: float | None = None  # TRL's entropy_coef
+    clip_scale: float | None = None  # epsilon_low/high = their initial values x this
+
+
 class QuatroRuntime:
     """QUATRO's schedule inside the trainer. Stateful: ``state_dict`` goes to the checkpoint's guard state."""
 
@@ -101,8 +133,8 @@ class QuatroRuntime:
         self.entropy = EntropyFloor(config.entropy) if config.entropy is not None else None
         self.filter = RolloutFilter(config.filters) if config.filters is not None else None
         self.replay: ReplayBuffer | None = None  # made in bind(): seeded per rank, pads with the tokenizer's id
-        self.trainer: Any = None
-        self._epsilon0: tuple[float, float] | None = None
+        self.ctx = RuntimeContext()
+        self.scales_clip = False  # set in bind(): the loss type's epsilon is PPO's clip range
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
@@ -117,63 +149,47 @@ class QuatroRuntime:
 
     # ------------------------------------------------------------------ setup
 
-    def bind(self, trainer: Any) -> None:
-        """Called from the trainer's ``__init__`` (before any resume loads state into the controllers)."""
-        self.trainer = trainer
-        self.kl_from_rollouts = bool(getattr(trainer, "kl_in_reward", False))
+    def bind(self, ctx: RuntimeContext, setup: QuatroSetup) -> None:
+        """Called from the trainer's ``__init__`` (before any resume loads state into the controllers). The trainer
+        then switches TRL's entropy bonus on when ``self.entropy`` is set and applies ``controls()``."""
+        self.ctx = ctx
+        self.kl_from_rollouts = setup.kl_from_rollouts
         if self.replay_on:
-            tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            seed = int(trainer.args.seed) + trainer.accelerator.process_index
-            self.replay = ReplayBuffer(self.config.replay, seed=seed, pad_token_id=pad)
+            self.replay = ReplayBuffer(self.config.replay, seed=setup.seed + ctx.rank, pad_token_id=setup.pad_token_id)
         if self.config.kl is not None:
-            self.kl = AdaptiveKL(self.config.kl, trainer.beta_base)  # raises (naming the fix) on beta 0
+            self.kl = AdaptiveKL(self.config.kl, setup.beta)  # raises (naming the fix) on beta 0
         if self.entropy is not None:
-            if trainer.use_adaptive_entropy:
+            if setup.use_adaptive_entropy:
                 raise ValueError(
                     "guards.quatro.entropy and trainer.use_adaptive_entropy both drive TRL's entropy_coef; keep one"
                 )
-            if trainer.entropy_coef != 0.0:
+            if setup.entropy_coef != 0.0:
                 logger.warning(
                     "trainer.entropy_coef=%g is replaced by the QUATRO entropy floor's bonus (0 until the floor is "
                     "active)",
-                    trainer.entropy_coef,
+                    setup.entropy_coef,
                 )
-            trainer._entropy_bonus_enabled = True  # TRL fixes it at init; the floor's bonus needs the term
-            if trainer.loss_type in CLIP_LOSS_TYPES:
-                self._epsilon0 = (float(trainer.epsilon_low), float(trainer.epsilon_high))
-            else:
+            self.scales_clip = setup.loss_type in CLIP_LOSS_TYPES
+            if not self.scales_clip:
                 logger.warning(
                     "loss_type=%s has no PPO clip range: the entropy floor raises the bonus but cannot lower epsilon",
-                    trainer.loss_type,
+                    setup.loss_type,
                 )
-        self._apply()
 
-    def _apply(self) -> None:
-        """Push the controllers' current outputs into the trainer (beta factor, entropy_coef, epsilon)."""
-        trainer = self.trainer
-        if trainer is None:
-            return
-        if self.kl is not None:
-            trainer.set_beta_factor("quatro_kl", self.kl.factor)
-        if self.entropy is not None:
-            trainer.entropy_coef = self.entropy.bonus
-            if self._epsilon0 is not None:
-                scale = self.entropy.clip_scale()
-                trainer.epsilon_low, trainer.epsilon_high = (e * scale for e in self._epsilon0)
+    def controls(self) -> QuatroControls:
+        """The controllers' current outputs (beta factor, entropy coefficient, clip scale) for the trainer to write."""
+        return QuatroControls(
+            kl_factor=self.kl.factor if self.kl is not None else None,
+            entropy_coef=self.entropy.bonus if self.entropy is not None else None,
+            clip_scale=self.entropy.clip_scale() if self.entropy is not None and self.scales_clip else None,
+        )
 
     # ------------------------------------------------------------------ measurements
 
-    def record_micro_batch(self, inputs: dict[str, Any]) -> None:
-        """After a training micro-batch's loss: keep TRL's just-logged KL and entropy with the global token count."""
-        trainer = self.trainer
-        metrics = trainer._metrics["train"]
-        mask = inputs["completion_mask"]
-        if inputs.get("tool_mask") is not None:
-            mask = mask * inputs["tool_mask"]
-        tokens = float(trainer.accelerator.reduce(mask.sum().float().reshape(1), reduction="sum").item())
-        kl = metrics["kl"][-1] if trainer.beta != 0.0 and metrics.get("kl") else math.nan
-        entropy = metrics["entropy"][-1] if metrics.get("entropy") else math.nan
+    def record_micro_batch(self, inputs: dict[str, Any], kl: float, entropy: float) -> None:
+        """After a training micro-batch's loss: keep TRL's just-logged KL and entropy (NaN: not logged) with the
+        global token count."""
+        tokens = float(self.ctx.reduce_sum(_loss_mask(inputs).sum().float().reshape(1)).item())
         self._entries.append((float(kl), float(entropy), tokens))
 
     def record_rollout_kl(self, kl_mean: float, tokens: float) -> None:
@@ -202,8 +218,10 @@ class QuatroRuntime:
 
     # ------------------------------------------------------------------ after each optimizer step
 
-    def on_step_end(self) -> None:
-        trainer, step = self.trainer, self.trainer.state.global_step
+    def on_step_end(self) -> tuple[QuatroControls, dict[str, float]]:
+        """After each optimizer step: the controllers observe the step's means. Returns the new controls and the
+        metrics to log (NaN = not measured yet, e.g. the floor before its baseline: the trainer leaves them out)."""
+        step = self.ctx.global_step()
         kl_mean, entropy_mean = self._step_means()
         metrics: dict[str, float] = {}
         if self.kl is not None:
@@ -218,14 +236,9 @@ class QuatroRuntime:
             warning = self.entropy.observe(entropy_mean)
             if warning is not None:
                 logger.warning("step %d: %s", step, warning)
-                trainer.emit_event("entropy_floor_warning", message=warning)
+                self.ctx.emit_event(EVENT_ENTROPY_FLOOR_WARNING, message=warning)
             metrics.update(self.entropy.metrics())
-        self._apply()
-        if self.kl is not None:
-            metrics["quatro/beta"] = trainer.beta  # the effective coefficient, every factor included
-        for name, value in metrics.items():
-            if math.isfinite(value):  # NaN = not measured yet (floor before its baseline): left out of the log
-                trainer._guard_metric(name, value)
+        return self.controls(), metrics
 
     # ------------------------------------------------------------------ filters
 
@@ -239,43 +252,45 @@ class QuatroRuntime:
         """Gathered generation batch -> which rows to keep; logs ``quatro/filtered/<reason>`` and the warning."""
         assert self.filter is not None
         result = self.filter(rewards, prompt_ids, completion_ids, num_generations)
-        for name, value in result.metrics().items():
-            self.trainer._guard_metric(name, value)
+        self.ctx.log_metrics(result.metrics())
         if result.warning is not None:
-            logger.warning("step %d: %s", self.trainer.state.global_step, result.warning)
-            self.trainer.emit_event("filter_warning", message=result.warning)
+            logger.warning("step %d: %s", self.ctx.global_step(), result.warning)
+            self.ctx.emit_event(EVENT_FILTER_WARNING, message=result.warning)
         return result
 
-    # ------------------------------------------------------------------ replay
+    def filter_generation(
+        self, output: dict[str, Any], rewards: torch.Tensor, completion_ids: list[Any], num_generations: int
+    ) -> torch.Tensor:
+        """QUATRO's rollout filters over the whole generation batch: (N,) bool keep mask, identical on all ranks.
 
-    def ensure_sampling_logps(self, output: dict[str, Any]) -> None:
-        """Give a scored generation batch its sampling policy's ``old_per_token_logps`` where TRL left them out.
-
-        Called right after generation and scoring, before any optimizer step: the current model is the sampling
-        policy. The same call TRL makes when it computes them itself (``_generate_and_score_completions``).
+        ``output``: TRL's scored batch of this rank (its prompt ids); ``rewards``: (N,) weighted rewards, gathered;
+        ``completion_ids``: this rank's unpadded completions (gathered here).
         """
-        if output.get("old_per_token_logps") is not None:
-            return
-        from trl.models.utils import disable_gradient_checkpointing
+        rows = zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in rows]
+        prompts, completions = self.ctx.gather_object(prompt_ids), self.ctx.gather_object(completion_ids)
+        return self.filter_rows(rewards, prompts, completions, num_generations).keep
 
-        trainer = self.trainer
-        completion_ids = output["completion_ids"]
-        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model,
-                input_ids,
-                attention_mask,
-                completion_ids.size(1),
-                batch_size=trainer.args.per_device_train_batch_size,
-            )
-        output["old_per_token_logps"] = logps
+    def mask_dropped_rows(self, output: dict[str, Any], keep_local: torch.Tensor) -> None:
+        """Dropped rows of this rank leave the loss: completion mask 0 (advantage is already 0).
+
+        ``num_items_in_batch`` (TRL: the generation batch's loss tokens over all ranks, the normaliser of
+        dapo/cispo/vespo) is recounted without them. The other loss types normalise per micro-batch: bnpo by the
+        micro-batch's mask sum (dropped rows leave it), grpo/sapo by a per-row mean averaged over all B rows (a
+        dropped row still counts as a row with loss 0, like a zero-advantage row), dr_grpo by the constant
+        B x max_completion_length (unchanged).
+        """
+        mask = output["completion_mask"]
+        output["completion_mask"] = mask * keep_local.to(device=mask.device, dtype=mask.dtype).unsqueeze(1)
+        if "num_items_in_batch" in output:
+            old = output["num_items_in_batch"]
+            output["num_items_in_batch"] = self.ctx.gather(_loss_mask(output).sum()).sum().to(old.dtype)
+
+    # ------------------------------------------------------------------ replay
 
     def mix_generation(self, micro_batches: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
         """TRL's fresh micro-batches of one generation -> the same number of mixed ones (see the module docstring)."""
         assert self.replay is not None
-        trainer = self.trainer
         mixed = [self.replay.mix(batch, step) for batch in micro_batches]
         for batch in micro_batches:
             self.replay.add(batch, step)
@@ -290,7 +305,7 @@ class QuatroRuntime:
         if "num_items_in_batch" in micro_batches[0]:  # recount the normaliser over the mixed rows (all ranks)
             local = sum(_loss_mask(batch).sum() for batch in out)
             old = micro_batches[0]["num_items_in_batch"]
-            total = trainer.accelerator.gather(local).sum().to(dtype=old.dtype, device=old.device)
+            total = self.ctx.gather(local).sum().to(dtype=old.dtype, device=old.device)
             for batch in out:
                 batch["num_items_in_batch"] = total
         return out
@@ -300,25 +315,24 @@ class QuatroRuntime:
 
         A collective: every rank calls it for every training micro-batch while replay is on.
         """
-        trainer = self.trainer
         mask = _loss_mask(inputs)
         sampled = inputs.get(REPLAY_STEP_KEY)
         if sampled is None:  # a micro-batch mixed before replay was on (e.g. resumed from a run without it)
             sampled = torch.full((mask.shape[0],), -1, dtype=torch.long, device=mask.device)
         rows = sampled >= 0
-        ages = float((trainer.state.global_step - sampled[rows]).sum())
+        ages = float((self.ctx.global_step() - sampled[rows]).sum())
         ratio_sum, tokens = 0.0, 0.0
         old = inputs.get("old_per_token_logps")
         if per_token_logps is not None and old is not None:
             ratio_sum, tokens = (float(v) for v in replay_importance_ratio_sum(per_token_logps, old, mask, rows))
         local = [float(rows.sum()), float(rows.numel()), ages, ratio_sum, tokens]
-        local_t = torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device)
-        replayed, total, age_sum, ratio_total, ratio_tokens = trainer.accelerator.reduce(local_t, "sum").tolist()
-        trainer._guard_metric("quatro/replay_frac", replayed / total if total > 0 else 0.0)
+        local_t = torch.tensor(local, dtype=torch.float64, device=self.ctx.device)
+        replayed, total, age_sum, ratio_total, ratio_tokens = self.ctx.reduce_sum(local_t).tolist()
+        self.ctx.log_metric(QUATRO_REPLAY_FRAC, replayed / total if total > 0 else 0.0)
         if replayed > 0:
-            trainer._guard_metric("quatro/replay_age_mean", age_sum / replayed)
+            self.ctx.log_metric(QUATRO_REPLAY_AGE_MEAN, age_sum / replayed)
         if ratio_tokens > 0:
-            trainer._guard_metric("quatro/replay_ratio_mean", ratio_total / ratio_tokens)
+            self.ctx.log_metric(QUATRO_REPLAY_RATIO_MEAN, ratio_total / ratio_tokens)
 
     # ------------------------------------------------------------------ state
 
@@ -339,7 +353,6 @@ class QuatroRuntime:
                 logger.warning("the checkpoint has no QUATRO %s state: it starts fresh", name)
         self._entries = []
         self._rollout_kl = []
-        self._apply()
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's replay buffer (each rank replays its own rows)."""

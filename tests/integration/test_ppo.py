@@ -181,8 +181,8 @@ def test_vf_coef_zero_leaves_the_critic_untouched(tiny_model_dir, tmp_path):
 
 
 def test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step(tiny_model_dir, tmp_path):
-    """GRADE scales the sequence reward before GAE (seed 004 §3.3); the step guard sees one norm over policy + critic
-    and skips nothing on a healthy run."""
+    """GRADE scales the sequence reward before GAE (docs/DESIGN.md, "GRADE: reward scaler"); the step guard sees one
+    norm over policy + critic and skips nothing on a healthy run."""
     from steadyrl.guards.grade import GradeConfig, GradeScaler
     from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 

@@ -53,7 +53,7 @@ def test_sft_masks_prompt_tokens_and_trains(tiny_model_dir, tmp_path):
         prompt = text.partition("=")[0]
         n_prompt = len(prompt) + 1  # byte tokenizer: one token per character, "=" included
         real = labels[mask.bool()]
-        assert torch.all(real[:n_prompt] == -100), text  # prompt tokens carry no loss (seed 003 §2.3)
+        assert torch.all(real[:n_prompt] == -100), text  # prompt tokens carry no loss (docs/DESIGN.md "SFT")
         assert real[n_prompt:].tolist() == ids[mask.bool()][n_prompt:].tolist()  # answer + EOS do
         assert real[-1].item() == tok.eos_token_id
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from steadyrl.guards.monitor import MonitorConfig, early_warnings, recent
+from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, recent
 
 CFG = MonitorConfig(window=5, adv_std_rise_ratio=1.5, rising_fraction=0.75, entropy_drop_ratio=0.7)
 
@@ -76,7 +76,7 @@ def test_vllm_logp_gap_growing_from_its_start_warns_below_the_absolute_threshold
 
 
 def test_sampling_settings_set_the_gap_allowance():
-    from steadyrl.guards.monitor import logp_gap_allowance
+    from steadyrl.evidence.early_warnings import logp_gap_allowance
 
     assert logp_gap_allowance() == 0.0
     assert logp_gap_allowance(top_p=0.95) == pytest.approx(0.051293, abs=1e-6)  # -log(0.95)

@@ -1,9 +1,9 @@
 """The reward-model stage (SFT -> **RM** -> PPO): train with TRL's RewardTrainer, calibrate, serve as a reward.
 
-Seed 003 §4.3: a Bradley-Terry reward model on (chosen, rejected) pairs, ``loss = -log sigmoid(r_c - r_r)``; after
-training, check on a held-out calibration set that it separates good from bad answers, and normalise its output
-(subtract the mean, divide by the std) so the RL stage sees rewards on a stable scale. §5.1: below 60% pairwise
-accuracy, retrain the reward model before any RL.
+docs/DESIGN.md, "Reward-model stage": a Bradley-Terry reward model on (chosen, rejected) pairs,
+``loss = -log sigmoid(r_c - r_r)``; after training, check on a held-out calibration set that it separates good from
+bad answers, and normalise its output (subtract the mean, divide by the std) so the RL stage sees rewards on a stable
+scale. Below 60% pairwise accuracy, retrain the reward model before any RL.
 
 - :func:`train_reward_model` runs ``trl.RewardTrainer`` (a ``*ForSequenceClassification`` head with one label on
   the SFT checkpoint) and saves the model and tokenizer to ``output_dir/final``.
@@ -21,7 +21,7 @@ tokenizes with the tokenizer's defaults) and reads the score at the last non-pad
 to score; that is one reason to use :class:`RewardModelReward` instead of passing the model path to TRL.
 
 What this leaves out: ties and margins in the data (TRL supports a ``margin`` column; the arithmetic pairs have
-none), running (online) normalisation of rewards during RL (seed 003 §5.5; the GRADE scaler does that), and
+none), running (online) normalisation of rewards during RL (the GRADE scaler does that), and
 calibration under ZeRO-3 (it runs the unwrapped model on the main process).
 """
 
@@ -40,7 +40,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-ACCURACY_WARNING = 0.60  # seed 003 §5.1: below 60% pairwise accuracy, retrain the reward model first
+ACCURACY_WARNING = (
+    0.60  # docs/DESIGN.md "Reward-model stage": below 60% pairwise accuracy, retrain the reward model first
+)
 STATS_FILE = "reward_stats.json"
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_PLOT = "calibration.png"
@@ -185,7 +187,7 @@ def pairwise_summary(
     if accuracy < ACCURACY_WARNING:
         logger.warning(
             "reward model pairwise accuracy %.3f on %d held-out pairs is below %.2f: retrain the reward model before "
-            "RL (seed 003 §5.1)",
+            'RL (docs/DESIGN.md, "Reward-model stage")',
             accuracy,
             n,
             ACCURACY_WARNING,

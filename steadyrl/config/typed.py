@@ -1,0 +1,188 @@
+"""From a merged YAML tree to typed sections: strict keys, types, and the ``trainer`` section against TRL's config.
+
+Unknown keys, wrong types and contradictions raise ``ConfigError`` naming the key and the file that set it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from steadyrl.config.schema import RunConfig
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+from steadyrl.config.loader import ConfigError, Origins
+
+
+def _where(dotted: str, origins: Origins) -> str:
+    origin = origins.get(dotted)
+    return f"{dotted} (set in {origin}): " if origin else f"{dotted}: "
+
+
+def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _unknown_key(key: str, dotted: str, valid: list[str], origins: Origins) -> ConfigError:
+    return ConfigError(
+        _where(dotted, origins) + f"unknown key {key!r}.{did_you_mean(key, valid)} Valid keys here: {sorted(valid)}"
+    )
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, dotted: str, origins: Origins) -> Any:
+    """Check ``value`` against annotation ``tp``; convert what YAML gets wrong (``1e-6`` is a str in YAML 1.1)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, dotted, origins)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[-1] if errors else ConfigError(_where(dotted, origins) + f"invalid value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(_where(dotted, origins) + f"expected a mapping (section), got {value!r}")
+        return _build(tp, value, dotted, origins)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(_where(dotted, origins) + f"expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{dotted}[{i}]", origins) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(_where(dotted, origins) + f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value  # an int is a valid float; keep it (TrainingArguments reads 500 and 0.1 differently)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(_where(dotted, origins) + f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise _unknown_key(str(key), dotted, list(fields), origins)
+        kwargs[key] = _coerce(value, hints[key], dotted, origins)
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in kwargs:
+            dotted = f"{prefix}.{name}" if prefix else name
+            raise ConfigError(f"{dotted}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a section's own range checks (__post_init__)
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from exc
+
+
+def trl_config_class(algorithm: str) -> type:
+    """The TRL config class whose fields the ``trainer`` section holds."""
+    if algorithm == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig
+    if algorithm == "reward":
+        from trl import RewardConfig
+
+        return RewardConfig
+    if algorithm == "ppo":
+        from steadyrl.trainers.ppo_config import SteadyPPOConfig
+
+        return SteadyPPOConfig
+    from trl import GRPOConfig
+
+    return GRPOConfig
+
+
+def _accepts(tp: Any, kind: type) -> bool:
+    """Whether annotation ``tp`` admits values of ``kind`` (looking inside unions)."""
+    if tp is Any or tp is kind:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_accepts(t, kind) for t in typing.get_args(tp))
+    return False
+
+
+# transformers 5.20 renamed these TrainingArguments fields; vLLM 0.31 (the newest TRL 1.16 supports) needs
+# transformers < 5.18. Either spelling is accepted and passed on under the name the installed version has.
+RENAMED_TRAINER_KEYS = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
+
+
+def rename_for_installed(trainer: dict[str, Any], valid: typing.Container[str], origins: Origins) -> None:
+    """Rewrite ``RENAMED_TRAINER_KEYS`` (either spelling) in place to the one the installed TRL config accepts."""
+    for new_name, old_name in RENAMED_TRAINER_KEYS.items():
+        if new_name in trainer and old_name in trainer:  # on every version: one setting, two spellings
+            raise ConfigError(
+                _where(f"trainer.{new_name}", origins) + f"trainer.{old_name} is set too; they are one setting "
+                f"(transformers 5.20 renamed {old_name} to {new_name}): keep one"
+            )
+        for key, other in ((new_name, old_name), (old_name, new_name)):
+            if key in trainer and key not in valid and other in valid:
+                trainer[other] = trainer.pop(key)
+                if f"trainer.{key}" in origins:
+                    origins[f"trainer.{other}"] = origins[f"trainer.{key}"]
+
+
+def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
+    config_cls = trl_config_class(cfg.algorithm)
+    valid = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    hints = typing.get_type_hints(config_cls)
+    rename_for_installed(cfg.trainer, valid, origins)
+    for key, value in list(cfg.trainer.items()):
+        dotted = f"trainer.{key}"
+        if key not in valid:
+            raise ConfigError(
+                _where(dotted, origins)
+                + f"unknown key {key!r} for trl.{config_cls.__name__}.{did_you_mean(key, valid)}"
+            )
+        tp = hints.get(key, Any)
+        if isinstance(value, bool) and not _accepts(tp, bool) and _accepts(tp, str):
+            raise ConfigError(
+                _where(dotted, origins) + f"got the boolean {value}, but this field takes a string. YAML reads "
+                f'unquoted yes/no/on/off as booleans: quote the value, e.g. {key}: "no"'
+            )
+        if tp in (int, float, bool, str) or (
+            typing.get_origin(tp) in (typing.Union, types.UnionType)
+            and set(typing.get_args(tp)) <= {int, float, bool, str, type(None)}
+        ):
+            cfg.trainer[key] = _coerce(value, tp, dotted, origins)
+    if "output_dir" not in cfg.trainer:
+        raise ConfigError("trainer.output_dir: required key is missing (where checkpoints and logs go)")

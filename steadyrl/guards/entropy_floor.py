@@ -1,0 +1,177 @@
+"""Entropy floor (QUATRO, ``guards.quatro.entropy``): keep the policy's entropy above a fraction of its early level
+with TRL's own entropy bonus and a narrower clip range (docs/DESIGN.md, "QUATRO: entropy floor").
+
+Baseline = mean token entropy of the first ``baseline_steps`` (10) optimizer steps, floor = ``floor_ratio`` (0.8) x
+baseline, compared with the mean of a rolling ``window`` (20 steps). While active the bonus ramps up by
+``coef_delta`` per step to ``coef_max`` and ``clip_scale()`` is ``clip_factor`` (0.5); it releases above floor x
+``hysteresis``. ``EntropyFloor.bonus`` is a coefficient in TRL's ``entropy_coef`` units (see steadyrl.guards.quatro).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from steadyrl.metrics import (
+    QUATRO_ENTROPY,
+    QUATRO_ENTROPY_BONUS,
+    QUATRO_ENTROPY_FLOOR,
+    QUATRO_FLOOR_ACTIVE,
+)
+
+
+@dataclass
+class EntropyConfig:
+    enabled: bool = True
+    baseline_steps: int = 10  # optimizer steps whose mean entropy is the baseline
+    floor_ratio: float = 0.8  # floor = floor_ratio x baseline
+    window: int = 20  # rolling window (steps) compared with the floor
+    coef_delta: float = 0.001  # bonus ramp per step, in TRL's entropy_coef units
+    coef_max: float = 0.01
+    clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
+    hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.baseline_steps < 1:
+            problems.append(f"baseline_steps must be >= 1, got {self.baseline_steps}")
+        if not 0 < self.floor_ratio <= 1:
+            problems.append(f"floor_ratio must be in (0, 1], got {self.floor_ratio}")
+        if self.window < 1:
+            problems.append(f"window must be >= 1, got {self.window}")
+        if not (math.isfinite(self.coef_delta) and self.coef_delta > 0):
+            problems.append(f"coef_delta must be finite and > 0, got {self.coef_delta}")
+        if not (math.isfinite(self.coef_max) and self.coef_max >= 0):
+            problems.append(f"coef_max must be finite and >= 0, got {self.coef_max}")
+        if not 0 < self.clip_factor <= 1:
+            problems.append(f"clip_factor must be in (0, 1], got {self.clip_factor}")
+        if not (math.isfinite(self.hysteresis) and self.hysteresis >= 1):
+            problems.append(f"hysteresis must be finite and >= 1, got {self.hysteresis}")
+        if problems:
+            raise ValueError("invalid EntropyConfig: " + "; ".join(problems))
+
+
+class EntropyFloor:
+    """Entropy floor controller: ``observe(entropy_mean)`` once per optimizer step (after the step's loss).
+
+    ``bonus`` and ``clip_scale()`` then apply to the next step. The bonus is ``level x coef_delta`` (capped at
+    ``coef_max``) with an integer ``level``, so its values are exact multiples of ``coef_delta``.
+    """
+
+    def __init__(self, config: EntropyConfig | None = None) -> None:
+        self.config = config or EntropyConfig()
+        c = self.config
+        self._max_level = math.ceil(c.coef_max / c.coef_delta - 1e-9)
+        self._window: deque[float] = deque(maxlen=c.window)
+        self._baseline_values: list[float] = []
+        self.baseline: float | None = None
+        self.floor: float | None = None
+        self.active = False
+        self.level = 0
+        self.steps = 0  # finite observations
+        self.nan_count = 0
+        self.activations = 0
+        self.warnings = 0
+        self.warning: str | None = None  # the warning of the last observe() call, else None
+        self._check_ref = math.nan  # window mean at the start of the current falling check
+        self._check_steps = 0
+
+    @property
+    def bonus(self) -> float:
+        """Entropy bonus coefficient for TRL's ``entropy_coef`` (0 when inactive and fully ramped down)."""
+        return min(self.level * self.config.coef_delta, self.config.coef_max)
+
+    def window_mean(self) -> float:
+        return sum(self._window) / len(self._window) if self._window else math.nan
+
+    def clip_scale(self) -> float:
+        """Factor for PPO's clip epsilon: ``clip_factor`` while the floor is active, else 1."""
+        return self.config.clip_factor if self.active else 1.0
+
+    def observe(self, entropy_mean: float) -> str | None:
+        """Record one optimizer step's mean token entropy (reduced over ranks); returns a warning or None."""
+        self.warning = None
+        value = float(entropy_mean)
+        if not math.isfinite(value):
+            self.nan_count += 1
+            return None
+        c = self.config
+        self.steps += 1
+        self._window.append(value)
+        if self.baseline is None:
+            self._baseline_values.append(value)
+            if len(self._baseline_values) >= c.baseline_steps:
+                self.baseline = sum(self._baseline_values) / len(self._baseline_values)
+                self.floor = c.floor_ratio * self.baseline
+                self._baseline_values = []
+            return None
+        assert self.floor is not None
+        mean = self.window_mean()
+        activated = c.enabled and not self.active and mean < self.floor
+        if activated:
+            self.active = True
+            self.activations += 1
+            self._check_ref, self._check_steps = mean, 0
+        elif self.active and (mean > self.floor * c.hysteresis or not c.enabled):
+            self.active = False
+        if self.active:
+            self.level = min(self.level + 1, self._max_level)
+            if not activated:  # the falling check: every `window` steps after activation
+                self._check_steps += 1
+                if self._check_steps >= c.window:
+                    if mean < self._check_ref:
+                        self.warnings += 1
+                        self.warning = (
+                            f"entropy floor active and the window entropy still fell over {c.window} steps "
+                            f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, bonus {self.bonus:.4g}): "
+                            "the bonus is not holding it; set a smaller guards.quatro.kl.target (e.g. halve it) to "
+                            "pull the policy back to the reference, or raise guards.quatro.entropy.coef_max "
+                            '(docs/DESIGN.md, "QUATRO: entropy floor")'
+                        )
+                    self._check_ref, self._check_steps = mean, 0
+        else:
+            self.level = max(self.level - 1, 0)
+        return self.warning
+
+    def metrics(self) -> dict[str, float]:
+        """``quatro/entropy``: the rolling window mean (what the floor is compared with); floor NaN until set."""
+        return {
+            QUATRO_ENTROPY: self.window_mean(),
+            QUATRO_ENTROPY_FLOOR: self.floor if self.floor is not None else math.nan,
+            QUATRO_ENTROPY_BONUS: self.bonus,
+            QUATRO_FLOOR_ACTIVE: 1.0 if self.active else 0.0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "window": list(self._window),
+            "baseline_values": list(self._baseline_values),
+            "baseline": self.baseline,
+            "floor": self.floor,
+            "active": self.active,
+            "level": self.level,
+            "steps": self.steps,
+            "nan_count": self.nan_count,
+            "activations": self.activations,
+            "warnings": self.warnings,
+            "check_ref": self._check_ref,
+            "check_steps": self._check_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._window = deque((float(v) for v in state["window"]), maxlen=self.config.window)
+        self._baseline_values = [float(v) for v in state["baseline_values"]]
+        self.baseline = None if state["baseline"] is None else float(state["baseline"])
+        self.floor = None if state["floor"] is None else float(state["floor"])
+        self.active = bool(state["active"])
+        self.level = min(int(state["level"]), self._max_level)
+        self.steps = int(state["steps"])
+        self.nan_count = int(state["nan_count"])
+        self.activations = int(state["activations"])
+        self.warnings = int(state["warnings"])
+        self._check_ref = float(state["check_ref"])
+        self._check_steps = int(state["check_steps"])
+        self.warning = None

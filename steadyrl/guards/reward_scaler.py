@@ -1,0 +1,302 @@
+"""GRADE reward scaler: rolling whitening, quantile tail clipping, per-prompt counterfactual centring
+(docs/DESIGN.md "GRADE: reward scaler").
+
+``GradeScaler`` is a ``RewardProcessor`` (and ``Stateful``): it maps the raw rewards of a whole generation batch,
+shape (N,), to scaled rewards before any advantage is computed. Three stages, in this order:
+
+a) Rolling whitening. ``r <- (r - mean) / (std + eps)`` with mean and (unbiased) std of a window of the last
+   ``window_size`` raw finite rewards. The statistics use the window *before* the current batch is added, so a
+   batch never normalises itself (no leakage of a batch's own values, e.g. a burst of outliers, into its
+   normaliser). Until the window holds ``warmup`` values the whole scaler passes rewards through unchanged (no
+   clip, no centring) and only fills the raw window, so the quantile window and the per-prompt baselines only
+   ever hold whitened values and never mix two scales. With ``whiten=False`` there is no warmup.
+b) Quantile tail clipping. A window of the last ``quantile_window`` whitened rewards (filled only once whitening
+   is active, so it never mixes raw and whitened scales) gives bounds ``low, high`` = its ``tau`` and ``1 - tau``
+   quantiles (linear interpolation). Clipping starts once the raw window holds ``clip_start`` values; the bounds
+   are computed the first time they are needed and then refreshed only after ``step()`` (one optimizer step)
+   has been called ``quantile_every`` times since the last refresh, so they are stable within and across
+   nearby batches. Beyond a bound: ``x <- bound + tail_slope * (x - bound)`` (a soft clip that keeps order);
+   ``tail_slope`` may anneal linearly to ``tail_slope_end`` over ``anneal_steps`` optimizer steps.
+c) Counterfactual centring. ``r <- r - centring_beta * baseline(prompt)`` with baseline = running mean of the
+   prompt's earlier scaled rewards (output of b, before centring), in an LRU of ``max_prompts`` prompts keyed by
+   ``json.dumps`` of the prompt (strings or lists of message dicts). A prompt seen for the first time is not
+   shifted; a batch's values update the baselines only after the whole batch has been centred.
+
+Algebra (what this does and does not change). A per-prompt shift ``r + c_p`` and a shared affine map
+``a * r + b`` (a > 0) both cancel under per-group mean/std normalisation: ``(a r + b + c_p - mean) / std`` of the
+group equals ``(r - mean_r) / std_r`` (up to the advantage epsilon). So under GRPO with ``scale_rewards="group"``
+whitening and centring change nothing; only the quantile clip (a non-affine map) changes advantages. Whitening
+matters for ``scale_rewards="none"``/``"batch"`` (sets the advantage scale) and centring for ``"batch"`` and for
+PPO-style value baselines.
+
+What this simplifies or leaves out: NaN/±inf rewards are unscorable: they never enter any window or baseline
+and come out NaN. Statistics are computed in float64 from Python floats and the output is cast back to the
+input dtype. Windows count rewards, not batches; the quantile refresh and the tail-slope anneal count calls to
+``step()`` (optimizer steps), not samples. Rows of one prompt share the baseline from before the batch even when
+the prompt appears in several groups of that batch. ``num_generations`` is only checked (it must divide N):
+every stage works row by row, keyed by each row's prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from steadyrl.metrics import (
+    GRADE_CLIP_FRAC_HIGH,
+    GRADE_CLIP_FRAC_LOW,
+    GRADE_RAW_MEAN,
+    GRADE_RAW_STD,
+    GRADE_SCALED_MEAN,
+    GRADE_SCALED_STD,
+    GRADE_WINDOW,
+)
+
+
+@dataclass
+class GradeConfig:
+    window_size: int = 2048
+    warmup: int = 200
+    eps: float = 1e-6
+    clip_start: int = 500
+    tau: float = 0.03
+    quantile_window: int = 2000
+    quantile_every: int = 50
+    tail_slope: float = 0.1
+    tail_slope_end: float | None = None
+    anneal_steps: int = 0
+    centring_beta: float = 0.7
+    max_prompts: int = 500
+    whiten: bool = True
+    clip: bool = True
+    centre: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.window_size < 2:
+            problems.append(f"window_size must be >= 2, got {self.window_size}")
+        if not 2 <= self.warmup <= self.window_size:
+            problems.append(f"warmup must be in [2, window_size={self.window_size}], got {self.warmup}")
+        if self.clip and not 0 <= self.clip_start <= self.window_size:
+            problems.append(f"clip_start must be in [0, window_size={self.window_size}], got {self.clip_start}")
+        if not self.eps > 0:
+            problems.append(f"eps must be > 0, got {self.eps}")
+        if not 0 < self.tau < 0.5:
+            problems.append(f"tau must be in (0, 0.5), got {self.tau}")
+        if self.quantile_window < 1:
+            problems.append(f"quantile_window must be >= 1, got {self.quantile_window}")
+        if self.quantile_every < 1:
+            problems.append(f"quantile_every must be >= 1, got {self.quantile_every}")
+        for name in ("tail_slope", "tail_slope_end"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                problems.append(f"{name} must be in [0, 1], got {value}")
+        if self.anneal_steps < 0:
+            problems.append(f"anneal_steps must be >= 0, got {self.anneal_steps}")
+        if not 0 <= self.centring_beta <= 1:
+            problems.append(f"centring_beta must be in [0, 1], got {self.centring_beta}")
+        if self.max_prompts < 1:
+            problems.append(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if problems:
+            raise ValueError("invalid GradeConfig: " + "; ".join(problems))
+
+
+def whiten(values: torch.Tensor, mean: float, std: float, eps: float) -> torch.Tensor:
+    """Rolling whitening (stage a): (r - mean) / (std + eps). values: (N,) -> (N,)."""
+    return (values - mean) / (std + eps)
+
+
+def soft_tail_clip(values: torch.Tensor, low: float, high: float, slope: float) -> torch.Tensor:
+    """Quantile tail clip (stage b): beyond a bound, x -> bound + slope * (x - bound). values: (N,) -> (N,).
+
+    NaN stays NaN. slope = 0 is a hard clamp, slope = 1 the identity.
+    """
+    out = torch.where(values < low, low + slope * (values - low), values)
+    return torch.where(values > high, high + slope * (values - high), out)
+
+
+def prompt_key(prompt: Any) -> str:
+    """Stable string key of a prompt (a string or a list of message dicts): its JSON with sorted keys."""
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
+
+
+class GradeScaler:
+    """Stateful GRADE ``RewardProcessor``: ``scaler(rewards (N,), prompts (N,), num_generations) -> (N,)``.
+
+    Call ``step()`` once per optimizer step. ``metrics()`` and ``kl_compensation()`` describe the last call.
+    """
+
+    def __init__(self, config: GradeConfig | None = None) -> None:
+        self.config = config or GradeConfig()
+        self._raw: deque[float] = deque(maxlen=self.config.window_size)
+        self._whitened: deque[float] = deque(maxlen=self.config.quantile_window)
+        self._bounds: tuple[float, float] | None = None
+        self._steps = 0
+        self._steps_since_refresh = 0
+        self._baselines: OrderedDict[str, list[float]] = OrderedDict()  # key -> [sum, count]
+        self._last: dict[str, float] = {}
+        self._last_whitened = False
+
+    # -- RewardProcessor --------------------------------------------------------------------------------------
+    def __call__(self, rewards: torch.Tensor, prompts: list[Any], num_generations: int) -> torch.Tensor:
+        """rewards: (N,), NaN = unscorable; prompts: N entries, one per row -> scaled rewards (N,), NaN kept."""
+        cfg = self.config
+        if rewards.ndim != 1:
+            raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
+        if len(prompts) != rewards.shape[0]:
+            raise ValueError(f"got {len(prompts)} prompts for {rewards.shape[0]} rewards; need one per row")
+        if num_generations < 1 or rewards.shape[0] % num_generations:
+            raise ValueError(f"num_generations={num_generations} does not divide the batch of {rewards.shape[0]}")
+        out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+        raw = rewards.detach().to(device="cpu", dtype=torch.float64)
+        finite = torch.isfinite(raw)
+        raw = torch.where(finite, raw, torch.full_like(raw, float("nan")))
+        raw_finite = raw[finite].tolist()
+
+        # a) whitening with the window as it was before this batch; before warmup nothing else happens either
+        x = raw
+        active = False
+        if not cfg.whiten:
+            active = True  # no whitening: values are on their final scale from the start
+        elif len(self._raw) >= cfg.warmup:
+            window = torch.tensor(list(self._raw), dtype=torch.float64)
+            x = whiten(raw, window.mean().item(), window.std().item(), cfg.eps)
+            active = True
+        stage_a = x
+
+        # b) quantile tail clipping with bounds from the quantile window before this batch
+        clipped_low = clipped_high = 0
+        if cfg.clip and active and len(self._raw) >= cfg.clip_start:
+            bounds = self._current_bounds()
+            if bounds is not None:
+                low, high = bounds
+                clipped_low = int((x < low).sum().item())
+                clipped_high = int((x > high).sum().item())
+                x = soft_tail_clip(x, low, high, self.current_tail_slope())
+
+        # c) counterfactual centring against earlier batches' baselines, then update them
+        scaled = x
+        if cfg.centre and active:
+            keys = [prompt_key(p) for p in prompts]
+            shift = torch.zeros_like(x)
+            for i, key in enumerate(keys):
+                entry = self._baselines.get(key)
+                if entry is not None:
+                    shift[i] = entry[0] / entry[1]
+            x = x - cfg.centring_beta * shift
+            self._update_baselines(keys, scaled)
+
+        # windows take the batch only now (no leakage into its own statistics)
+        self._raw.extend(raw_finite)
+        if active:
+            self._whitened.extend(stage_a[finite].tolist())
+        self._record_metrics(raw, x, finite, clipped_low, clipped_high, active and cfg.whiten)
+        return x.to(out_dtype).to(rewards.device)
+
+    # -- optimizer steps and internals ------------------------------------------------------------------------
+    def step(self) -> None:
+        """Advance the optimizer-step counter (quantile refresh and tail-slope anneal)."""
+        self._steps += 1
+        self._steps_since_refresh += 1
+
+    def current_tail_slope(self) -> float:
+        """tail_slope, linearly annealed to tail_slope_end over anneal_steps optimizer steps when both are set."""
+        cfg = self.config
+        if cfg.tail_slope_end is None or cfg.anneal_steps <= 0:
+            return cfg.tail_slope
+        frac = min(self._steps / cfg.anneal_steps, 1.0)
+        return cfg.tail_slope + (cfg.tail_slope_end - cfg.tail_slope) * frac
+
+    def _current_bounds(self) -> tuple[float, float] | None:
+        if self._bounds is None or self._steps_since_refresh >= self.config.quantile_every:
+            if not self._whitened:
+                return self._bounds
+            window = torch.tensor(list(self._whitened), dtype=torch.float64)
+            q = torch.tensor([self.config.tau, 1.0 - self.config.tau], dtype=torch.float64)
+            low, high = torch.quantile(window, q, interpolation="linear").tolist()
+            self._bounds = (low, high)
+            self._steps_since_refresh = 0
+        return self._bounds
+
+    def _update_baselines(self, keys: list[str], scaled: torch.Tensor) -> None:
+        values = scaled.tolist()
+        for key, value in zip(keys, values, strict=True):
+            entry = self._baselines.get(key)
+            if entry is not None:
+                self._baselines.move_to_end(key)
+            if math.isnan(value):
+                continue
+            if entry is None:
+                entry = self._baselines[key] = [0.0, 0]
+            entry[0] += value
+            entry[1] += 1
+        while len(self._baselines) > self.config.max_prompts:
+            self._baselines.popitem(last=False)
+
+    def _record_metrics(
+        self, raw: torch.Tensor, out: torch.Tensor, finite: torch.Tensor, low: int, high: int, whitened: bool
+    ) -> None:
+        n = int(finite.sum().item())
+        raw_f, out_f = raw[finite], out[finite]
+
+        def std(t: torch.Tensor) -> float:
+            return t.std().item() if t.numel() > 1 else float("nan")
+
+        self._last = {
+            GRADE_RAW_MEAN: raw_f.mean().item() if n else float("nan"),
+            GRADE_RAW_STD: std(raw_f),
+            GRADE_SCALED_MEAN: out_f.mean().item() if n else float("nan"),
+            GRADE_SCALED_STD: std(out_f),
+            GRADE_CLIP_FRAC_LOW: low / n if n else 0.0,
+            GRADE_CLIP_FRAC_HIGH: high / n if n else 0.0,
+            GRADE_WINDOW: float(len(self._raw)),
+        }
+        self._last_whitened = whitened
+
+    # -- reporting --------------------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Figures of the last call (empty before the first call)."""
+        return dict(self._last)
+
+    def kl_compensation(self, lo: float = 0.5, hi: float = 2.0) -> float:
+        """raw_std / scaled_std of the last call clamped to [lo, hi]; 1.0 when that call did not whiten (before
+        warmup, or ``whiten=False``) or the ratio is undefined."""
+        if not self._last_whitened:
+            return 1.0
+        ratio = self._last[GRADE_RAW_STD] / self._last[GRADE_SCALED_STD] if self._last[GRADE_SCALED_STD] else 1.0
+        if not math.isfinite(ratio):
+            return 1.0
+        return min(max(ratio, lo), hi)
+
+    # -- Stateful ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "config": asdict(self.config),
+            "raw_window": list(self._raw),
+            "quantile_window": list(self._whitened),
+            "bounds": list(self._bounds) if self._bounds is not None else None,
+            "steps": self._steps,
+            "steps_since_refresh": self._steps_since_refresh,
+            "baselines": [[key, total, count] for key, (total, count) in self._baselines.items()],
+            "last_metrics": dict(self._last),
+            "last_whitened": self._last_whitened,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._raw = deque((float(v) for v in state["raw_window"]), maxlen=self.config.window_size)
+        self._whitened = deque((float(v) for v in state["quantile_window"]), maxlen=self.config.quantile_window)
+        bounds = state["bounds"]
+        self._bounds = (float(bounds[0]), float(bounds[1])) if bounds is not None else None
+        self._steps = int(state["steps"])
+        self._steps_since_refresh = int(state["steps_since_refresh"])
+        self._baselines = OrderedDict((str(k), [float(t), int(c)]) for k, t, c in state["baselines"])
+        while len(self._baselines) > self.config.max_prompts:
+            self._baselines.popitem(last=False)
+        self._last = {str(k): float(v) for k, v in state["last_metrics"].items()}
+        self._last_whitened = bool(state["last_whitened"])

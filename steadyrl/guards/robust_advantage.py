@@ -1,0 +1,133 @@
+"""GEPO robust group advantages: median/MAD centring and scaling with tanh soft clipping (docs/DESIGN.md, "GEPO:
+robust advantages").
+
+For each prompt's group of G rewards::
+
+    centre = median(r)                      # true median: mean of the two middle values for even counts
+    mad    = median(|r - centre|)
+    scale  = mad_scale * mad + eps          # mad_scale = 1.4826 makes 1.4826 * MAD estimate sigma for normal data
+    adv    = clip_scale * tanh(((r - centre) / scale) / clip_scale)
+
+One reward far from the rest moves neither the median nor the MAD much (unlike the mean and std TRL uses), so
+it cannot shrink everyone else's advantages, and tanh bounds its own advantage by ``clip_scale``.
+
+What this simplifies or leaves out:
+
+- Medians are computed with ``torch.nanquantile(q=0.5, interpolation="linear")``, which ignores NaN and, for an
+  even count, returns the mean of the two middle values (``torch.median`` would return the lower one).
+- Unscorable rows (NaN, and also ±inf, which a reward function should never produce) are excluded from the
+  statistics and get advantage exactly 0. Groups with fewer than 2 scorable rows, and groups whose scorable
+  rewards are all equal, get exactly 0 (no signal).
+- Std fallback: with 0/1 rewards the MAD is 0 whenever more than half of the group agrees (e.g. [1, 1, 1, 0]),
+  so ``scale`` would be ``eps`` and the minority's advantage would saturate at ±clip_scale whatever the signal.
+  When MAD == 0 but the group is not constant the group's unbiased, NaN-ignoring std replaces
+  ``mad_scale * mad`` (both estimate sigma). The fallback is not outlier-robust: a huge outlier in such a group
+  inflates the std and pulls the other members' advantages towards 0 (the tanh still bounds the outlier).
+- Members equal to the median get advantage 0 (a majority of correct answers is not rewarded further).
+- Arithmetic is done in float64 and the result is cast back to the input dtype. ``tanh`` saturates to exactly
+  1.0 for large arguments (in float32 already near 9, in float64 near 19), so the result is clamped to the
+  largest value of the output dtype strictly below ``clip_scale``: ``|adv| < clip_scale`` always holds.
+- The gradient-norm spike skip and the monitoring of the GEPO layer live elsewhere; this module is only the
+  advantage formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CLIP_SCALE_RANGE = (2.5, 4.0)
+
+
+def _validate_clip_scale(clip_scale: float) -> None:
+    low, high = CLIP_SCALE_RANGE
+    if not low <= clip_scale <= high:
+        raise ValueError(f"clip_scale must be in [{low}, {high}], got {clip_scale!r}")
+
+
+def nan_median(values: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """True median ignoring NaN: mean of the two middle values for an even count; all-NaN -> NaN.
+
+    values: any shape -> median along ``dim``. Uses ``torch.nanquantile(q=0.5, interpolation="linear")``.
+    """
+    return torch.nanquantile(values, 0.5, dim=dim, keepdim=keepdim, interpolation="linear")
+
+
+def robust_group_advantages(
+    grouped_rewards: torch.Tensor, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8
+) -> torch.Tensor:
+    """GEPO advantage: clip_scale * tanh((r - median) / (mad_scale * MAD + eps) / clip_scale), per group.
+
+    grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape and dtype, finite, and
+    ``|adv| < clip_scale`` strictly. Unscorable rows, constant groups and groups with fewer than 2 scorable rows
+    get exactly 0; MAD == 0 in a non-constant group falls back to the unbiased group std (see module docstring).
+    Source: docs/DESIGN.md, "GEPO: robust advantages".
+    """
+    _validate_clip_scale(clip_scale)
+    if grouped_rewards.ndim != 2:
+        raise ValueError(f"grouped_rewards must have shape (num_prompts, G), got {tuple(grouped_rewards.shape)}")
+    out_dtype = grouped_rewards.dtype if grouped_rewards.is_floating_point() else torch.float32
+    if grouped_rewards.numel() == 0:
+        return torch.zeros(grouped_rewards.shape, dtype=out_dtype, device=grouped_rewards.device)
+
+    r = grouped_rewards.to(torch.float64)
+    scorable = torch.isfinite(r)
+    r = torch.where(scorable, r, torch.full_like(r, float("nan")))
+    count = scorable.sum(dim=1, keepdim=True)
+
+    centre = nan_median(r, dim=1, keepdim=True)
+    mad = nan_median((r - centre).abs(), dim=1, keepdim=True)
+    std = _nan_std(r, count)
+    spread = torch.where(mad > 0, mad_scale * mad, std)
+    scale = spread + eps
+
+    hi = torch.where(scorable, r, torch.full_like(r, -torch.inf)).amax(dim=1, keepdim=True)
+    lo = torch.where(scorable, r, torch.full_like(r, torch.inf)).amin(dim=1, keepdim=True)
+    informative = (count >= 2) & (hi > lo)
+
+    adv = clip_scale * torch.tanh((r - centre) / scale / clip_scale)
+    adv = torch.where(scorable & informative, adv, torch.zeros_like(adv))
+    adv = adv.to(out_dtype)
+    bound = torch.nextafter(torch.tensor(clip_scale, dtype=out_dtype), torch.tensor(0.0, dtype=out_dtype))
+    return adv.clamp(-bound, bound)
+
+
+def _nan_std(r: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Unbiased std over non-NaN entries of each row. r: (P, G) float64 with NaN holes, count: (P, 1) -> (P, 1).
+
+    Rows with fewer than 2 entries give NaN (they are zeroed by the caller).
+    """
+    mean = torch.nanmean(r, dim=1, keepdim=True)
+    sq = torch.nansum((r - mean) ** 2, dim=1, keepdim=True)
+    return torch.sqrt(sq / (count - 1).clamp(min=0))
+
+
+@dataclass
+class AdvantageConfig:
+    """``guards.gepo.advantage``: the tanh soft-clip bound of the median/MAD advantages (checked by GEPOAdvantage)."""
+
+    clip_scale: float = 3.0
+
+
+class GEPOAdvantage:
+    """``AdvantageFunction`` wrapping :func:`robust_group_advantages` with fixed hyper-parameters; stateless."""
+
+    @classmethod
+    def from_config(cls, config: AdvantageConfig) -> GEPOAdvantage:
+        return cls(config.clip_scale)
+
+    def __init__(self, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8) -> None:
+        _validate_clip_scale(clip_scale)
+        if mad_scale <= 0 or eps <= 0:
+            raise ValueError(f"mad_scale and eps must be > 0, got mad_scale={mad_scale!r}, eps={eps!r}")
+        self.clip_scale = clip_scale
+        self.mad_scale = mad_scale
+        self.eps = eps
+
+    def __call__(self, grouped_rewards: torch.Tensor) -> torch.Tensor:
+        """grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages (num_prompts, G)."""
+        return robust_group_advantages(grouped_rewards, self.clip_scale, self.mad_scale, self.eps)
+
+    def __repr__(self) -> str:
+        return f"GEPOAdvantage(clip_scale={self.clip_scale}, mad_scale={self.mad_scale}, eps={self.eps})"

@@ -1,0 +1,195 @@
+"""Snapshots and rollback (OPEFO, ``guards.opefo.rollback``): healthy snapshots of weights and optimizer state, in
+memory or on disk, and the policy that bounds rollbacks and lowers the learning rate after one (docs/DESIGN.md,
+"OPEFO: snapshots and rollback"). Deciding when to check and restoring the payload is the runtime's job.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STORAGES = ("memory", "disk")
+
+
+@dataclass
+class RollbackConfig:
+    enabled: bool = True
+    snapshot_interval: int = 500
+    storage: str = "memory"
+    snapshot_dir: str | None = None  # disk storage: base directory; the caller adds one folder per rank
+    check_interval: int = 10
+    recovery_lr_factor: float = 0.3
+    recovery_steps: int = 100
+    max_rollbacks: int = 3
+    rollback_window: int = 1000
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.snapshot_interval < 1:
+            problems.append(f"snapshot_interval must be >= 1, got {self.snapshot_interval}")
+        if self.storage not in STORAGES:
+            problems.append(f"storage must be one of {', '.join(STORAGES)}, got {self.storage!r}")
+        if self.check_interval < 1:
+            problems.append(f"check_interval must be >= 1, got {self.check_interval}")
+        if not 0 < self.recovery_lr_factor <= 1:
+            problems.append(f"recovery_lr_factor must be in (0, 1], got {self.recovery_lr_factor}")
+        if self.recovery_steps < 0:
+            problems.append(f"recovery_steps must be >= 0, got {self.recovery_steps}")
+        if self.max_rollbacks < 0:
+            problems.append(f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
+        if self.rollback_window < 1:
+            problems.append(f"rollback_window must be >= 1, got {self.rollback_window}")
+        if problems:
+            raise ValueError("invalid RollbackConfig: " + "; ".join(problems))
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Deep copy of a nested payload with every tensor cloned onto the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _cpu_copy(v)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cpu_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class SnapshotStore:
+    """The latest healthy snapshot: ``save(step, payload)``, ``load() -> (step, payload)``, ``latest_step``, ``clear``.
+
+    ``payload`` is a nested dict of tensors and Python objects (trainable weights, optimizer state_dict, scheduler
+    state, RNG states, guard states). ``memory`` keeps a CPU deep copy and ``load`` returns a fresh copy each time
+    (``Optimizer.load_state_dict`` keeps same-device tensors by reference, which would let training overwrite the
+    snapshot). ``disk`` writes ``snapshot-<step>.pt`` through a temp file and ``os.replace`` in the same folder, so
+    a crash mid-write leaves the previous snapshot intact, then deletes older ones; a store opened on a folder
+    that already holds a snapshot sees it (``clear()`` it when stale, e.g. after resuming from an earlier
+    checkpoint). Under ZeRO-2 every rank holds a different partition: give each rank its own directory.
+    Cost: a full copy of the payload per rank (host RAM for ``memory``; for 7B under DDP about 28 GB of fp32
+    weights + 56 GB of Adam moments), so big models want ``disk``.
+    """
+
+    _NAME = re.compile(r"^snapshot-(\d+)\.pt$")
+
+    def __init__(self, storage: str = "memory", directory: str | os.PathLike[str] | None = None) -> None:
+        if storage not in STORAGES:
+            raise ValueError(f"snapshot storage must be one of {', '.join(STORAGES)}, got {storage!r}")
+        if storage == "disk" and directory is None:
+            raise ValueError("snapshot storage 'disk' needs a directory (one per rank)")
+        self.storage = storage
+        self.directory = Path(directory) if directory is not None else None
+        self._memory: tuple[int, Any] | None = None
+
+    def _files(self) -> list[tuple[int, Path]]:
+        assert self.directory is not None
+        if not self.directory.is_dir():
+            return []
+        found = [(self._NAME.match(p.name), p) for p in self.directory.iterdir()]
+        return sorted((int(m.group(1)), p) for m, p in found if m)
+
+    @property
+    def latest_step(self) -> int | None:
+        if self.storage == "memory":
+            return None if self._memory is None else self._memory[0]
+        files = self._files()
+        return files[-1][0] if files else None
+
+    def save(self, step: int, payload: dict[str, Any]) -> None:
+        if self.storage == "memory":
+            self._memory = (int(step), _cpu_copy(payload))
+            return
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".snapshot-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"version": 1, "step": int(step), "payload": payload}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            final = self.directory / f"snapshot-{int(step):012d}.pt"
+            os.replace(tmp, final)  # atomic on POSIX within one filesystem
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        for _, path in self._files():
+            if path != final:
+                path.unlink(missing_ok=True)
+
+    def load(self) -> tuple[int, dict[str, Any]]:
+        if self.storage == "memory":
+            if self._memory is None:
+                raise LookupError("no snapshot has been saved in memory yet")
+            return self._memory[0], _cpu_copy(self._memory[1])
+        files = self._files()
+        if not files:
+            raise LookupError(f"no snapshot in {self.directory}")
+        # weights_only=False: our own file, and payloads hold numpy RNG states
+        data = torch.load(files[-1][1], map_location="cpu", weights_only=False)
+        return int(data["step"]), data["payload"]
+
+    def clear(self) -> None:
+        self._memory = None
+        if self.storage == "disk" and self.directory is not None and self.directory.is_dir():
+            for path in self.directory.iterdir():
+                if self._NAME.match(path.name) or (path.name.startswith(".snapshot-") and path.suffix == ".tmp"):
+                    path.unlink(missing_ok=True)
+
+
+class RollbackLimitError(RuntimeError):
+    """Rollbacks keep happening: restoring the snapshot does not remove the cause."""
+
+
+class RollbackPolicy:
+    """Counts rollbacks, sets the recovery learning-rate factor, stops the run after too many in a window.
+
+    ``step`` is the optimizer-step counter the trainer continues from after the rollback (the same counter is
+    then passed to ``lr_factor``/``recovery_active``).
+    """
+
+    def __init__(self, config: RollbackConfig | None = None) -> None:
+        self.config = config or RollbackConfig()
+        self.rollbacks = 0
+        self.last_step: int | None = None
+        self.recent: list[tuple[int, str]] = []  # (step, cause) within rollback_window of the latest rollback
+
+    def record(self, step: int, cause: str) -> None:
+        """Register a rollback at ``step``; raises RollbackLimitError when more than ``max_rollbacks`` rollbacks
+        fall within the last ``rollback_window`` steps (this one included)."""
+        cfg = self.config
+        self.rollbacks += 1
+        self.last_step = int(step)
+        self.recent = [(s, c) for s, c in self.recent if step - s < cfg.rollback_window] + [(int(step), cause)]
+        if len(self.recent) > cfg.max_rollbacks:
+            steps = ", ".join(str(s) for s, _ in self.recent)
+            raise RollbackLimitError(
+                f"step {step}: rollback #{self.rollbacks} (cause: {cause}) makes {len(self.recent)} rollbacks within "
+                f"{cfg.rollback_window} steps (at steps {steps}; max_rollbacks={cfg.max_rollbacks}). "
+                "Restoring the last snapshot does not remove the cause: check the rewards, log-probs and loss for "
+                "NaN/inf, lower the learning rate, or resume from an earlier checkpoint with another seed"
+            )
+
+    def recovery_active(self, step: int) -> bool:
+        return self.config.enabled and self.last_step is not None and step < self.last_step + self.config.recovery_steps
+
+    def lr_factor(self, step: int) -> float:
+        """``recovery_lr_factor`` during the recovery period after the last rollback, else 1.0."""
+        return self.config.recovery_lr_factor if self.recovery_active(step) else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollbacks": self.rollbacks, "last_step": self.last_step, "recent": [list(r) for r in self.recent]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollbacks = int(state["rollbacks"])
+        self.last_step = None if state["last_step"] is None else int(state["last_step"])
+        self.recent = [(int(s), str(c)) for s, c in state["recent"]]

@@ -1,0 +1,163 @@
+"""Every metric name and event kind steadyrl logs or reads, in one place.
+
+Producers (guards, runtimes, trainers, callbacks) and readers (``steadyrl.evidence.doctor``, ``.report``,
+``.early_warnings``, ``steadyrl.callbacks.monitor``) import these names instead of repeating string literals, so a
+renamed metric breaks an import, not silently the doctor. ``tests/unit/test_metrics.py`` checks that every name
+the readers use is declared here.
+
+Names are namespaced by layer (``gepo/``, ``grade/``, ``quatro/``, ``opefo/``, ``ppo/``, ``eval/``,
+``steadyrl/``); TRL's own metrics keep TRL's names. Names with a variable part (a reason, a param group, a reward
+function) are made by the small functions below and matched by their prefix.
+"""
+
+from __future__ import annotations
+
+# ----------------------------------------------------------------------------------- TRL / transformers
+
+LOSS = "loss"
+GRAD_NORM = "grad_norm"
+REWARD = "reward"  # mean weighted reward of the generation batch
+REWARD_STD = "reward_std"
+REWARDS_PREFIX = "rewards/"  # rewards/<function>/mean, rewards/<function>/std
+ENTROPY = "entropy"
+KL = "kl"  # logged only when beta != 0
+COMPLETIONS_MEAN_LENGTH = "completions/mean_length"
+COMPLETIONS_MIN_LENGTH = "completions/min_length"
+COMPLETIONS_MAX_LENGTH = "completions/max_length"
+COMPLETIONS_CLIPPED_RATIO = "completions/clipped_ratio"
+SAMPLING_LOGP_GAP = "sampling/sampling_logp_difference/mean"  # vLLM vs policy log-prob of the sampled tokens
+SAMPLING_LOGP_GAP_MAX = "sampling/sampling_logp_difference/max"
+TRAIN_RUNTIME = "train_runtime"  # only in the Trainer's final summary row
+
+# ----------------------------------------------------------------------------------- GEPO
+
+GEPO_NONFINITE_REWARDS = "gepo/nonfinite_rewards"
+GEPO_NONFINITE_LOGPROBS = "gepo/nonfinite_logprobs"
+GEPO_NONFINITE_RATIOS = "gepo/nonfinite_ratios"
+GEPO_NONFINITE_LOSS = "gepo/nonfinite_loss"
+GEPO_ADV_STD = "gepo/adv_std"
+GEPO_ADV_MAX_ABS = "gepo/adv_max_abs"
+GEPO_SKIPPED_STEPS = "gepo/skipped_steps"  # cumulative
+GEPO_SKIPPED_PREFIX = "gepo/skipped_"  # gepo/skipped_<reason>, cumulative per reason (spike, nonfinite)
+
+
+def gepo_skipped(reason: str) -> str:
+    """Cumulative count of optimizer steps skipped for ``reason`` (``spike``, ``nonfinite``)."""
+    return f"{GEPO_SKIPPED_PREFIX}{reason}"
+
+
+# ----------------------------------------------------------------------------------- GRADE
+
+GRADE_RAW_MEAN = "grade/raw_mean"
+GRADE_RAW_STD = "grade/raw_std"
+GRADE_SCALED_MEAN = "grade/scaled_mean"
+GRADE_SCALED_STD = "grade/scaled_std"
+GRADE_CLIP_FRAC_LOW = "grade/clip_frac_low"
+GRADE_CLIP_FRAC_HIGH = "grade/clip_frac_high"
+GRADE_WINDOW = "grade/window"
+GRADE_KL_FACTOR = "grade/kl_factor"
+GRADE_BETA = "grade/beta"
+
+# ----------------------------------------------------------------------------------- QUATRO
+
+QUATRO_KL_COEF = "quatro/kl_coef"
+QUATRO_KL_FACTOR = "quatro/kl_factor"
+QUATRO_KL_MEAN = "quatro/kl_mean"
+QUATRO_KL_TARGET = "quatro/kl_target"
+QUATRO_KL_NAN = "quatro/kl_nan"
+QUATRO_BETA = "quatro/beta"  # the effective coefficient, every factor included
+QUATRO_ENTROPY = "quatro/entropy"
+QUATRO_ENTROPY_FLOOR = "quatro/entropy_floor"
+QUATRO_ENTROPY_BONUS = "quatro/entropy_bonus"
+QUATRO_FLOOR_ACTIVE = "quatro/floor_active"
+QUATRO_FILTERED_PREFIX = "quatro/filtered/"  # quatro/filtered/<reason>, rows dropped per filter
+QUATRO_FILTERED_SHARE = "quatro/filtered_share"
+QUATRO_ZERO_VARIANCE_GROUPS = "quatro/zero_variance_groups"
+QUATRO_REPLAY_FRAC = "quatro/replay_frac"
+QUATRO_REPLAY_AGE_MEAN = "quatro/replay_age_mean"
+QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
+
+
+def quatro_filtered(reason: str) -> str:
+    """Rows of the generation batch the ``reason`` filter dropped (``zscore``, ``length``, ``repetition``, ...)."""
+    return f"{QUATRO_FILTERED_PREFIX}{reason}"
+
+
+# ----------------------------------------------------------------------------------- OPEFO
+
+OPEFO_TINY_FRAC_PREFIX = "opefo/tiny_frac/"
+OPEFO_FLOOR_VALUE_PREFIX = "opefo/floor_value/"
+OPEFO_FLOOR_RAISED_FRAC_PREFIX = "opefo/floor_raised_frac/"
+OPEFO_FLOOR_TRIGGERED = "opefo/floor_triggered"
+OPEFO_EF_PENDING = "opefo/ef_pending"
+OPEFO_EF_WEIGHT = "opefo/ef_weight"
+OPEFO_EF_INJECTED_NORM = "opefo/ef_injected_norm"
+OPEFO_ROLLBACKS = "opefo/rollbacks"  # cumulative
+OPEFO_RECOVERY_ACTIVE = "opefo/recovery_active"
+OPEFO_LR_FACTOR = "opefo/lr_factor"
+
+
+def opefo_tiny_frac(group: int) -> str:
+    """Share of param group ``group``'s exp_avg_sq entries below the floor's threshold."""
+    return f"{OPEFO_TINY_FRAC_PREFIX}{group}"
+
+
+def opefo_floor_value(group: int) -> str:
+    return f"{OPEFO_FLOOR_VALUE_PREFIX}{group}"
+
+
+def opefo_floor_raised_frac(group: int) -> str:
+    return f"{OPEFO_FLOOR_RAISED_FRAC_PREFIX}{group}"
+
+
+# ----------------------------------------------------------------------------------- PPO
+
+PPO_RETURNS_MEAN = "ppo/returns_mean"
+PPO_VALUES_MEAN = "ppo/values_mean"
+PPO_EXPLAINED_VARIANCE = "ppo/explained_variance"
+PPO_BETA = "ppo/beta"
+PPO_KL = "ppo/kl"
+PPO_VALUE_LOSS = "ppo/value_loss"
+PPO_CLIPFRAC_VALUE = "ppo/clipfrac_value"
+
+# ----------------------------------------------------------------------------------- steadyrl, periodic eval
+
+GUARD_SECONDS = "steadyrl/guard_seconds"
+EVAL_PREFIX = "eval/"
+EVAL_REWARD = "eval/reward"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_MEAN_LENGTH = "eval/mean_length"
+EVAL_NUM_SAMPLES = "eval/num_samples"
+EVAL_REWARD_PREFIX = "eval/reward/"  # eval/reward/<function>
+
+
+def eval_reward(name: str) -> str:
+    """Mean greedy-decoding score of reward function ``name`` on the eval split."""
+    return f"{EVAL_REWARD_PREFIX}{name}"
+
+
+# ----------------------------------------------------------------------------------- events (MetricsLog.event)
+
+EVENT_SKIP = "skip"
+EVENT_ROLLBACK = "rollback"
+EVENT_ENTROPY_FLOOR_WARNING = "entropy_floor_warning"
+EVENT_FILTER_WARNING = "filter_warning"
+
+# ----------------------------------------------------------------------------------- the registry
+
+NAMES: frozenset[str] = frozenset(
+    value
+    for key, value in dict(globals()).items()
+    if key.isupper() and isinstance(value, str) and not key.endswith("_PREFIX") and not key.startswith("EVENT_")
+)
+PREFIXES: tuple[str, ...] = tuple(
+    value for key, value in dict(globals()).items() if key.endswith("_PREFIX") and isinstance(value, str)
+)
+EVENTS: frozenset[str] = frozenset(
+    value for key, value in dict(globals()).items() if key.startswith("EVENT_") and isinstance(value, str)
+)
+
+
+def is_declared(name: str) -> bool:
+    """A metric name declared above: a fixed name, or one made with a declared prefix."""
+    return name in NAMES or any(name.startswith(prefix) and name != prefix for prefix in PREFIXES)

@@ -1,0 +1,141 @@
+"""The optimizer-step gate: should this optimizer step happen? And its installation inside DeepSpeed.
+
+Before every optimizer step the step guards (``StepGuard``: GEPO's spike detector) see the global pre-clip gradient
+norm; one veto skips the step. A skip hands the gradients to the guards and to OPEFO's error feedback before they
+are dropped, is counted (``gepo/skipped_steps``, per reason ``gepo/skipped_<reason>``) and recorded as an event.
+A taken step first gets OPEFO's pending error feedback, then the usual clipping.
+
+Where the decision runs:
+- one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.clip_or_skip`` (gradients are already
+  all-reduced there, so the local norm is the global norm and every rank decides the same);
+- DeepSpeed ZeRO-1/2: the step runs inside ``accelerator.backward`` -> ``engine.step()``, so the Trainer's
+  ``_clip_grad_norm`` comes too late; ``install_deepspeed`` puts the gate inside the ZeRO optimizer's step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any, Protocol
+
+import torch
+
+from steadyrl.guards.base import StepDecision, StepGuard, combine_decisions
+from steadyrl.metrics import EVENT_SKIP, GEPO_SKIPPED_STEPS, gepo_skipped
+from steadyrl.trainers.context import RuntimeContext
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorFeedbackHook(Protocol):
+    """What the gate needs of OPEFO: keep a skipped step's gradients, feed them back into a taken step."""
+
+    def on_skip(self, gradients: list[torch.Tensor | None]) -> None: ...
+
+    def feed_back(self, gradients: list[torch.Tensor | None]) -> bool: ...
+
+
+class StepGate:
+    """Step guards + the skip bookkeeping. ``counters`` is saved in the checkpoint (``skipped_steps``, ...)."""
+
+    def __init__(self, guards: list[StepGuard], ctx: RuntimeContext, feedback: ErrorFeedbackHook | None = None) -> None:
+        self.guards = guards
+        self.ctx = ctx
+        self.feedback = feedback
+        self.counters: dict[str, float] = defaultdict(float)
+        self._ds_installed = False
+
+    def decide(self, norm: torch.Tensor, gradients: list[torch.Tensor | None]) -> StepDecision:
+        """Ask every step guard about the global pre-clip norm; on a veto, hand them the gradients and count it.
+
+        ``gradients`` are this rank's: all gradients under one process or DDP (already all-reduced), this
+        rank's gradient partition under DeepSpeed ZeRO-1/2. Dropping them is the caller's job.
+        """
+        step = self.ctx.global_step()
+        decision = combine_decisions([guard.decide(norm, step) for guard in self.guards])
+        if decision.skip:
+            for guard in self.guards:
+                guard.on_skip(gradients, decision, step)
+            if self.feedback is not None:
+                self.feedback.on_skip(gradients)
+            self.counters["skipped_steps"] += 1
+            # numbered like the log rows: the step being decided ends with global_step == step + 1
+            self.ctx.emit_event(EVENT_SKIP, step=step + 1, reason=decision.reason, grad_norm=float(norm))
+            for reason in decision.reason.split(","):
+                self.counters[f"skipped_{reason}"] += 1
+            logger.warning(
+                "step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, decision.reason, float(norm)
+            )
+        self.ctx.log_metric(GEPO_SKIPPED_STEPS, self.counters["skipped_steps"])
+        for key, value in self.counters.items():
+            if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
+                self.ctx.log_metric(gepo_skipped(key.removeprefix("skipped_")), value)
+        return decision
+
+    def clip_or_skip(self, model: torch.nn.Module, max_grad_norm: float) -> tuple[torch.Tensor, bool]:
+        """One process or DDP: decide on the global pre-clip norm, then drop the gradients or clip them.
+
+        Returns (pre-clip norm, skipped). A skip sets every ``.grad`` to None, so ``optimizer.step()`` changes nothing.
+        """
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        with self.ctx.timer():
+            decision = self.decide(norm, grads)
+        if decision.skip:
+            model.zero_grad(set_to_none=True)
+            return norm, True
+        if self.feedback is not None:
+            with self.ctx.timer():
+                if self.feedback.feed_back(grads):  # error feedback changed the gradients: norm them again
+                    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        return norm, False
+
+    def install_deepspeed(self, optimizer: Any) -> None:
+        """Put the gate inside DeepSpeed's ZeRO-1/2 optimizer step (called once the engine exists).
+
+        ``DeepSpeedZeroOptimizer.step`` first computes the global gradient norm (``scaled_global_norm``: all-reduced
+        over the data-parallel group, so identical on every rank) and then calls ``_update_scale(overflow)``; when
+        ``overflow`` is set after that call it drops the gradients and returns without touching weights or moments.
+        The hook decides on the first call and raises ``overflow`` in the second. DeepSpeed's own overflow check
+        (fp16 or ``check_grad_overflow``) may skip a step before any norm is computed; the guards then see a NaN
+        norm, so counts stay right. Accelerate reports the skip (``optimizer.overflow``), and the Trainer then
+        leaves the LR schedule alone.
+        """
+        if self._ds_installed:
+            return
+        zero = optimizer
+        while not hasattr(zero, "scaled_global_norm") and getattr(zero, "optimizer", None) is not None:
+            zero = zero.optimizer
+        if not (hasattr(zero, "scaled_global_norm") and hasattr(zero, "_update_scale")):
+            raise RuntimeError(
+                f"guards.gepo.spike under DeepSpeed hooks the ZeRO stage 1/2 optimizer, but the engine uses "
+                f"{type(zero).__name__}; use zero_optimization.stage 1 or 2, or set guards.gepo.enabled=false"
+            )
+        original_norm, original_update = zero.scaled_global_norm, zero._update_scale
+        pending: dict[str, bool | None] = {"skip": None}
+
+        def scaled_global_norm(*args: Any, **kwargs: Any) -> torch.Tensor:
+            scaled = original_norm(*args, **kwargs)
+            norm = scaled.detach().float() / float(zero.loss_scale)
+            if not bool(scaled >= 0):  # DeepSpeed reports an inf/NaN group norm as -1
+                norm = torch.full_like(norm, float("nan"))
+            grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
+            pending["skip"] = self.decide(norm, grads).skip
+            if not pending["skip"] and self.feedback is not None and self.feedback.feed_back(grads):
+                scaled = original_norm(*args, **kwargs)  # error feedback changed the partition: norm it again
+            return scaled
+
+        def update_scale(has_overflow: bool) -> None:
+            if pending["skip"] is None and has_overflow:  # DeepSpeed skipped before computing a norm
+                self.decide(torch.tensor(float("nan")), [])
+            original_update(has_overflow)
+            if pending["skip"]:
+                zero.overflow = True
+            pending["skip"] = None
+
+        zero.scaled_global_norm = scaled_global_norm
+        zero._update_scale = update_scale
+        self._ds_installed = True

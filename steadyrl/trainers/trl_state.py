@@ -1,0 +1,125 @@
+"""The only place where the guard layers' decisions are written into TRL's trainer state (or read from TRL's
+private state). The runtimes return what should change; ``SteadyGRPOTrainer`` calls these.
+
+The TRL attributes involved, and why writing them between steps is safe, are listed in ``steadyrl.trainers.hooks``
+(``internals_problems`` checks them): ``beta``, ``entropy_coef``, ``epsilon_low/high`` are read by ``_compute_loss``
+on every call; ``_entropy_bonus_enabled`` is fixed in ``__init__``; ``_metrics[mode]`` gets one ``kl`` (when
+beta != 0) and one ``entropy`` entry per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from steadyrl.metrics import OPEFO_LR_FACTOR
+from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, QuatroSetup
+
+
+def set_beta_factor(trainer: Any, name: str, value: float) -> None:
+    """One multiplicative factor of the KL coefficient (GRADE compensation, QUATRO's controller, ...):
+    ``trainer.beta = beta_base x`` every factor."""
+    trainer.beta_factors[name] = value
+    trainer.beta = trainer.beta_base * math.prod(trainer.beta_factors.values())
+
+
+def bind_quatro(trainer: Any, quatro: QuatroRuntime) -> tuple[float, float] | None:
+    """Bind QUATRO to the trainer's settings (``QuatroSetup``) and its context. With the entropy floor on, switch
+    TRL's entropy term on (fixed at init; the floor drives its coefficient) and return the initial (epsilon_low,
+    epsilon_high), the clip range the floor scales; else None. The caller then applies ``quatro.controls()``."""
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    pad = tokenizer.pad_token_id if quatro.replay_on and tokenizer.pad_token_id is not None else 0
+    setup = QuatroSetup(
+        beta=trainer.beta_base,
+        seed=int(trainer.args.seed),
+        pad_token_id=pad,
+        loss_type=trainer.loss_type,
+        entropy_coef=trainer.entropy_coef,
+        use_adaptive_entropy=trainer.use_adaptive_entropy,
+        kl_from_rollouts=bool(getattr(trainer, "kl_in_reward", False)),
+    )
+    quatro.bind(trainer.ctx, setup)
+    if quatro.replay_on:
+        trainer.guard_state.rank_stateful["quatro"] = quatro  # each rank replays its own rows
+    if quatro.entropy is None:
+        return None
+    trainer._entropy_bonus_enabled = True
+    return float(trainer.epsilon_low), float(trainer.epsilon_high)
+
+
+def apply_quatro(trainer: Any, controls: QuatroControls, epsilon0: tuple[float, float] | None) -> None:
+    """QUATRO's controls into TRL: the ``quatro_kl`` factor of beta, ``entropy_coef``, ``epsilon_low/high``."""
+    if controls.kl_factor is not None:
+        set_beta_factor(trainer, "quatro_kl", controls.kl_factor)
+    if controls.entropy_coef is not None:
+        trainer.entropy_coef = controls.entropy_coef
+    if controls.clip_scale is not None and epsilon0 is not None:
+        trainer.epsilon_low, trainer.epsilon_high = (e * controls.clip_scale for e in epsilon0)
+
+
+def logged_kl_and_entropy(trainer: Any) -> tuple[float, float]:
+    """TRL's just-logged ``kl`` and ``entropy`` of the last training micro-batch (NaN where it logged none)."""
+    metrics = trainer._metrics["train"]
+    kl = metrics["kl"][-1] if trainer.beta != 0.0 and metrics.get("kl") else math.nan
+    entropy = metrics["entropy"][-1] if metrics.get("entropy") else math.nan
+    return float(kl), float(entropy)
+
+
+def ensure_sampling_logps(trainer: Any, output: dict[str, Any]) -> None:
+    """Give a scored generation batch its sampling policy's ``old_per_token_logps`` where TRL left them out.
+
+    Called right after generation and scoring, before any optimizer step: the current model is the sampling
+    policy. The same call TRL makes when it computes them itself (``_generate_and_score_completions``).
+    """
+    if output.get("old_per_token_logps") is not None:
+        return
+    from trl.models.utils import disable_gradient_checkpointing
+
+    completion_ids = output["completion_ids"]
+    input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            batch_size=trainer.args.per_device_train_batch_size,
+        )
+    output["old_per_token_logps"] = logps
+
+
+class LearningRateScale:
+    """OPEFO's recovery factor on top of the LR schedule (the schedule itself runs on unchanged)."""
+
+    def __init__(self) -> None:
+        self._scaled: list[float] | None = None
+        self._last_factor = 1.0
+
+    def apply(self, param_groups: list[dict[str, Any]], factor: float) -> bool:
+        """Scale the LR the schedule just set by ``factor``; True when it wrote the param groups.
+
+        HF schedules are ``LambdaLR``s: each ``step()`` sets ``lr = base_lr * lambda(step)``, so the scaling never
+        compounds. A schedule that leaves ``lr`` untouched is detected (the value is still the one set here) and
+        un-scaled first.
+        """
+        current = [g["lr"] for g in param_groups]
+        if self._scaled is not None:
+            current = [
+                lr / self._last_factor if lr == mine else lr for lr, mine in zip(current, self._scaled, strict=True)
+            ]
+        if factor == 1.0 and self._scaled is None:
+            return False
+        for g, lr in zip(param_groups, current, strict=True):
+            g["lr"] = lr * factor
+        self._scaled = None if factor == 1.0 else [g["lr"] for g in param_groups]
+        self._last_factor = factor
+        return True
+
+
+def apply_lr_factor(trainer: Any, scale: LearningRateScale, factor: float) -> None:
+    """OPEFO's recovery factor into the optimizer's param groups; logs ``opefo/lr_factor`` when it wrote them."""
+    if scale.apply(trainer.optimizer.param_groups, factor):
+        trainer._guard_metric(OPEFO_LR_FACTOR, factor)

@@ -1,0 +1,182 @@
+"""QUATRO's and OPEFO's runtimes against a fake context: no trainer, and what should change comes back as values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fake_context import FakeContext
+
+from steadyrl.guards.opefo import FloorConfig, OpefoConfig, RollbackConfig
+from steadyrl.guards.quatro import (
+    EntropyConfig,
+    FilterConfig,
+    KLConfig,
+    LengthConfig,
+    ParrotConfig,
+    QuatroConfig,
+    ZeroVarianceConfig,
+    ZScoreConfig,
+)
+from steadyrl.metrics import (
+    EVENT_ROLLBACK,
+    OPEFO_EF_WEIGHT,
+    OPEFO_ROLLBACKS,
+    QUATRO_KL_MEAN,
+    QUATRO_REPLAY_AGE_MEAN,
+    QUATRO_REPLAY_FRAC,
+    quatro_filtered,
+)
+from steadyrl.trainers.checkpoints import GuardState
+from steadyrl.trainers.opefo_runtime import OpefoRuntime
+from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY, QuatroControls, QuatroRuntime, QuatroSetup
+from steadyrl.trainers.trl_state import LearningRateScale
+
+SETUP = QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo")
+
+
+def _micro_batch(tokens_per_row: list[int], width: int = 4) -> dict[str, torch.Tensor]:
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in tokens_per_row])
+    return {"completion_mask": mask}
+
+
+def test_quatro_kl_controller_observes_the_token_weighted_step_mean() -> None:
+    ctx, quatro = FakeContext(step=1), QuatroRuntime(QuatroConfig(kl=KLConfig(target=0.02)))
+    quatro.bind(ctx, SETUP)
+    assert quatro.controls() == QuatroControls(kl_factor=1.0)
+    quatro.record_micro_batch(_micro_batch([3, 3]), kl=0.05, entropy=math.nan)  # 6 tokens
+    quatro.record_micro_batch(_micro_batch([2, 0]), kl=0.01, entropy=math.nan)  # 2 tokens
+    controls, metrics = quatro.on_step_end()
+    assert metrics[QUATRO_KL_MEAN] == pytest.approx((0.05 * 6 + 0.01 * 2) / 8)  # 0.04 > target: beta x up
+    assert controls == QuatroControls(kl_factor=pytest.approx(1.2))
+    assert ctx.metrics == []  # the trainer logs what on_step_end returns
+
+
+def test_quatro_ppo_observes_once_per_generation_batch() -> None:
+    ctx = FakeContext()
+    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=0.02)))
+    quatro.bind(ctx, QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", kl_from_rollouts=True))
+    quatro.record_rollout_kl(0.01, tokens=10.0)
+    controls, _ = quatro.on_step_end()
+    assert controls.kl_factor == pytest.approx(0.8) and quatro.kl.updates == 1
+    controls, _ = quatro.on_step_end()  # a step that trained on an earlier rollout: no new measurement
+    assert controls.kl_factor == pytest.approx(0.8) and quatro.kl.updates == 1
+
+
+@pytest.mark.parametrize(("loss_type", "clip_scale"), [("grpo", 0.5), ("cispo", None)])
+def test_quatro_entropy_floor_returns_bonus_and_clip_scale(loss_type: str, clip_scale: float | None) -> None:
+    cfg = EntropyConfig(baseline_steps=1, window=1, coef_delta=0.001, clip_factor=0.5)
+    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type=loss_type))
+    for entropy in (1.0, 0.5):  # baseline 1.0 -> floor 0.8; then 0.5 < floor: active
+        quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
+        controls, _ = quatro.on_step_end()
+    assert controls.entropy_coef == pytest.approx(0.001) and controls.kl_factor is None
+    assert controls.clip_scale == clip_scale
+
+
+def test_quatro_refuses_two_entropy_controllers() -> None:
+    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig()))
+    setup = QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", use_adaptive_entropy=True)
+    with pytest.raises(ValueError, match="use_adaptive_entropy"):
+        quatro.bind(FakeContext(), setup)
+
+
+def _only_repetition() -> FilterConfig:
+    return FilterConfig(
+        zscore=ZScoreConfig(enabled=False),
+        length=LengthConfig(enabled=False),
+        parrot=ParrotConfig(enabled=False),
+        zero_variance=ZeroVarianceConfig(enabled=False),
+    )
+
+
+def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_rows() -> None:
+    ctx = FakeContext(step=3)
+    quatro = QuatroRuntime(QuatroConfig(filters=_only_repetition()))
+    quatro.bind(ctx, SETUP)
+    output = {
+        "prompt_ids": torch.tensor([[0, 5, 6], [0, 5, 6]]),
+        "prompt_mask": torch.tensor([[0, 1, 1], [0, 1, 1]]),
+        "completion_mask": torch.ones(2, 6, dtype=torch.long),
+        "num_items_in_batch": torch.tensor(12),
+    }
+    completions = [[1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]]  # the second repeats its 3-grams
+    keep = quatro.filter_generation(output, torch.tensor([1.0, 0.0]), completions, num_generations=2)
+    assert keep.tolist() == [True, False]
+    assert ctx.last(quatro_filtered("repetition")) == 1.0
+    quatro.mask_dropped_rows(output, keep)
+    assert output["completion_mask"].sum(dim=1).tolist() == [6, 0] and int(output["num_items_in_batch"]) == 6
+
+
+def test_quatro_replay_metrics_sum_over_ranks() -> None:
+    ctx = FakeContext(step=5, world=2)
+    quatro = QuatroRuntime(QuatroConfig())
+    quatro.bind(ctx, SETUP)
+    inputs = {**_micro_batch([4, 4, 4, 4]), REPLAY_STEP_KEY: torch.tensor([-1, -1, 2, 4])}
+    quatro.record_replay(inputs, per_token_logps=None)
+    assert ctx.last(QUATRO_REPLAY_FRAC) == 0.5 and ctx.last(QUATRO_REPLAY_AGE_MEAN) == 2.0  # ages 3 and 1
+
+
+def test_learning_rate_scale_does_not_compound_and_undoes_itself() -> None:
+    groups, scale = [{"lr": 1.0}], LearningRateScale()
+    assert not scale.apply(groups, 1.0) and groups[0]["lr"] == 1.0
+    assert scale.apply(groups, 0.3) and groups[0]["lr"] == pytest.approx(0.3)
+    assert scale.apply(groups, 0.3) and groups[0]["lr"] == pytest.approx(0.3)  # a schedule that left lr alone
+    groups[0]["lr"] = 0.5  # the schedule set a new value
+    assert scale.apply(groups, 0.3) and groups[0]["lr"] == pytest.approx(0.15)
+    assert scale.apply(groups, 1.0) and groups[0]["lr"] == pytest.approx(0.5)
+
+
+class _Counter:
+    """Another guard's state, which a snapshot must hold and a rollback restore."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.n = state["n"]
+
+
+def _adam_model() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_opefo_rolls_back_weights_moments_and_guard_state_and_returns_the_lr_factor(tmp_path) -> None:
+    model, optimizer = _adam_model()
+    rollback = RollbackConfig(snapshot_interval=1, check_interval=1, recovery_lr_factor=0.3, recovery_steps=2)
+    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=rollback))
+    counter, ctx = _Counter(), FakeContext(step=1)
+    guards = GuardState.register([("counter", counter), ("opefo", opefo)], None, {})
+    opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), guards)
+    healthy = model.weight.detach().clone()
+    assert opefo.on_step_end() == 1.0 and ctx.last(OPEFO_ROLLBACKS) == 0.0  # healthy: snapshot of step 1
+    ctx.step, counter.n = 2, 7
+    with torch.no_grad():
+        model.weight.fill_(float("inf"))
+    assert opefo.on_step_end() == 0.3  # rolled back: recovery learning rate, for the trainer to apply
+    torch.testing.assert_close(model.weight.detach(), healthy)
+    assert counter.n == 0 and ctx.last(OPEFO_ROLLBACKS) == 1.0
+    assert [(step, kind) for step, kind, _ in ctx.events] == [(2, EVENT_ROLLBACK)]
+    assert "non-finite parameters" in ctx.events[0][2]["cause"] and ctx.events[0][2]["snapshot_step"] == 1
+
+
+def test_opefo_error_feedback_reinjects_a_skipped_gradient(tmp_path) -> None:
+    model, optimizer = _adam_model()
+    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)))
+    ctx = FakeContext()
+    opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
+    skipped = [p.grad.clone() for p in model.parameters()]
+    opefo.on_skip(skipped)
+    grads = [torch.ones_like(g) for g in skipped]
+    assert opefo.feed_back(grads) and ctx.last(OPEFO_EF_WEIGHT) == pytest.approx(0.3)
+    assert not torch.equal(grads[0], torch.ones_like(grads[0]))
