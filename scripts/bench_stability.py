@@ -46,6 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from steadyrl import metrics as M  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -57,6 +58,28 @@ LAYERS = {
     "QUATRO": ("guards.quatro.enabled=true",),
 }
 VARIANT_NAMES = ("plain TRL", "GRADE", "GEPO", "OPEFO", "QUATRO", "all on")
+# Ablations (issue 13): all on minus one layer or one QUATRO part, and the layers added in the order of the design
+# notes (seed 000 §5.2: bare GRPO, then GEPO + OPEFO, then QUATRO's filters, the KL anchor, the entropy floor last).
+QUATRO_PARTS_OFF = {
+    "kl": "guards.quatro.kl.enabled=false",
+    "entropy": "guards.quatro.entropy.enabled=false",
+    "filters": "guards.quatro.filters.enabled=false",
+}
+ABLATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (layers on, QUATRO parts off)
+    "all - GRADE": (("GEPO", "OPEFO", "QUATRO"), ()),
+    "all - GEPO": (("GRADE", "OPEFO", "QUATRO"), ()),
+    "all - OPEFO": (("GRADE", "GEPO", "QUATRO"), ()),
+    "all - QUATRO": (("GRADE", "GEPO", "OPEFO"), ()),
+    "all - QUATRO kl": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("kl",)),
+    "all - QUATRO entropy": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("entropy",)),
+    "all - QUATRO filters": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("filters",)),
+    "GEPO+OPEFO": (("GEPO", "OPEFO"), ()),
+    "GEPO+OPEFO+filters": (("GEPO", "OPEFO", "QUATRO"), ("kl", "entropy")),
+    "GEPO+OPEFO+filters+kl": (("GEPO", "OPEFO", "QUATRO"), ("entropy",)),
+}
+ALL_NAMES = (*VARIANT_NAMES, *ABLATIONS)
+# RESULTS.md variant names
+RESULT_NAMES = {"plain TRL": "plain", "all on": "all"}
 QUICK_VARIANTS = ("plain TRL", "GEPO", "all on")
 QUICK_SCENARIOS = ("nan_loss", "inf_exp_avg_sq")
 # Every variant runs with a KL term (as the per-size configs do): QUATRO's KL controller needs one, and the
@@ -108,7 +131,76 @@ def variants(quatro: bool) -> dict[str, tuple[str, ...] | None]:
     out: dict[str, tuple[str, ...] | None] = {"plain TRL": ()}
     out.update({name: flags if name != "QUATRO" or quatro else None for name, flags in LAYERS.items()})
     out["all on"] = tuple(f for name, flags in LAYERS.items() if name != "QUATRO" or quatro for f in flags)
+    for name, (layers, parts_off) in ABLATIONS.items():
+        if "QUATRO" in layers and not quatro:
+            out[name] = None
+            continue
+        out[name] = (*(f for layer in layers for f in LAYERS[layer]), *(QUATRO_PARTS_OFF[p] for p in parts_off))
     return out
+
+
+def result_name(name: str) -> str:
+    """The RESULTS.md spelling of a variant: plain, all, gepo, all-minus-quatro-kl, gepo+opefo+filters, ..."""
+    return RESULT_NAMES.get(name, name.lower().replace("all - ", "all-minus-").replace(" ", "-"))
+
+
+def commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
+    return proc.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+CELL_METRICS = ("skipped", "rollbacks", "filtered", "entropy", "grad_norm_cv", "wall_s", "last_step")
+SATURATION_METRICS = (  # the last logged value of each counter (cumulative), per seed
+    M.QUATRO_KL_AT_MAX,
+    M.QUATRO_KL_AT_MIN,
+    M.QUATRO_KL_COEF,
+    M.QUATRO_KL_TARGET,
+    M.QUATRO_ENTROPY_BONUS,
+    M.GEPO_SPIKE_REBASES,
+    M.GEPO_ZERO_GRAD_STEPS,
+)
+
+
+def results_json(
+    results: dict[tuple[str, str, int], dict[str, Any]],
+    names: list[str],
+    scenarios: list[str],
+    seeds: list[int],
+    command: str,
+    steps: int,
+    sha: str,
+) -> dict[str, Any]:
+    """The run in the format of the shared RESULTS.md: one cell per (scenario, variant), per-seed lists."""
+    cells = []
+    for scenario in scenarios:
+        for name in names:
+            runs = [results.get((name, scenario, seed)) for seed in seeds]
+            if all(r is None for r in runs):
+                continue
+            runs = [r or {"status": "not_run"} for r in runs]
+            cell: dict[str, Any] = {"scenario": scenario, "variant": result_name(name), "seeds": seeds}
+            if any(r["status"] == "not_run" for r in runs):
+                cell["note"] = "not run: the variant does not validate in this steadyrl version"
+            cell["died"] = [r["status"] == "died" for r in runs]
+            cell["accuracy"] = [r.get("accuracy") for r in runs]
+            metrics = {key: [r.get(key) for r in runs] for key in CELL_METRICS}
+            metrics["nonfinite_weights"] = [r["status"] == "nonfinite_weights" for r in runs]
+            metrics["inf_left_in_adam"] = [bool(r.get("nonfinite_state_at_end")) for r in runs]
+            for key in SATURATION_METRICS:
+                metrics[key] = [(r.get("last") or {}).get(key) for r in runs]
+            cell["metrics"] = metrics
+            cells.append(cell)
+    return {
+        "benchmark": "stability",
+        "command": command,
+        "commit": sha,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": "2-core CPU, no GPU",
+        "model": "tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)",
+        "steps": steps,
+        "cells": cells,
+    }
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -180,6 +272,12 @@ def summarise_run(run_dir: Path, returncode: int, wall_s: float) -> dict[str, An
     norms = [v for v in norms.tolist() if math.isfinite(v)]
     if len(norms) > 1 and statistics.fmean(norms) > 0:
         out["grad_norm_cv"] = statistics.pstdev(norms) / statistics.fmean(norms)
+    last = {}
+    for key in SATURATION_METRICS:
+        if history.has(key):
+            values = [v for v in history.series(key)[1].tolist() if math.isfinite(v)]
+            last[key] = values[-1] if values else None
+    out["last"] = last
     filtered = history.matching("quatro/filtered/")  # per-step counts per reason (logging_steps=1)
     if filtered:
         out["filtered"] = sum(v for name in filtered for v in history.series(name)[1].tolist() if math.isfinite(v))
@@ -318,13 +416,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--fault-step", type=int, default=20, help="step k of the step faults (after GEPO's warm-up)")
-    ap.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(VARIANT_NAMES)}")
+    ap.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(ALL_NAMES)}")
     ap.add_argument("--scenarios", default=None, help=f"comma-separated subset of {', '.join(SCENARIOS)}")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (counted as died)")
     ap.add_argument("--quick", action="store_true", help="3 variants, nan_loss + inf_exp_avg_sq, 1 seed, 6 steps")
     ap.add_argument("--out-md", default=None, help="write the markdown (command + table) here; always printed")
     ap.add_argument("--png", default=None, help="write the accuracy bar chart here (e.g. docs/img/stability.png)")
+    ap.add_argument("--results", default=None, help="write the RESULTS.md-format JSON here (docs/results/...)")
     ap.add_argument(
         "--collect-only", action="store_true", help="train nothing: rebuild the table from the run folders in --out"
     )
@@ -336,7 +435,7 @@ def main() -> None:
         seeds, steps, fault_step = range(1), 6, 3
     names = [n.strip() for n in args.variants.split(",")] if args.variants else names
     scenarios = [s.strip() for s in args.scenarios.split(",")] if args.scenarios else scenarios
-    for bad, valid in ((set(names) - set(VARIANT_NAMES), VARIANT_NAMES), (set(scenarios) - set(SCENARIOS), SCENARIOS)):
+    for bad, valid in ((set(names) - set(ALL_NAMES), ALL_NAMES), (set(scenarios) - set(SCENARIOS), SCENARIOS)):
         if bad:
             ap.error(f"unknown {sorted(bad)}; valid: {', '.join(valid)}")
     flags_of = variants(quatro_validates(args.sft))
@@ -352,6 +451,7 @@ def main() -> None:
         cmd, env = train_command(args.sft, out, flags_of[name] or (), scenario, seed, steps, fault_step, args.quick)
         return job, run_one(cmd, env, out, args.timeout)
 
+    sha = commit()  # the code being measured: taken before any run starts
     start = time.time()
     if args.collect_only:
         for job in jobs:
@@ -379,6 +479,10 @@ def main() -> None:
         Path(args.out_md).write_text(markdown)
     if args.png:
         plot(results, names, scenarios, Path(args.png))
+    if args.results:
+        doc = results_json(results, names, scenarios, list(seeds), command, steps, sha)
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ GEPO_NONFINITE_LOSS = "gepo/nonfinite_loss"
 GEPO_ADV_STD = "gepo/adv_std"
 GEPO_ADV_MAX_ABS = "gepo/adv_max_abs"
 GEPO_SKIPPED_STEPS = "gepo/skipped_steps"  # cumulative
+GEPO_ZERO_GRAD_STEPS = "gepo/zero_grad_steps"  # cumulative: no-signal steps kept out of the spike baseline
+GEPO_SPIKE_REBASES = "gepo/spike_rebases"  # cumulative: spike streaks taken as a level shift
+GEPO_SPIKE_EMA = "gepo/spike_ema"  # the spike guard's grad-norm baseline
 GEPO_SKIPPED_PREFIX = "gepo/skipped_"  # gepo/skipped_<reason>, cumulative per reason (spike, nonfinite)
 
 
@@ -65,6 +68,9 @@ QUATRO_KL_FACTOR = "quatro/kl_factor"
 QUATRO_KL_MEAN = "quatro/kl_mean"
 QUATRO_KL_TARGET = "quatro/kl_target"
 QUATRO_KL_NAN = "quatro/kl_nan"
+QUATRO_KL_AT_MAX = "quatro/kl_at_max"  # cumulative: updates that wanted beta above its upper bound
+QUATRO_KL_AT_MIN = "quatro/kl_at_min"  # cumulative: updates that wanted beta below its lower bound
+QUATRO_KL_BOUND_RUN = "quatro/kl_bound_run"  # current streak of such updates
 QUATRO_BETA = "quatro/beta"  # the effective coefficient, every factor included
 QUATRO_ENTROPY = "quatro/entropy"
 QUATRO_ENTROPY_FLOOR = "quatro/entropy_floor"

@@ -200,10 +200,12 @@ def _check_quatro(cfg: RunConfig) -> None:
                 "guards.quatro.kl adapts the KL coefficient, but trainer.beta is 0 (no KL term, and TRL then loads no "
                 "reference model); set trainer.beta > 0 (e.g. 0.04) or guards.quatro.kl.enabled=false"
             )
-        if not q.kl.beta_min <= beta <= q.kl.beta_max:
+        low, high = q.kl.bounds(beta)
+        if not low <= beta <= high:
             raise ConfigError(
-                f"trainer.beta={beta} is outside [guards.quatro.kl.beta_min={q.kl.beta_min}, "
-                f"guards.quatro.kl.beta_max={q.kl.beta_max}]; move trainer.beta into the range or widen it"
+                f"trainer.beta={beta} is outside [guards.quatro.kl.beta_min={low}, guards.quatro.kl.beta_max={high}]; "
+                "move trainer.beta into the range or widen it (or drop beta_min/beta_max: guards.quatro.kl.beta_range "
+                "is relative to trainer.beta)"
             )
     if q.entropy.enabled and t.get("use_adaptive_entropy"):
         raise ConfigError(

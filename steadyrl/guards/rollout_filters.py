@@ -23,6 +23,7 @@ from steadyrl.metrics import (
 )
 
 # A dropped row is counted under the first of these that dropped it (the order the filters run in).
+DROPPED_ROWS = ("zero_advantage", "exclude")
 FILTER_REASONS = ("zscore", "length", "parrot", "repetition", "near_duplicate", "zero_variance")
 
 
@@ -80,6 +81,11 @@ class FilterConfig:
     near_duplicate: NearDuplicateConfig = field(default_factory=NearDuplicateConfig)
     zero_variance: ZeroVarianceConfig = field(default_factory=ZeroVarianceConfig)
     max_drop_share: float = 0.5  # dropping more than this share of a batch comes with a warning
+    # what a dropped row becomes in the loss: "zero_advantage" (it stays in the loss with advantage 0, so the
+    # kept rows keep the weight they have without filters, and the KL term still sees it) or "exclude" (its
+    # completion mask is zeroed: the normaliser shrinks and the kept rows' effective learning rate grows by
+    # rows / kept rows)
+    dropped_rows: str = "zero_advantage"
 
     def __post_init__(self) -> None:
         problems = []
@@ -110,6 +116,8 @@ class FilterConfig:
         ):
             if not 0 <= value <= 1:
                 problems.append(f"{name} must be in [0, 1], got {value}")
+        if self.dropped_rows not in DROPPED_ROWS:
+            problems.append(f"dropped_rows must be one of {', '.join(DROPPED_ROWS)}, got {self.dropped_rows!r}")
         if problems:
             raise ValueError("invalid FilterConfig: " + "; ".join(problems))
 

@@ -4,8 +4,17 @@ skip").
 An EMA of the global pre-clip gradient norm tracks what "normal" looks like. After ``warmup_steps`` accepted
 steps, a step is skipped when its norm exceeds ``spike_factor`` x EMA *and* ``abs_threshold`` (both, so a
 run whose norms are all tiny is not skipped on relative noise), or at once when the norm is not finite.
-Skipped norms never enter the EMA. ``max_consecutive_skips`` skips in a row stop the run with an error that
-names the cause, since by then the model, not one batch, is broken.
+Skipped norms never enter the EMA. ``max_consecutive_skips`` non-finite skips in a row stop the run with an error
+that names the cause, since by then the model, not one batch, is broken.
+
+The baseline stays meaningful through what GRPO does to gradient norms:
+- a step whose norm is at most ``zero_norm`` (every group zero-variance, so no learning signal) proceeds but does
+  not enter the EMA or the warm-up count (``gepo/zero_grad_steps``): a stretch of them would otherwise drag the EMA
+  towards 0 and lock out every later healthy step;
+- ``rebase_after`` (4) spike decisions in a row are a level shift, not a spike (a learning-rate warm-up ending,
+  a filter or the reward changing the batch): the EMA is re-anchored to the median norm of that streak and the
+  step proceeds (``gepo/spike_rebases``, logged as a warning). A one-step spike is still skipped; ``0`` turns
+  re-anchoring off.
 
 Left to the trainer: zeroing the gradients (``SteadyGRPOTrainer`` drops them so ``optimizer.step()`` is a
 no-op) and, with the OPEFO layer, keeping the skipped gradient for error feedback (``on_skip`` receives it).
@@ -13,13 +22,18 @@ no-op) and, with the OPEFO layer, keeping the skipped gradient for error feedbac
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from steadyrl.guards.base import StepDecision
+from steadyrl.metrics import GEPO_SPIKE_EMA, GEPO_SPIKE_REBASES, GEPO_ZERO_GRAD_STEPS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,6 +43,8 @@ class SpikeConfig:
     spike_factor: float = 5.0
     abs_threshold: float = 5.0
     max_consecutive_skips: int = 20
+    zero_norm: float = 1e-10  # a finite norm at most this is a no-signal step: kept out of the EMA
+    rebase_after: int = 4  # this many spike decisions in a row re-anchor the EMA (0 = never)
 
 
 class SpikeSkipError(RuntimeError):
@@ -42,24 +58,67 @@ class SpikeGuard:
         self.config = config or SpikeConfig()
         if not 0.0 < self.config.ema_decay < 1.0:
             raise ValueError(f"ema_decay={self.config.ema_decay} must be in (0, 1)")
+        if self.config.rebase_after < 0 or self.config.rebase_after == 1:
+            raise ValueError(f"rebase_after={self.config.rebase_after} must be 0 (off) or >= 2")
+        if not (math.isfinite(self.config.zero_norm) and self.config.zero_norm >= 0):
+            raise ValueError(f"zero_norm={self.config.zero_norm} must be finite and >= 0")
         self.ema: float | None = None
         self.accepted = 0
         self.consecutive = 0
         self.skipped = 0
         self.reasons: dict[str, int] = {}
+        self.zero_steps = 0
+        self.rebases = 0
+        self._spike_norms: list[float] = []  # norms of the current streak of spike decisions
 
     def decide(self, grad_norm: torch.Tensor, step: int) -> StepDecision:
         norm = float(grad_norm)
         c = self.config
         if not math.isfinite(norm):
+            self._spike_norms = []
             return self._skip("nonfinite", norm, step)
+        if norm <= c.zero_norm:  # no learning signal: proceed, keep it out of the baseline
+            self.zero_steps += 1
+            self.consecutive = 0
+            self._spike_norms = []
+            return StepDecision.proceed()
         if self.ema is not None and self.accepted >= c.warmup_steps:
             if norm > c.spike_factor * self.ema and norm > c.abs_threshold:
-                return self._skip("spike", norm, step)
+                self._spike_norms.append(norm)
+                if not (c.rebase_after and len(self._spike_norms) >= c.rebase_after):
+                    return self._skip("spike", norm, step)
+                old, self.ema = self.ema, statistics.median(self._spike_norms)
+                self.rebases += 1
+                logger.warning(
+                    "step %d: %d gradient-norm spikes in a row (EMA %.4g, median %.4g) are a level shift, not a "
+                    "spike: the spike guard re-anchors its baseline and takes the step (guards.gepo.spike."
+                    "rebase_after=%d)",
+                    step + 1,
+                    len(self._spike_norms),
+                    old,
+                    self.ema,
+                    c.rebase_after,
+                )
+                self._spike_norms = []
+                self.accepted += 1
+                self.consecutive = 0
+                return StepDecision.proceed()
+        self._spike_norms = []
         self.ema = norm if self.ema is None else c.ema_decay * self.ema + (1.0 - c.ema_decay) * norm
         self.accepted += 1
         self.consecutive = 0
         return StepDecision.proceed()
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters and the current baseline (NaN before the first accepted step); none without a spike
+        test (the non-finite-only guard)."""
+        if math.isinf(self.config.spike_factor):
+            return {}
+        return {
+            GEPO_ZERO_GRAD_STEPS: float(self.zero_steps),
+            GEPO_SPIKE_REBASES: float(self.rebases),
+            GEPO_SPIKE_EMA: math.nan if self.ema is None else float(self.ema),
+        }
 
     def _skip(self, reason: str, norm: float, step: int) -> StepDecision:
         self.skipped += 1
@@ -84,6 +143,9 @@ class SpikeGuard:
             "consecutive": self.consecutive,
             "skipped": self.skipped,
             "reasons": dict(self.reasons),
+            "zero_steps": self.zero_steps,
+            "rebases": self.rebases,
+            "spike_norms": list(self._spike_norms),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -92,3 +154,6 @@ class SpikeGuard:
         self.consecutive = state["consecutive"]
         self.skipped = state["skipped"]
         self.reasons = dict(state["reasons"])
+        self.zero_steps = int(state.get("zero_steps", 0))
+        self.rebases = int(state.get("rebases", 0))
+        self._spike_norms = [float(v) for v in state.get("spike_norms", [])]

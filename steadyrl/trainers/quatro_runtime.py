@@ -10,7 +10,8 @@ factor of beta, the entropy coefficient, the clip-range scale); ``SteadyGRPOTrai
 - measurements: after every training micro-batch loss (``SteadyGRPOTrainer._compute_loss``) the runtime records
   TRL's just-logged ``kl`` and ``entropy`` (each already a token mean over all ranks) with the micro-batch's token
   count over all ranks; at the optimizer step's end the step mean is the token-weighted mean of those entries.
-  Micro-batches whose every row the filters dropped have no tokens and do not count (TRL logs 0 for them).
+  Micro-batches whose every row the filters excluded (``dropped_rows: exclude``) have no tokens and do not count
+  (TRL logs 0 for them).
 - adaptive KL (after each optimizer step): ``AdaptiveKL.observe(step mean KL)``; its factor becomes
   the ``quatro_kl`` factor of beta. The effective coefficient is
   ``trainer.beta = beta_base x quatro_kl x grade`` (GRADE's KL compensation, when on, is the other factor).
@@ -28,7 +29,8 @@ factor of beta, the entropy coefficient, the clip-range scale); ``SteadyGRPOTrai
   (``CLIP_LOSS_TYPES``), ``epsilon_low/high = initial x floor.clip_scale()``. Both apply from the next step on.
 - filters (per generation batch, train mode): the gathered weighted rewards and token ids of the whole generation
   batch go through ``RolloutFilter`` (``filter_generation``); the advantage pipeline then computes advantages with
-  ``masked_group_advantages`` and ``mask_dropped_rows`` zeroes the completion mask of this rank's dropped rows.
+  ``masked_group_advantages`` (dropped rows get advantage 0); only with ``filters.dropped_rows: exclude`` does
+  ``mask_dropped_rows`` also zero the completion mask of this rank's dropped rows.
 - replay (per rank, train mode; ``ReplayBuffer`` seeded with ``args.seed + rank``):
   1. sampling log-probs: after every generation batch is scored
      (``SteadyGRPOTrainer._generate_and_score_completions``) ``trl_state.ensure_sampling_logps`` fills
@@ -272,7 +274,13 @@ class QuatroRuntime:
         return self.filter_rows(rewards, prompts, completions, num_generations).keep
 
     def mask_dropped_rows(self, output: dict[str, Any], keep_local: torch.Tensor) -> None:
-        """Dropped rows of this rank leave the loss: completion mask 0 (advantage is already 0).
+        """With ``filters.dropped_rows: exclude``, dropped rows of this rank leave the loss: completion mask 0
+        (advantage is already 0). With the default ``zero_advantage`` nothing changes here: a dropped row trains
+        with advantage 0 (only the KL term and the entropy bonus see it) and still counts in every normaliser, so
+        the kept rows get exactly the weight they get without filters and filtering does not shift their
+        effective learning rate (nor the gradient norm the spike guard watches).
+
+        Under ``exclude``:
 
         ``num_items_in_batch`` (TRL: the generation batch's loss tokens over all ranks, the normaliser of
         dapo/cispo/vespo) is recounted without them. The other loss types normalise per micro-batch: bnpo by the
@@ -280,6 +288,9 @@ class QuatroRuntime:
         dropped row still counts as a row with loss 0, like a zero-advantage row), dr_grpo by the constant
         B x max_completion_length (unchanged).
         """
+        assert self.filter is not None
+        if self.filter.config.dropped_rows != "exclude":
+            return
         mask = output["completion_mask"]
         output["completion_mask"] = mask * keep_local.to(device=mask.device, dtype=mask.dtype).unsqueeze(1)
         if "num_items_in_batch" in output:

@@ -70,6 +70,10 @@ class StepGate:
         for key, value in self.counters.items():
             if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
                 self.ctx.log_metric(gepo_skipped(key.removeprefix("skipped_")), value)
+        for guard in self.guards:  # a guard's own counters (the spike guard's baseline, rebases, ...)
+            metrics = getattr(guard, "metrics", None)
+            if metrics is not None:
+                self.ctx.log_metrics(metrics())
         return decision
 
     def clip_or_skip(self, model: torch.nn.Module, max_grad_norm: float) -> tuple[torch.Tensor, bool]:

@@ -133,8 +133,9 @@ class Recorder:
         trainer._generate_and_score_completions = wrapped
 
 
-def _only_repetition(n: int = 1, share: float = 0.0) -> FilterConfig:
+def _only_repetition(n: int = 1, share: float = 0.0, dropped_rows: str = "zero_advantage") -> FilterConfig:
     return FilterConfig(
+        dropped_rows=dropped_rows,
         zscore=ZScoreConfig(enabled=False),
         length=LengthConfig(enabled=False),
         parrot=ParrotConfig(enabled=False),
@@ -144,11 +145,14 @@ def _only_repetition(n: int = 1, share: float = 0.0) -> FilterConfig:
     )
 
 
-def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("dropped_rows", ["zero_advantage", "exclude"])
+def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path, dropped_rows):
     """Repetition filter alone (n=1, share > 0: any token twice): the per-step count equals the number of completions
-    with a repeated token (recomputed here from the token ids); those rows train with advantage 0 and mask 0, and
-    num_items_in_batch counts only the kept rows' tokens."""
-    quatro = QuatroRuntime(QuatroConfig(filters=_only_repetition()))
+    with a repeated token (recomputed here from the token ids); those rows train with advantage 0. Under
+    ``zero_advantage`` (default) they keep their completion mask and count in num_items_in_batch, so the kept rows'
+    weight is that of an unfiltered batch; under ``exclude`` their mask is 0 and num_items_in_batch counts only the
+    kept rows' tokens."""
+    quatro = QuatroRuntime(QuatroConfig(filters=_only_repetition(dropped_rows=dropped_rows)))
     trainer, _ = _trainer(tiny_model_dir, tmp_path / "rep", quatro, max_steps=4, max_completion_length=16)
     recorder = Recorder(trainer)
     ids_per_step = []
@@ -165,11 +169,16 @@ def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path):
     assert counts == expected and sum(expected) > 0 and all(c < 8 for c in expected), expected
     for ids, out in zip(ids_per_step, recorder.outputs, strict=True):
         dropped = torch.tensor([repeat_share(c, 1) > 0.0 for c in ids])
-        assert torch.all(out["completion_mask"][dropped] == 0)
+        lengths = torch.tensor([len(c) for c in ids])
         assert torch.all(out["advantages"][dropped] == 0)
         kept_lengths = out["completion_mask"][~dropped].sum(dim=1)
-        assert torch.equal(kept_lengths, torch.tensor([len(c) for c, d in zip(ids, dropped, strict=True) if not d]))
-        assert int(out["num_items_in_batch"]) == int(kept_lengths.sum())
+        assert torch.equal(kept_lengths, lengths[~dropped])
+        if dropped_rows == "exclude":
+            assert torch.all(out["completion_mask"][dropped] == 0)
+            assert int(out["num_items_in_batch"]) == int(kept_lengths.sum())
+        else:
+            assert torch.equal(out["completion_mask"].sum(dim=1), lengths)
+            assert int(out["num_items_in_batch"]) == int(lengths.sum())
         # the kept rows of a group are normalised among themselves: each group with >= 2 kept rows has mean 0
         for g in range(2):
             rows = slice(4 * g, 4 * g + 4)

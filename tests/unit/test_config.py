@@ -204,8 +204,13 @@ def test_quatro_contradictions_name_the_fix(base: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainer.beta is 0 .* set trainer.beta > 0 .*kl.enabled=false"):
         load_config(base, ["guards.quatro.enabled=true"])
     assert load_config(base, ["guards.quatro.enabled=true", "guards.quatro.kl.enabled=false"]).guards.quatro.enabled
-    with pytest.raises(ConfigError, match=r"trainer.beta=2.0 is outside \[guards.quatro.kl.beta_min"):
-        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=2.0"])
+    absolute = ["guards.quatro.kl.beta_min=0.001", "guards.quatro.kl.beta_max=1.0"]
+    with pytest.raises(ConfigError, match=r"trainer.beta=2.0 is outside \[guards.quatro.kl.beta_min=0.001"):
+        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=2.0", *absolute])
+    with pytest.raises(ConfigError, match=r"set both beta_min and beta_max"):
+        load_config(base, ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.kl.beta_min=0.01"])
+    cfg = load_config(base, ["guards.quatro.enabled=true", "trainer.beta=2.0", "guards.quatro.kl.target=auto"])
+    assert cfg.guards.quatro.kl.bounds(2.0) == (2.0, 8.0)  # beta_range is relative: any trainer.beta > 0 fits
     with pytest.raises(ConfigError, match=r"use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"):
         load_config(base, ["guards.quatro.enabled=true", "trainer.beta=0.04", "trainer.use_adaptive_entropy=true"])
     from steadyrl.trainers.build import guard_kwargs

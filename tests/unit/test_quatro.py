@@ -59,70 +59,117 @@ def roundtrip(state: dict) -> dict:
 def test_kl_validation_names_the_fix():
     with pytest.raises(ValueError, match=r"Set trainer.beta > 0"):
         AdaptiveKL(KLConfig(), 0.0)
-    with pytest.raises(ValueError, match=r"trainer.beta=2.0 is outside \[guards.quatro.kl.beta_min"):
-        AdaptiveKL(KLConfig(), 2.0)
+    with pytest.raises(ValueError, match=r"trainer.beta=2.0 is outside \[guards.quatro.kl.beta_min=0.01"):
+        AdaptiveKL(KLConfig(beta_min=0.01, beta_max=1.0), 2.0)
     with pytest.raises(ValueError, match=r"up must be finite and > 1.*down must be in \(0, 1\)"):
         KLConfig(up=1.0, down=1.0)
     with pytest.raises(ValueError, match="update_every must be >= 1"):
         KLConfig(update_every=0)
+    with pytest.raises(ValueError, match=r"target must be a number > 0 or 'auto', got 'aut'"):
+        KLConfig(target="aut")
+    with pytest.raises(ValueError, match="set both beta_min and beta_max"):
+        KLConfig(beta_min=0.01)
+    with pytest.raises(ValueError, match=r"beta_range must be \[low, high\] with 0 < low <= 1 <= high"):
+        KLConfig(beta_range=[2.0, 4.0])
     assert isinstance(AdaptiveKL(None, 0.04), Stateful)
 
 
-def test_kl_moves_beta_toward_the_target_each_step():
-    kl = AdaptiveKL(KLConfig(target=0.02), beta0=0.04)
-    assert (kl.beta, kl.factor) == (0.04, 1.0)
-    assert kl.observe(0.03)  # above: x 1.2
+def test_kl_proportional_update_clamped_per_step():
+    kl = AdaptiveKL(KLConfig(target=0.02, beta_range=[0.25, 4.0]), beta0=0.04)
+    assert (kl.beta, kl.factor, kl.target) == (0.04, 1.0, 0.02)
+    assert kl.observe(0.03)  # KL / target = 1.5 -> clamped to up = 1.2
     assert kl.beta == 0.04 * 1.2 and kl.coef == kl.beta and kl.factor == 0.04 * 1.2 / 0.04
-    kl.observe(0.01)  # below: x 0.8
-    assert kl.beta == 0.04 * 1.2 * 0.8
-    kl.observe(0.02)  # equal: unchanged
-    assert kl.beta == 0.04 * 1.2 * 0.8
+    kl.observe(0.018)  # 0.9: proportional inside [down, up]
+    assert kl.beta == pytest.approx(0.04 * 1.2 * 0.9, rel=1e-12)
+    kl.observe(0.002)  # 0.1 -> clamped to down = 0.8
+    assert kl.beta == pytest.approx(0.04 * 1.2 * 0.9 * 0.8, rel=1e-12)
+    before = kl.beta
+    kl.observe(0.02)  # on target: unchanged
+    assert kl.beta == before
     assert kl.metrics() == {
-        "quatro/kl_coef": 0.04 * 1.2 * 0.8,
-        "quatro/kl_factor": 0.04 * 1.2 * 0.8 / 0.04,
+        "quatro/kl_coef": before,
+        "quatro/kl_factor": before / 0.04,
         "quatro/kl_mean": 0.02,
         "quatro/kl_target": 0.02,
         "quatro/kl_nan": 0.0,
+        "quatro/kl_at_max": 0.0,
+        "quatro/kl_at_min": 0.0,
+        "quatro/kl_bound_run": 0.0,
     }
 
 
+def test_kl_auto_target_is_calibrated_from_the_runs_own_kl_at_the_users_beta():
+    kl = AdaptiveKL(KLConfig(calibration_steps=4, target_ratio=2.0), beta0=0.04)
+    assert kl.calibrating and math.isnan(kl.metrics()["quatro/kl_target"])
+    for value in (0.01, 0.02, 0.03):
+        assert not kl.observe(value)  # calibrating: beta stays at trainer.beta
+        assert kl.beta == 0.04
+    assert not kl.observe(0.05)  # the 4th value ends the window: target = 2 x mean(0.03, 0.05) = 0.08
+    assert kl.target == pytest.approx(0.08) and not kl.calibrating and kl.beta == 0.04
+    assert kl.observe(0.096)  # 0.096 / 0.08 = 1.2
+    assert kl.beta == pytest.approx(0.048)
+    floor = AdaptiveKL(KLConfig(calibration_steps=2, target_min=1e-3), beta0=0.04)
+    floor.observe(0.0)
+    floor.observe(0.0)
+    assert floor.target == 1e-3  # a run whose KL is still 0 gets target_min, not 0
+
+
+def test_kl_default_bounds_are_relative_to_trainer_beta_and_saturation_is_counted():
+    kl = AdaptiveKL(KLConfig(target=0.02), beta0=0.04)  # beta_range [1, 4] -> [0.04, 0.16]
+    assert (kl.beta_min, kl.beta_max) == (0.04, 0.16)
+    for _ in range(3):
+        kl.observe(0.001)  # far below target: would lower beta, but never below the user's (idle: not counted)
+    assert kl.beta == 0.04 and kl.at_min == 0 and kl.bound_run == 0
+    for _ in range(10):
+        kl.observe(1.0)  # runaway KL: x 1.2 per update up to 4 x trainer.beta
+    assert kl.beta == pytest.approx(0.16) and kl.at_min == 0
+    # 0.04 x 1.2^k passes 0.16 at k = 8: updates 8, 9, 10 wanted more than beta_max
+    assert kl.at_max == 3 and kl.bound_run == 3
+    m = kl.metrics()
+    assert (m["quatro/kl_at_max"], m["quatro/kl_at_min"], m["quatro/kl_bound_run"]) == (3.0, 0.0, 3.0)
+    kl.observe(0.02)
+    assert kl.bound_run == 0
+
+
 def test_kl_window_mean_nan_and_clamps():
-    kl = AdaptiveKL(KLConfig(update_every=3, beta_max=0.05), beta0=0.045)
+    kl = AdaptiveKL(KLConfig(target=0.02, update_every=3, beta_min=0.01, beta_max=0.05), beta0=0.045)
     assert not kl.observe(0.01) and not kl.observe(NAN)
     assert kl.observe(0.05)  # window mean of the finite values (0.01 + 0.05) / 2 = 0.03 > 0.02
     assert kl.beta == 0.05 and kl.last_mean == (0.01 + 0.05) / 2 and kl.nan_count == 1  # 0.054 clamped to 0.05
     for value in (NAN, NAN, NAN):  # a window without a finite value changes nothing
         assert not kl.observe(value)
     assert kl.beta == 0.05 and kl.nan_count == 4
-    kl = AdaptiveKL(KLConfig(beta_min=0.01), beta0=0.011)
+    kl = AdaptiveKL(KLConfig(target=0.02, beta_min=0.01, beta_max=1.0), beta0=0.011)
     kl.observe(0.0)
-    assert kl.beta == 0.01  # 0.0088 clamped up to beta_min
+    assert kl.beta == 0.01 and kl.at_min == 1  # 0.0088 clamped up to beta_min
 
 
 def test_kl_disabled_only_measures():
-    kl = AdaptiveKL(KLConfig(enabled=False), beta0=0.04)
+    kl = AdaptiveKL(KLConfig(enabled=False, target=0.02), beta0=0.04)
     kl.observe(1.0)
     assert kl.beta == 0.04 and kl.metrics()["quatro/kl_mean"] == 1.0
 
 
-def test_kl_state_round_trip_mid_window():
-    a = AdaptiveKL(KLConfig(update_every=2), beta0=0.04)
+def test_kl_state_round_trip_mid_window_and_mid_calibration():
+    a = AdaptiveKL(KLConfig(update_every=2, calibration_steps=3, beta_range=[0.5, 2.0]), beta0=0.04)
     for value in (0.05, 0.01, 0.1):
         a.observe(value)
-    b = AdaptiveKL(KLConfig(update_every=2), beta0=0.04)
+    assert a.calibrating
+    b = AdaptiveKL(KLConfig(update_every=2, calibration_steps=3, beta_range=[0.5, 2.0]), beta0=0.04)
     b.load_state_dict(roundtrip(a.state_dict()))
-    for value in (0.001, NAN, 0.3, 0.2):
+    for value in (0.001, NAN, 0.3, 0.2, 0.5, 0.01, 0.0, 0.4, 0.9):
         assert a.observe(value) == b.observe(value)
-        assert a.beta == b.beta and a.state_dict() == b.state_dict()
+        assert a.beta == b.beta and str(a.state_dict()) == str(b.state_dict())  # str: NaN != NaN
+    assert not a.calibrating and a.beta != 0.04
 
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.one_of(st.floats(min_value=0.0, max_value=5.0), st.just(NAN)), max_size=60))
 def test_kl_beta_stays_in_bounds(values):
-    kl = AdaptiveKL(KLConfig(beta_min=1e-3, beta_max=0.2), beta0=0.04)
+    kl = AdaptiveKL(KLConfig(calibration_steps=3, beta_range=[0.25, 4.0]), beta0=0.04)
     for value in values:
         kl.observe(value)
-        assert 1e-3 <= kl.beta <= 0.2 and kl.factor == kl.beta / 0.04
+        assert 0.01 - 1e-15 <= kl.beta <= 0.16 + 1e-15 and kl.factor == kl.beta / 0.04
 
 
 # ---------------------------------------------------------------------------------------------- entropy floor

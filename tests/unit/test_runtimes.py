@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -55,7 +56,7 @@ def test_quatro_kl_controller_observes_the_token_weighted_step_mean() -> None:
 
 def test_quatro_ppo_observes_once_per_generation_batch() -> None:
     ctx = FakeContext()
-    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=0.02)))
+    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=0.02, beta_range=[0.25, 4.0])))
     quatro.bind(ctx, QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", kl_from_rollouts=True))
     quatro.record_rollout_kl(0.01, tokens=10.0)
     controls, _ = quatro.on_step_end()
@@ -106,6 +107,10 @@ def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_r
     keep = quatro.filter_generation(output, torch.tensor([1.0, 0.0]), completions, num_generations=2)
     assert keep.tolist() == [True, False]
     assert ctx.last(quatro_filtered("repetition")) == 1.0
+    quatro.mask_dropped_rows(output, keep)  # default zero_advantage: the row stays in the loss and normaliser
+    assert output["completion_mask"].sum(dim=1).tolist() == [6, 6] and int(output["num_items_in_batch"]) == 12
+    quatro = QuatroRuntime(QuatroConfig(filters=dataclasses.replace(_only_repetition(), dropped_rows="exclude")))
+    quatro.bind(ctx, SETUP)
     quatro.mask_dropped_rows(output, keep)
     assert output["completion_mask"].sum(dim=1).tolist() == [6, 0] and int(output["num_items_in_batch"]) == 6
 

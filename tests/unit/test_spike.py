@@ -73,3 +73,59 @@ def test_state_round_trip_gives_identical_decisions():
 def test_invalid_decay():
     with pytest.raises(ValueError, match=r"ema_decay=1.0 must be in \(0, 1\)"):
         SpikeGuard(SpikeConfig(ema_decay=1.0))
+
+
+def test_zero_gradient_stretch_does_not_lock_out_healthy_steps():
+    # the reproduction: 100 zero-gradient steps (every group zero-variance) and then healthy norms of 8
+    g = SpikeGuard(SpikeConfig(ema_decay=0.98, warmup_steps=10, spike_factor=5.0, abs_threshold=5.0))
+    for i in range(10):
+        g.decide(norm(8.0), i)
+    ema = g.ema
+    for i in range(10, 110):
+        assert not g.decide(norm(0.0), i).skip  # no signal: proceeds
+    assert g.ema == ema and g.accepted == 10 and g.zero_steps == 100  # and stays out of the baseline
+    assert not any(g.decide(norm(8.0), i).skip for i in range(110, 130))
+    assert g.skipped == 0 and g.metrics()["gepo/zero_grad_steps"] == 100.0
+
+
+def test_a_level_shift_rebases_after_rebase_after_spikes_in_a_row():
+    g = SpikeGuard(SpikeConfig(ema_decay=0.5, warmup_steps=1, spike_factor=5.0, abs_threshold=5.0, rebase_after=3))
+    g.decide(norm(0.5), 0)  # ema 0.5: every norm above 5 is now a spike
+    assert g.decide(norm(40.0), 1).skip
+    assert g.decide(norm(20.0), 2).skip
+    d = g.decide(norm(30.0), 3)  # 3rd in a row: a new level, not a spike
+    assert not d.skip and g.ema == 30.0 and g.rebases == 1  # median of 40, 20, 30
+    assert (g.skipped, g.consecutive) == (2, 0)
+    assert not g.decide(norm(25.0), 4).skip  # the new normal
+    assert g.metrics() == {"gepo/zero_grad_steps": 0.0, "gepo/spike_rebases": 1.0, "gepo/spike_ema": 27.5}
+
+
+def test_a_single_spike_between_healthy_steps_is_still_skipped_and_streaks_reset():
+    g = SpikeGuard(SpikeConfig(ema_decay=0.5, warmup_steps=1, rebase_after=2))
+    g.decide(norm(1.0), 0)
+    assert g.decide(norm(100.0), 1).skip
+    assert not g.decide(norm(1.0), 2).skip  # healthy: the spike streak restarts
+    assert g.decide(norm(100.0), 3).skip and g.rebases == 0
+    assert g.decide(norm(float("nan")), 4).skip  # a non-finite norm breaks a spike streak too
+    assert g.decide(norm(100.0), 5).skip and g.rebases == 0
+    off = SpikeGuard(SpikeConfig(ema_decay=0.5, warmup_steps=1, rebase_after=0, max_consecutive_skips=50))
+    off.decide(norm(1.0), 0)
+    assert all(off.decide(norm(100.0), i).skip for i in range(1, 30)) and off.rebases == 0
+
+
+def test_rebase_state_round_trip_mid_streak():
+    cfg = SpikeConfig(ema_decay=0.5, warmup_steps=1, rebase_after=3)
+    a = SpikeGuard(cfg)
+    for i, x in enumerate([1.0, 50.0, 60.0]):
+        a.decide(norm(x), i)
+    b = SpikeGuard(cfg)
+    b.load_state_dict(a.state_dict())
+    assert not a.decide(norm(70.0), 3).skip and not b.decide(norm(70.0), 3).skip
+    assert a.state_dict() == b.state_dict() and b.ema == 60.0
+
+
+def test_invalid_rebase_and_zero_norm():
+    with pytest.raises(ValueError, match=r"rebase_after=1 must be 0 \(off\) or >= 2"):
+        SpikeGuard(SpikeConfig(rebase_after=1))
+    with pytest.raises(ValueError, match=r"zero_norm=-1.0 must be finite and >= 0"):
+        SpikeGuard(SpikeConfig(zero_norm=-1.0))

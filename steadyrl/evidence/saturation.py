@@ -1,0 +1,193 @@
+"""Controllers at a bound: the doctor's ``saturated_controller`` checks (issue 13: no controller may sit at a bound
+silently).
+
+Each check reads counters the guards log and names the key to change:
+- the adaptive KL coefficient wanted to go past ``beta_max`` (``quatro/kl_at_max``) or below a ``beta_min`` under
+  ``trainer.beta`` (``quatro/kl_at_min``) on a large share of the late window's steps;
+- the entropy floor's bonus sat at its cap (the largest value the run logged, ``coef_max`` once reached) while the
+  floor stayed active through the late window;
+- the quality filters (every reason but ``zero_variance``, whose rows carry no learning signal anyway) dropped more
+  than ``max_filter_share`` of the rows in the late window;
+- the spike guard skipped ``min_skip_streak`` or more steps in a row, or re-anchored its baseline
+  (``gepo/spike_rebases``: a level shift it took for spikes at first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from steadyrl import metrics as M
+from steadyrl.evidence.history import History
+
+
+@dataclass
+class SaturationConfig:
+    share: float = 0.5  # a bound counts as saturated when hit on at least this share of the late window's steps
+    window: int = 20  # late window, in logged rows
+    max_filter_share: float = 0.3  # quality filters dropping more than this share of rows (late-window mean)
+    min_skip_streak: int = 3  # consecutive skipped optimizer steps worth reporting
+
+
+@dataclass
+class SaturationCheck:
+    """One saturated controller: what it saw (metric, steps, detail) and the key to change."""
+
+    summary: str
+    metric: str
+    first_step: int
+    last_step: int
+    detail: str
+    change: str
+
+
+def _late(history: History, name: str, window: int) -> tuple[np.ndarray, np.ndarray]:
+    steps, values = history.series(name)
+    ok = np.isfinite(values)
+    return steps[ok][-window:], values[ok][-window:]
+
+
+def _last_mean(history: History, name: str, window: int) -> float:
+    _, values = _late(history, name, window)
+    return float(values.mean()) if len(values) else float("nan")
+
+
+def _hits(history: History, name: str, window: int) -> tuple[int, int, np.ndarray]:
+    """(increments of a cumulative counter over the late window, rows in it, the window's steps)."""
+    steps, values = _late(history, name, window + 1)
+    if len(values) < 2:
+        return 0, 0, steps
+    return int(np.count_nonzero(np.diff(values) > 0)), len(values) - 1, steps[1:]
+
+
+def _kl_checks(history: History, c: SaturationConfig) -> list[SaturationCheck]:
+    out = []
+    for name, side, change in (
+        (
+            M.QUATRO_KL_AT_MAX,
+            "upper",
+            "guards.quatro.kl.beta_range: raise its high end (default [1, 4] x trainer.beta) if the drift is wanted; "
+            "otherwise lower trainer.learning_rate, or set guards.quatro.kl.target to a number above the run's KL",
+        ),
+        (
+            M.QUATRO_KL_AT_MIN,
+            "lower",
+            "guards.quatro.kl.target: the run's KL stays far below it, so the anchor is loose; use target: auto "
+            "(calibrated from this run) or a value near the logged quatro/kl_mean, or raise beta_range's low end",
+        ),
+    ):
+        hits, rows, steps = _hits(history, name, c.window)
+        if rows and hits >= c.share * rows:
+            coef, target, kl = (
+                _last_mean(history, n, w)
+                for n, w in ((M.QUATRO_KL_COEF, 1), (M.QUATRO_KL_TARGET, 1), (M.QUATRO_KL_MEAN, c.window))
+            )
+            detail = (
+                f"the KL controller wanted beta past its {side} bound on {hits} of the last {rows} steps (beta "
+                f"{coef:.4g}, target {target:.4g}, KL {kl:.4g})"
+            )
+            out.append(
+                SaturationCheck(
+                    f"KL coefficient held at its {side} bound", name, int(steps[0]), int(steps[-1]), detail, change
+                )
+            )
+    return out
+
+
+def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
+    steps, bonus = _late(history, M.QUATRO_ENTROPY_BONUS, c.window)
+    _, active = _late(history, M.QUATRO_FLOOR_ACTIVE, c.window)
+    _, all_bonus = history.series(M.QUATRO_ENTROPY_BONUS)
+    cap = float(np.nanmax(all_bonus)) if all_bonus.size else 0.0
+    if len(bonus) < 2 or cap <= 0 or not len(active):
+        return None
+    at_cap = int(np.count_nonzero(np.isclose(bonus, cap)))
+    if at_cap < c.share * len(bonus) or active.mean() < c.share:
+        return None
+    return SaturationCheck(
+        "entropy bonus held at its cap",
+        M.QUATRO_ENTROPY_BONUS,
+        int(steps[0]),
+        int(steps[-1]),
+        f"the floor stayed active and its bonus sat at {cap:.4g} on {at_cap} of the last {len(bonus)} steps",
+        "guards.quatro.entropy.coef_max: raise it (the bonus at its cap does not hold entropy), or lower "
+        "guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned",
+    )
+
+
+def _filter_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
+    steps, share = _late(history, M.QUATRO_FILTERED_SHARE, c.window)
+    if len(share) < 2:
+        return None
+    per_reason = {}
+    for name in history.matching(M.QUATRO_FILTERED_PREFIX):
+        _, values = _late(history, name, c.window)
+        per_reason[name.removeprefix(M.QUATRO_FILTERED_PREFIX)] = float(values.sum())
+    total = sum(per_reason.values())
+    quality = {r: v for r, v in per_reason.items() if r != "zero_variance"}
+    if total <= 0:
+        return None
+    quality_share = float(share.mean()) * sum(quality.values()) / total
+    if quality_share <= c.max_filter_share:
+        return None
+    worst = max(quality, key=quality.__getitem__)
+    return SaturationCheck(
+        "rollout filters drop a large share of rows",
+        M.QUATRO_FILTERED_SHARE,
+        int(steps[0]),
+        int(steps[-1]),
+        f"quality filters dropped {quality_share:.0%} of rows over the last {len(share)} steps, most by {worst} "
+        f"({quality[worst]:.0f} rows)",
+        f"guards.quatro.filters.{worst}: loosen its threshold or set guards.quatro.filters.{worst}.enabled=false "
+        "(a filter that drops this much shapes the task rather than cleaning it)",
+    )
+
+
+def _spike_checks(history: History, c: SaturationConfig) -> list[SaturationCheck]:
+    out = []
+    skipped = np.array(sorted(set(history.skipped_steps.tolist())), dtype=np.int64)
+    if len(skipped) >= c.min_skip_streak:
+        best, start, run_start, run = 1, int(skipped[0]), int(skipped[0]), 1
+        for prev, cur in itertools.pairwise(skipped):
+            run, run_start = (run + 1, run_start) if cur == prev + 1 else (1, int(cur))
+            if run > best:
+                best, start = run, run_start
+        if best >= c.min_skip_streak:
+            out.append(
+                SaturationCheck(
+                    "spike guard skipped steps in a row",
+                    M.GEPO_SKIPPED_STEPS,
+                    start,
+                    start + best - 1,
+                    f"{best} optimizer steps in a row were skipped",
+                    "guards.gepo.spike.rebase_after (4): a streak this long is a level shift the guard should take as "
+                    "the new normal; check guards.gepo.spike.abs_threshold against the logged grad_norm",
+                )
+            )
+    steps, rebases = _late(history, M.GEPO_SPIKE_REBASES, 10**9)
+    if len(rebases) and rebases[-1] > 0:
+        first = int(steps[np.argmax(rebases > 0)])
+        out.append(
+            SaturationCheck(
+                "spike guard re-anchored its baseline",
+                M.GEPO_SPIKE_REBASES,
+                first,
+                int(steps[-1]),
+                f"{rebases[-1]:.0f} streak(s) of spikes were a level shift (the guard took them as the new normal)",
+                "guards.gepo.spike.abs_threshold / spike_factor: set them from the grad_norm of a calm stretch "
+                "(steadyrl preflight proposes values)",
+            )
+        )
+    return out
+
+
+def saturation_checks(history: History, config: SaturationConfig | None = None) -> list[SaturationCheck]:
+    """Every saturated controller found in a run's history (none: no controller sat at a bound)."""
+    c = config or SaturationConfig()
+    return [
+        *_kl_checks(history, c),
+        *filter(None, [_entropy_check(history, c), _filter_check(history, c)]),
+        *_spike_checks(history, c),
+    ]
