@@ -1,4 +1,4 @@
-"""``steadyrl`` command line: train, sft, validate, report, doctor.
+"""``steadyrl`` command line: train, sft, validate, report, doctor, compare, preflight.
 
     steadyrl train CONFIG [section.key=value ...]     GRPO (or whatever ``algorithm`` says)
     steadyrl sft CONFIG [overrides]                   supervised warm start (``algorithm: sft``)
@@ -8,6 +8,9 @@
     steadyrl doctor RUN_DIR                           name the failure mode under way: exit 0 healthy,
                                                       1 a warning or problem found, 2 no logs found
     steadyrl compare RUN_A RUN_B ... [--out DIR]      several runs overlaid: PNG per metric + compare.md
+    steadyrl preflight CONFIG [overrides] [--out DIR] calibrate the guards on this model (observe-mode baseline),
+                                                      then drill a NaN loss and an inf in Adam's state; writes a
+                                                      config that extends CONFIG with the calibrated values
 
 ``report`` and ``doctor`` read ``RUN_DIR/metrics.jsonl`` (the MetricsLog callback), else the newest
 ``checkpoint-*/trainer_state.json``; they need no config.
@@ -47,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("run_dir", help="the run's trainer.output_dir (holding metrics.jsonl or checkpoint-*/)")
+    text = "calibrate the guard layers on this config's model, drill two faults, write a calibrated config"
+    p = sub.add_parser("preflight", help=text, description=text)
+    p.add_argument("config", help="YAML config file (the run you are about to launch)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, YAML-typed")
+    p.add_argument("--out", default="preflight", help="output folder (default: ./preflight)")
+    p.add_argument("--steps", type=int, default=20, help="baseline steps in observe mode (default 20)")
+    p.add_argument("--drill-steps", type=int, default=6, help="steps of each fault drill (default 6; fault at 3)")
     text = "overlay several runs' metrics (one PNG per metric) and tabulate their final values"
     p = sub.add_parser("compare", help=text, description=text)
     p.add_argument("run_dirs", nargs="+", help="two or more runs' trainer.output_dir")
@@ -122,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         return _evidence(args.command, args.run_dir)
     if args.command == "compare":
         return _compare(args.run_dirs, args.out)
+    if args.command == "preflight":
+        from steadyrl.preflight import main as preflight
+
+        try:
+            return preflight(args.config, args.overrides, args.out, args.steps, args.drill_steps)
+        except ConfigError as exc:
+            print(f"steadyrl: config error: {exc}", file=sys.stderr)
+            return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)

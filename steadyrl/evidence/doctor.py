@@ -14,6 +14,10 @@ weights than the ones being trained (a weight sync that does not reach it). TRL'
 ``sampling/sampling_logp_difference/mean`` (per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then
 grows from float noise to nats.
 
+And one that is steadyrl's own: ``saturated_controller``, a guard held at its bound (the KL coefficient at its
+cap, the entropy bonus at its cap, filters dropping a large share, the spike guard skipping in a row or
+re-anchoring), which means one of its settings does not fit this run (``steadyrl.evidence.saturation``).
+
 Trends compare an early window of logged rows with a late one (``DoctorConfig.window`` rows each, a third of a
 short series). Every check needs a large, sustained change, so a noisy but healthy run gives no finding. The
 doctor reads logs only: it cannot see the samples, so a finding says where to look, not what the model did.
@@ -29,6 +33,7 @@ import yaml
 
 from steadyrl.evidence.early_warnings import logp_gap_allowance, logp_gap_verdict
 from steadyrl.evidence.history import History, to_float
+from steadyrl.evidence.saturation import saturation_checks
 from steadyrl.metrics import (
     COMPLETIONS_CLIPPED_RATIO,
     COMPLETIONS_MEAN_LENGTH,
@@ -55,12 +60,13 @@ from steadyrl.metrics import (
     TRAIN_RUNTIME,
 )
 
-MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts")
+MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts", "saturated_controller")
 TITLES = {
     "hard_crash": "hard crash (inf/NaN, gradient explosion)",
     "entropy_collapse": "entropy collapse (the policy stops exploring and repeats itself)",
     "reward_hacking": "reward hacking (training reward up, real quality not)",
     "off_policy_rollouts": "off-policy rollouts (vLLM generates from other weights than the trained ones)",
+    "saturated_controller": "a guard held at its bound (its setting does not fit this run)",
 }
 LOGP_GAP = SAMPLING_LOGP_GAP
 NONFINITE_COUNTERS = (
@@ -534,6 +540,14 @@ def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
 # ----------------------------------------------------------------------------------------------- public
 
 
+def _saturation_checks(history: History) -> list[_Check]:
+    """steadyrl.evidence.saturation's findings (a controller at a bound), as warnings."""
+    return [
+        _Check("warning", c.summary, [Evidence(c.metric, c.first_step, c.last_step, c.detail)], [c.change])
+        for c in saturation_checks(history)
+    ]
+
+
 def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
     """Default thresholds, with the vLLM gap allowance of the run's sampling settings (``resolved_config.yaml``)."""
     resolved = Path(run_dir) / "resolved_config.yaml"
@@ -561,6 +575,7 @@ def diagnose(history: History, config: DoctorConfig | None = None) -> list[Findi
         "entropy_collapse": list(filter(None, [_collapse_check(history, config)])),
         "reward_hacking": _hacking_checks(history, config),
         "off_policy_rollouts": list(filter(None, [_off_policy_check(history, config)])),
+        "saturated_controller": _saturation_checks(history),
     }
     findings = []
     for mode in MODES:

@@ -295,3 +295,53 @@ def test_doctor_reads_the_runs_sampling_settings(tmp_path):
             r[gap] = 3.0  # with top-k sampling the gap says nothing about the sync
     assert diagnose(History(rows), doctor_config_for(tmp_path)) == []
     assert diagnose(History(rows))[0].mode == "off_policy_rollouts"
+
+
+# ------------------------------------------------------------------------------------ saturated controllers
+
+
+def _saturation(rows: list[dict[str, Any]]) -> list[str]:
+    findings = [f for f in diagnose(History(rows)) if f.mode == "saturated_controller"]
+    return [c for f in findings for c in f.changes]
+
+
+def test_a_healthy_run_with_idle_controllers_has_no_saturation_finding():
+    rows = healthy_rows()
+    for r in rows:  # KL controller resting at trainer.beta, floor never active, a few zero-variance drops
+        if "loss" in r:
+            r.update({"quatro/kl_coef": 0.04, "quatro/kl_at_max": 0.0, "quatro/kl_at_min": 0.0})
+            r.update({"quatro/entropy_bonus": 0.0, "quatro/floor_active": 0.0, "gepo/spike_rebases": 0.0})
+            r.update({"quatro/filtered_share": 0.4, "quatro/filtered/zero_variance": 25.0})
+    assert _saturation(rows) == []
+
+
+def test_kl_at_its_cap_entropy_bonus_at_its_cap_and_heavy_filtering_are_each_reported_with_the_key():
+    rows = [{"step": t, "loss": 0.0} for t in range(1, 61)]
+    for r in rows:
+        t = r["step"]
+        r["quatro/kl_at_max"] = float(max(0, t - 30))  # pinned at the cap from step 31 on
+        r["quatro/kl_coef"], r["quatro/kl_target"], r["quatro/kl_mean"] = 0.16, 0.02, 0.3
+        r["quatro/entropy_bonus"] = min(0.001 * t, 0.01)  # at its cap from step 10
+        r["quatro/floor_active"] = 1.0
+        r["quatro/filtered_share"] = 0.6
+        r["quatro/filtered/repetition"], r["quatro/filtered/zero_variance"] = 30.0, 8.0
+    changes = _saturation(rows)
+    assert any(c.startswith("guards.quatro.kl.beta_range") for c in changes)
+    assert any(c.startswith("guards.quatro.entropy.coef_max") for c in changes)
+    assert any(c.startswith("guards.quatro.filters.repetition:") for c in changes)
+    text = format_findings(diagnose(History(rows)), History(rows))
+    assert "WARNING [saturated_controller]" in text
+    assert "wanted beta past its upper bound on 20 of the last 20 steps (beta 0.16, target 0.02, KL 0.3)" in text
+    assert "quality filters dropped 47% of rows" in text  # 0.6 x 30 / 38: zero-variance rows are not counted
+
+
+def test_spike_streaks_and_rebases_are_reported():
+    rows = [{"step": t, "loss": 0.0, "grad_norm": 1.0, "gepo/skipped_steps": float(min(max(0, t - 40), 3))}
+            for t in range(1, 61)]  # fmt: skip
+    for r in rows:
+        r["gepo/spike_rebases"] = float(r["step"] >= 44)
+    changes = _saturation(rows)
+    assert any(c.startswith("guards.gepo.spike.rebase_after") for c in changes)
+    assert any(c.startswith("guards.gepo.spike.abs_threshold") for c in changes)
+    text = format_findings(diagnose(History(rows)), History(rows))
+    assert "gepo/skipped_steps, steps 41-43: 3 optimizer steps in a row were skipped" in text

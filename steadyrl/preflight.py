@@ -1,0 +1,314 @@
+"""``steadyrl preflight CONFIG [overrides]``: calibrate the guard layers on the user's own model before a real run.
+
+The design notes' deployment order (monitoring first, then intervention; docs/DESIGN.md,
+"Preflight") as one command:
+
+1. **baseline**: a short run of the user's config (``--steps``, default 20) with every layer on in
+   ``mode: observe``: the layers compute and log every decision they would take, and training is that of plain TRL.
+2. **calibration**, from the baseline's logs:
+   - ``guards.quatro.kl.target``: ``target_ratio`` (10) x the mean per-token KL of the baseline's second half, the
+     rule ``target: auto`` applies inside a run, written down so the run starts with it (and no 20-step
+     calibration window) and a user can read it;
+   - ``guards.gepo.spike.abs_threshold``: 3 x the 95th percentile of the baseline's finite gradient norms, so a
+     calm step of this model never trips the spike test and a real spike (orders of magnitude) still does;
+   - ``guards.quatro.entropy.floor_ratio``: lowered when the baseline's entropy already fell below the default
+     ratio of its start (the floor would otherwise switch on at once and fight the task being learned);
+   - length: the share of completions cut at ``trainer.max_completion_length`` and the lengths seen, as a note.
+3. **drills**, each a short run (``--drill-steps``, default 6) of the calibrated config with the layers acting and
+   one fault from ``steadyrl.faults`` at step 3: a NaN loss micro-batch (``NanLossAtStep``) and an inf written into
+   Adam's ``exp_avg_sq`` (``InfExpAvgSqAtStep``, OPEFO checking every step). A drill holds when the run finishes,
+   the fault fired, and the guard acted (a skipped step; a rollback with no non-finite optimizer state left).
+
+Writes ``OUT/preflight.yaml`` (``extends:`` the user's config, then the command-line overrides and the calibrated
+values; it validates before it is written), ``OUT/report.md``, ``OUT/report.json`` and the runs under ``OUT/runs``.
+Exit 0 when every drill held, 1 when one did not (the report says which and the key to change), 2 when the
+baseline itself failed. Every run is one process (``python -m steadyrl train``); a multi-GPU config runs here on
+one process, which is enough to calibrate per-token and per-norm values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from steadyrl import metrics as M
+from steadyrl.config import load_config
+from steadyrl.evidence.history import History, HistoryNotFoundError, load_history
+from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log
+from steadyrl.guards.kl_controller import KLConfig
+from steadyrl.guards.spike import SpikeConfig
+
+LAYERS = ("gepo", "opefo", "quatro", "grade")
+DRILL_STEP = 3
+SHORT_RUN = (  # every preflight run: short, logged every step, nothing saved or evaluated that is not needed
+    "trainer.logging_steps=1",
+    'trainer.save_strategy="no"',
+    "trainer.resume_from_checkpoint=null",
+    "trainer.report_to=[]",
+    "eval.enabled=false",
+)
+SPIKE_NORM_MULTIPLE = 3.0  # abs_threshold = this x the 95th percentile of calm norms
+ENTROPY_MARGIN = 0.9  # proposed floor_ratio = this x (late / early baseline entropy), when below the default
+
+
+@dataclass
+class Drill:
+    name: str
+    callback: str
+    env: dict[str, str]
+    overrides: tuple[str, ...]
+    needs: str  # the layer that has to hold it
+    held: bool | None = None
+    detail: str = ""
+    change: str = ""
+
+
+@dataclass
+class Preflight:
+    config: str
+    overrides: list[str]
+    out: Path
+    steps: int = 20
+    drill_steps: int = 6
+    timeout_s: float = 3600.0
+    log: Any = field(default=print)
+
+    # ------------------------------------------------------------------ running
+
+    def _train(self, name: str, extra: list[str], env: dict[str, str] | None = None) -> tuple[int, Path, float]:
+        run_dir = self.out / "runs" / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "faults.jsonl"):  # both append: a rerun must not read the last one's rows
+            (run_dir / stale).unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "steadyrl", "train", self.config, *self.overrides, *SHORT_RUN,
+               f"trainer.output_dir={run_dir}", *extra]  # fmt: skip
+        (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
+        start = time.time()
+        with open(run_dir / "log.txt", "w") as log:
+            try:
+                rc = subprocess.run(
+                    cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, timeout=self.timeout_s
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = -1
+        return rc, run_dir, time.time() - start
+
+    def run(self) -> int:
+        cfg = load_config(self.config, self.overrides)  # a config error stops here, before any run
+        self.out.mkdir(parents=True, exist_ok=True)
+        beta = float(cfg.trainer.get("beta", 0.0))
+        observe = [f"guards.{layer}.{key}" for layer in LAYERS for key in ("enabled=true", "mode=observe")]
+        notes: list[str] = []
+        if beta <= 0:
+            observe.append("guards.quatro.kl.enabled=false")
+            notes.append("trainer.beta is 0: no KL term, so no KL to calibrate (the adaptive KL needs beta > 0)")
+        self.log(f"[preflight] baseline: {self.steps} steps, every layer observing ...")
+        rc, base_dir, base_wall = self._train("baseline", [*observe, f"trainer.max_steps={self.steps}"])
+        if rc != 0:
+            self.log(f"[preflight] the baseline run failed (exit {rc}); its log: {base_dir / 'log.txt'}")
+            self._write_report({"baseline": {"returncode": rc, "log": str(base_dir / "log.txt")}}, {}, [], notes)
+            return 2
+        history = load_history(base_dir)
+        measured, proposed = calibrate(history, cfg, notes)
+        self.log(f"[preflight] baseline done in {base_wall:.0f} s; proposed: {json.dumps(proposed)}")
+        calibrated = self._write_config(proposed)
+        drills = self._drills(cfg)
+        for drill in drills:
+            self.log(f"[preflight] drill {drill.name}: {self.drill_steps} steps, fault at step {DRILL_STEP} ...")
+            extra = [*_flatten(proposed), *drill.overrides, f"trainer.max_steps={self.drill_steps}",
+                     f"callbacks=['steadyrl.faults:{drill.callback}']"]  # fmt: skip
+            env = {FAULT_STEP_ENV: str(DRILL_STEP), **drill.env}
+            rc, run_dir, _ = self._train(f"drill-{drill.name}", extra, env)
+            judge(drill, rc, run_dir, cfg)
+            self.log(f"[preflight] drill {drill.name}: {'held' if drill.held else 'NOT held'} ({drill.detail})")
+        baseline = {"baseline": {"returncode": 0, "wall_s": base_wall}}
+        report = self._write_report({**baseline, **measured}, proposed, drills, notes)
+        self.log(report)
+        self.log(f"[preflight] calibrated config: {calibrated}")
+        return 0 if all(d.held for d in drills) else 1
+
+    def _drills(self, cfg: Any) -> list[Drill]:
+        opefo_fast = ("guards.opefo.rollback.check_interval=1", "guards.opefo.rollback.snapshot_interval=2")
+        inf_overrides = opefo_fast if cfg.guards.opefo.enabled else ()
+        return [
+            Drill("nan_loss", "NanLossAtStep", {}, (), "gepo or opefo"),
+            Drill("inf_exp_avg_sq", "InfExpAvgSqAtStep", {FAULT_VALUE_ENV: "inf"}, inf_overrides, "opefo"),
+        ]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _write_config(self, proposed: dict[str, Any]) -> Path:
+        tree: dict[str, Any] = {"extends": str(Path(self.config).resolve())}
+        for item in self.overrides:
+            key, _, value = item.partition("=")
+            _set(tree, key, yaml.safe_load(value))
+        for key, value in proposed.items():
+            _set(tree, key, value)
+        path = self.out / "preflight.yaml"
+        header = (
+            f"# written by `steadyrl preflight` on {time.strftime('%Y-%m-%d')}: the config below, the command-line\n"
+            f"# overrides and the values calibrated on this model's baseline (see report.md next to this file)\n"
+        )
+        text = header + yaml.safe_dump(tree, sort_keys=False)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        load_config(str(tmp), [])  # it must validate before it replaces anything
+        tmp.replace(path)
+        return path
+
+    def _write_report(
+        self, measured: dict[str, Any], proposed: dict[str, Any], drills: list[Drill], notes: list[str]
+    ) -> str:
+        lines = [f"# steadyrl preflight: {self.config}", ""]
+        if self.overrides:
+            lines += [f"overrides: `{' '.join(self.overrides)}`", ""]
+        lines += [f"baseline: {self.steps} steps with every layer in observe mode (training is plain TRL's)", ""]
+        lines += ["| measured on the baseline | value |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in measured.items() if k != "baseline"]
+        lines += ["", "| calibrated key | value |", "|---|---|"]
+        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in proposed.items()] or ["| (none) | |"]
+        if drills:
+            head = f"| drill (fault at step {DRILL_STEP}, layers acting) | held | what happened |"
+            lines += ["", head, "|---|---|---|"]
+            lines += [f"| {d.name} | {'yes' if d.held else 'NO'} | {d.detail} |" for d in drills]
+            changes = [f"- {d.name}: {d.change}" for d in drills if not d.held and d.change]
+            if changes:
+                lines += ["", "what to change:", *changes]
+        if notes:
+            lines += ["", "notes:", *(f"- {n}" for n in notes)]
+        text = "\n".join(lines) + "\n"
+        (self.out / "report.md").write_text(text)
+        doc = {"config": self.config, "overrides": self.overrides, "measured": measured, "proposed": proposed,
+               "drills": [{"name": d.name, "held": d.held, "detail": d.detail, "change": d.change} for d in drills],
+               "notes": notes}  # fmt: skip
+        (self.out / "report.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        return text
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+def _finite(history: History, name: str) -> np.ndarray:
+    _, values = history.series(name)
+    return values[np.isfinite(values)]
+
+
+def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(measured values, proposed ``dotted.key: value``) from a baseline run's history."""
+    measured: dict[str, Any] = {"steps logged": history.last_step}
+    proposed: dict[str, Any] = {}
+    kl = _finite(history, M.KL)
+    if len(kl) >= 2 and float(cfg.trainer.get("beta", 0.0)) > 0:
+        tail = kl[len(kl) // 2 :]
+        ratio = KLConfig().target_ratio
+        measured["per-token KL (first / last logged)"] = f"{kl[0]:.3g} / {kl[-1]:.3g}"
+        measured["per-token KL, second-half mean"] = float(tail.mean())
+        target = max(ratio * float(tail.mean()), KLConfig().target_min)
+        proposed["guards.quatro.kl.target"] = float(f"{target:.3g}")
+    norms = _finite(history, M.GRAD_NORM)
+    norms = norms[norms > SpikeConfig().zero_norm]
+    if len(norms) >= 3:
+        p95 = float(np.percentile(norms, 95))
+        measured["grad norm (median / p95 / max)"] = f"{np.median(norms):.3g} / {p95:.3g} / {norms.max():.3g}"
+        proposed["guards.gepo.spike.abs_threshold"] = float(f"{SPIKE_NORM_MULTIPLE * p95:.3g}")
+    entropy = _finite(history, M.ENTROPY)
+    if len(entropy) >= 4:
+        w = max(1, len(entropy) // 4)
+        early, late = float(entropy[:w].mean()), float(entropy[-w:].mean())
+        measured["token entropy (first / last quarter)"] = f"{early:.3g} / {late:.3g}"
+        default = cfg.guards.quatro.entropy.floor_ratio
+        if early > 0 and late / early < default:
+            proposed["guards.quatro.entropy.floor_ratio"] = float(f"{max(0.1, ENTROPY_MARGIN * late / early):.2g}")
+            notes.append(
+                f"entropy fell to {late / early:.0%} of its start within the baseline: at floor_ratio {default} the "
+                "entropy floor would switch on at once; the proposed ratio leaves it for a collapse beyond this"
+            )
+    clipped = _finite(history, M.COMPLETIONS_CLIPPED_RATIO)
+    lengths = _finite(history, M.COMPLETIONS_MEAN_LENGTH)
+    if len(lengths):
+        measured["completion length (mean of step means)"] = float(lengths.mean())
+    if len(clipped):
+        measured["share of completions cut at max_completion_length"] = float(clipped.mean())
+        if clipped.mean() > 0.3:
+            notes.append(
+                f"{clipped.mean():.0%} of completions hit trainer.max_completion_length="
+                f"{cfg.trainer.get('max_completion_length')}: raise it, or reward shorter answers; cut completions "
+                "carry no final answer for a verifier to score"
+            )
+    for name in sorted(m for m in history.metrics if "would" in m):  # what the observing layers would have done
+        values = _finite(history, name)
+        if len(values):
+            measured[name] = float(values[-1])
+    return measured, proposed
+
+
+def judge(drill: Drill, rc: int, run_dir: Path, cfg: Any) -> None:
+    """Fill ``drill.held`` / ``detail`` / ``change`` from the drill run's exit code, fault log and metrics."""
+    faults = read_fault_log(run_dir)
+    fired = any(row["fault"] != "train_end" for row in faults)
+    end = [row for row in faults if row["fault"] == "train_end"]
+    try:
+        history: History | None = load_history(run_dir)
+    except HistoryNotFoundError:
+        history = None
+
+    def last(name: str) -> float:
+        values = _finite(history, name) if history is not None else np.array([])
+        return float(values[-1]) if len(values) else 0.0
+
+    skipped, rollbacks = last(M.GEPO_SKIPPED_STEPS), last(M.OPEFO_ROLLBACKS)
+    left = end[-1].get("nonfinite_state_entries") if end else None
+    if not fired:
+        drill.held, drill.detail = False, f"the fault did not fire (exit {rc}); see {run_dir / 'log.txt'}"
+        return
+    if rc != 0:
+        drill.held = False
+        drill.detail = f"the run died (exit {rc}, last step {history.last_step if history else 0})"
+    elif drill.name == "inf_exp_avg_sq":
+        drill.held = rollbacks >= 1 and not left
+        drill.detail = f"{rollbacks:.0f} rollback(s), {left or 0} non-finite optimizer-state entries at the end"
+    else:  # finished: the NaN micro-batch must have been caught (a skip or a rollback), not trained on
+        drill.held = skipped >= 1 or rollbacks >= 1
+        drill.detail = f"finished; {skipped:.0f} step(s) skipped, {rollbacks:.0f} rollback(s)"
+    if not drill.held:
+        enabled = [layer for layer in LAYERS if getattr(cfg.guards, layer).enabled]
+        layer = "opefo" if drill.name == "inf_exp_avg_sq" else "gepo"
+        on = ", ".join(enabled) or "none"
+        drill.change = f"needs {drill.needs} (on in this config: {on}): set guards.{layer}.enabled=true"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def _flatten(proposed: dict[str, Any]) -> list[str]:
+    return [f"{k}={json.dumps(v)}" for k, v in proposed.items()]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def main(config: str, overrides: list[str], out: str, steps: int, drill_steps: int) -> int:
+    """``steadyrl preflight``; see the module docstring."""
+    return Preflight(config, overrides, Path(out), steps=steps, drill_steps=drill_steps).run()
