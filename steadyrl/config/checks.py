@@ -205,7 +205,7 @@ def _check_quatro(cfg: RunConfig) -> None:
                 f"trainer.beta={beta} is outside [guards.quatro.kl.beta_min={q.kl.beta_min}, "
                 f"guards.quatro.kl.beta_max={q.kl.beta_max}]; move trainer.beta into the range or widen it"
             )
-    if q.entropy.enabled and t.get("use_adaptive_entropy"):
+    if q.entropy.enabled and t.get("use_adaptive_entropy") and not q.observing:  # observing sets nothing
         raise ConfigError(
             "trainer.use_adaptive_entropy and guards.quatro.entropy both drive TRL's entropy_coef; keep one: set "
             "trainer.use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"
