@@ -91,3 +91,22 @@ def test_all_layers_observing_train_like_all_layers_off(tiny_model_dir, tmp_path
     assert "GEPO (guards.gepo.mode: observe)" in text and "would have skipped 1 of 4" in text
     assert "OPEFO (guards.opefo.mode: observe)" in text and "guards.opefo.mode=act applies it" in text
     assert "QUATRO (guards.quatro.mode: observe)" in text
+
+
+def test_observing_guards_resume_exactly(tiny_model_dir, tmp_path):
+    """Observing guards' state (spike EMA, would-counters, controllers, GRADE's window) survives a resume."""
+    guards = observing_guards
+    args = dict(max_steps=STEPS, beta=BETA, save_strategy="steps", save_steps=2)
+
+    def run(out, resume=None):
+        trainer = tiny_grpo_trainer(tiny_model_dir, out, layer_kwargs(guards()), **args)
+        trainer.add_callback(GradSpikeAtStep(step=3, scale=1e4))
+        trainer.add_callback(CorruptOptimizerState(step=2))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    straight = run(tmp_path / "straight")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "straight" / "checkpoint-2"))
+    assert_same_weights(weights(resumed.model), weights(straight.model))
+    for name in (GEPO_WOULD_SKIP, OPEFO_WOULD_ROLLBACK, QUATRO_KL_COEF_WOULD, GRADE_SCALED_STD):
+        assert per_step(resumed.state.log_history, name)[-1] == per_step(straight.state.log_history, name)[-1], name

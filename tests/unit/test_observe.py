@@ -334,3 +334,21 @@ def test_doctor_summary_says_what_each_observing_layer_would_have_done(tmp_path:
 
 def test_gepo_section_observing_needs_enabled() -> None:
     assert not GepoSection(mode="observe").observing and GepoSection(enabled=True, mode="observe").observing
+
+
+def test_steadyrl_doctor_prints_the_observe_summary(tmp_path: Path, capsys) -> None:
+    import json
+
+    from steadyrl.cli import main
+
+    rows = [{**r, "loss": 0.1, "grad_norm": 1.0, "reward": 0.5} for r in _observe_rows()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "resolved_config.yaml").write_text(
+        "trainer: {beta: 0.04}\nguards:\n"
+        "  gepo: {enabled: true, mode: observe}\n  quatro: {enabled: true, mode: observe}\n"
+    )
+    main(["doctor", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "observe mode: what the observing layers would have done (none of it was applied)" in out
+    assert out.index("QUATRO (guards.quatro.mode: observe)") < out.index("GEPO (guards.gepo.mode: observe)")
+    assert "would have skipped 2 of 10 optimizer steps" in out
