@@ -92,9 +92,13 @@ def _evidence(command: str, run_dir: str) -> int:
         print(f"steadyrl: {exc}", file=sys.stderr)
         return 2
     from steadyrl.evidence.doctor import doctor_config_for
+    from steadyrl.evidence.observe import format_observe_summary
 
     findings = diagnose(history, doctor_config_for(run_dir))
     print(format_findings(findings, history), end="")
+    observed = format_observe_summary(history, run_dir)  # layers in mode: observe, what they would have done
+    if observed:
+        print("\n" + observed, end="")
     return 1 if findings else 0
 
 

@@ -49,6 +49,20 @@ def gepo_skipped(reason: str) -> str:
     return f"{GEPO_SKIPPED_PREFIX}{reason}"
 
 
+# observe mode (guards.gepo.mode: observe): what GEPO would have done; nothing of it is applied
+GEPO_WOULD_SKIP = "gepo/would_skip"  # cumulative optimizer steps the step guards would have skipped
+GEPO_WOULD_SKIP_PREFIX = "gepo/would_skip_"  # gepo/would_skip_<reason>, cumulative per reason
+GEPO_WOULD_STOP = "gepo/would_stop"  # cumulative: would-skips past max_consecutive_skips (act mode stops the run)
+GEPO_WOULD_CLAMP_LOGPROBS = "gepo/would_clamp_logprobs"  # per-token log-probs below logprob_min, per step
+GEPO_WOULD_CLIP_ROWS = "gepo/would_clip_rows"  # rows whose median/MAD z-score the tanh clip shrinks by > 10 %
+GEPO_WOULD_ADV_DIFF_MEAN = "gepo/would_adv_diff_mean"  # mean |GEPO advantage - trained advantage| over rows
+
+
+def gepo_would_skip(reason: str) -> str:
+    """Cumulative count of optimizer steps an observing step guard would have skipped for ``reason``."""
+    return f"{GEPO_WOULD_SKIP_PREFIX}{reason}"
+
+
 # ----------------------------------------------------------------------------------- GRADE
 
 GRADE_RAW_MEAN = "grade/raw_mean"
@@ -60,6 +74,7 @@ GRADE_CLIP_FRAC_HIGH = "grade/clip_frac_high"
 GRADE_WINDOW = "grade/window"
 GRADE_KL_FACTOR = "grade/kl_factor"
 GRADE_BETA = "grade/beta"
+GRADE_KL_FACTOR_WOULD = "grade/kl_factor_would"  # observe mode: the KL compensation factor it would set
 
 # ----------------------------------------------------------------------------------- QUATRO
 
@@ -82,11 +97,23 @@ QUATRO_ZERO_VARIANCE_GROUPS = "quatro/zero_variance_groups"
 QUATRO_REPLAY_FRAC = "quatro/replay_frac"
 QUATRO_REPLAY_AGE_MEAN = "quatro/replay_age_mean"
 QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
+# observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
+QUATRO_KL_COEF_WOULD = "quatro/kl_coef_would"  # the controller's beta (TRL's beta is unchanged)
+QUATRO_ENTROPY_BONUS_WOULD = "quatro/entropy_bonus_would"  # the entropy_coef it would set
+QUATRO_CLIP_SCALE_WOULD = "quatro/clip_scale_would"  # the epsilon factor it would set
+QUATRO_FLOOR_ACTIVE_WOULD = "quatro/floor_active_would"
+QUATRO_WOULD_FILTER_PREFIX = "quatro/would_filter/"  # quatro/would_filter/<reason>: rows it would drop
+QUATRO_WOULD_FILTER_SHARE = "quatro/would_filter_share"
 
 
 def quatro_filtered(reason: str) -> str:
     """Rows of the generation batch the ``reason`` filter dropped (``zscore``, ``length``, ``repetition``, ...)."""
     return f"{QUATRO_FILTERED_PREFIX}{reason}"
+
+
+def quatro_would_filter(reason: str) -> str:
+    """Rows of the generation batch the ``reason`` filter would drop (observe mode: every row trains)."""
+    return f"{QUATRO_WOULD_FILTER_PREFIX}{reason}"
 
 
 # ----------------------------------------------------------------------------------- OPEFO
@@ -101,6 +128,10 @@ OPEFO_EF_INJECTED_NORM = "opefo/ef_injected_norm"
 OPEFO_ROLLBACKS = "opefo/rollbacks"  # cumulative
 OPEFO_RECOVERY_ACTIVE = "opefo/recovery_active"
 OPEFO_LR_FACTOR = "opefo/lr_factor"
+# observe mode (guards.opefo.mode: observe): what OPEFO would have done, cumulative; nothing of it is applied
+OPEFO_WOULD_ROLLBACK = "opefo/would_rollback"  # checks that found non-finite weights or moments
+OPEFO_WOULD_FLOOR_ENTRIES = "opefo/would_floor_entries"  # exp_avg_sq entries the floor would raise
+OPEFO_WOULD_FEED_BACK = "opefo/would_feed_back"  # skipped steps whose gradient error feedback would keep
 
 
 def opefo_tiny_frac(group: int) -> str:

@@ -207,7 +207,7 @@ def _check_quatro(cfg: RunConfig) -> None:
                 "move trainer.beta into the range or widen it (or drop beta_min/beta_max: guards.quatro.kl.beta_range "
                 "is relative to trainer.beta)"
             )
-    if q.entropy.enabled and t.get("use_adaptive_entropy"):
+    if q.entropy.enabled and t.get("use_adaptive_entropy") and not q.observing:  # observing sets nothing
         raise ConfigError(
             "trainer.use_adaptive_entropy and guards.quatro.entropy both drive TRL's entropy_coef; keep one: set "
             "trainer.use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"

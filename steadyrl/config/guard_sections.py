@@ -12,12 +12,23 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from steadyrl.config.loader import FieldValueError
 from steadyrl.evidence.early_warnings import MonitorConfig
 from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
 from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
 from steadyrl.guards.reward_scaler import GradeConfig
 from steadyrl.guards.robust_advantage import AdvantageConfig
 from steadyrl.guards.spike import SpikeConfig
+
+# ``guards.<layer>.mode``: ``act`` intervenes; ``observe`` computes and logs every decision the layer would take
+# without changing training (docs/DESIGN.md, "Observe mode").
+MODES = ("act", "observe")
+
+
+def check_mode(mode: str) -> None:
+    """An unknown ``mode`` fails naming the key and the valid values."""
+    if mode not in MODES:
+        raise FieldValueError("mode", f"unknown mode {mode!r}; valid: {list(MODES)}")
 
 
 class GuardSection:
@@ -47,10 +58,18 @@ class GepoSpikeSection(SpikeConfig, GuardSection):
 @dataclass
 class GepoSection:
     enabled: bool = False
+    mode: str = "act"  # act | observe: spike skips, log-prob floor and robust advantages only computed and logged
     logprob_min: float | None = -100.0  # floor for per-token log-probs before ratios and KL; null = off
     advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
     spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+
+    @property
+    def observing(self) -> bool:
+        return self.enabled and self.mode == "observe"
 
 
 @dataclass
@@ -58,10 +77,19 @@ class GradeSection(GradeConfig, GuardSection):
     """GRADE reward scaler: rolling whitening, quantile tail clip, per-prompt counterfactual centring."""
 
     enabled: bool = False
+    mode: str = "act"  # act | observe: scaled rewards computed and logged, advantages from the raw rewards
     # scale the KL coefficient by raw_std / scaled_std (clamped) so the KL keeps its weight (docs/DESIGN.md,
     # "GRADE: KL compensation")
     kl_compensation: bool = False
     kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_mode(self.mode)
+
+    @property
+    def observing(self) -> bool:
+        return self.enabled and self.mode == "observe"
 
 
 @dataclass
@@ -80,9 +108,17 @@ class OpefoSection:
     """OPEFO optimizer-state protection: exp_avg_sq floor, error feedback, snapshots with automatic rollback."""
 
     enabled: bool = False
+    mode: str = "act"  # act | observe: no floor, feedback, snapshot, rollback or LR cut; each counted instead
     floor: FloorConfig = field(default_factory=FloorConfig)
     error_feedback: OpefoErrorFeedbackSection = field(default_factory=OpefoErrorFeedbackSection)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+
+    @property
+    def observing(self) -> bool:
+        return self.enabled and self.mode == "observe"
 
     def to_config(self) -> OpefoConfig:
         ef = ErrorFeedbackConfig(self.error_feedback.enabled, tuple(self.error_feedback.weights))
@@ -109,10 +145,18 @@ class QuatroSection:
     """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters (and replay)."""
 
     enabled: bool = False
+    mode: str = "act"  # act | observe: controllers and filters computed and logged, TRL's beta/entropy_coef kept
     kl: KLConfig = field(default_factory=KLConfig)
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
     replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+
+    @property
+    def observing(self) -> bool:
+        return self.enabled and self.mode == "observe"
 
     def to_config(self) -> QuatroConfig:
         """The enabled parts."""

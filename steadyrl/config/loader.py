@@ -19,6 +19,15 @@ class ConfigError(ValueError):
     """A config problem, reported before any model or dataset is loaded."""
 
 
+class FieldValueError(ValueError):
+    """A section's own check (``__post_init__``) rejecting one of its keys: the loader names ``<section>.<key>``
+    and the file that set it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key, self.message = key, message
+
+
 Origins = dict[str, str]  # dotted key -> file that set it (or "command line")
 
 

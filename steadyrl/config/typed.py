@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any
 
-from steadyrl.config.loader import ConfigError, Origins
+from steadyrl.config.loader import ConfigError, FieldValueError, Origins
 
 
 def _where(dotted: str, origins: Origins) -> str:
@@ -106,6 +106,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> An
             raise ConfigError(f"{dotted}: required key is missing")
     try:
         return cls(**kwargs)
+    except FieldValueError as exc:  # a section's own check of one key
+        raise ConfigError(_where(f"{prefix}.{exc.key}" if prefix else exc.key, origins) + exc.message) from exc
     except ValueError as exc:  # a section's own range checks (__post_init__)
         raise ConfigError(f"{prefix or 'config'}: {exc}") from exc
 

@@ -66,13 +66,16 @@ class SecondMomentFloor:
         self.all_gather = all_gather or identity
         self.checks = 0
         self.floored_groups = 0
+        self.last_raised = 0  # entries the last check raised (or would have raised, with apply=False)
 
-    def maybe_apply(self, optimizer: torch.optim.Optimizer, step: int) -> dict[str, float]:
+    def maybe_apply(self, optimizer: torch.optim.Optimizer, step: int, apply: bool = True) -> dict[str, float]:
         """At ``step % interval == 0`` (step > 0): check each group, floor those above ``trigger_frac``.
 
         Returns ``opefo/floor_triggered`` (groups floored), and per group index g ``opefo/tiny_frac/<g>``,
         ``opefo/floor_value/<g>`` (0 when not floored) and ``opefo/floor_raised_frac/<g>`` (entries changed);
-        ``{}`` when this step is not a check step.
+        ``{}`` when this step is not a check step. ``last_raised`` holds the number of entries raised (all ranks).
+        ``apply=False`` (observe mode): the same decision and counts, but no entry is changed and the
+        ``floored_groups`` total stays.
         """
         cfg = self.config
         if not cfg.enabled or step <= 0 or step % cfg.interval:
@@ -112,15 +115,19 @@ class SecondMomentFloor:
                 for v in states:
                     for piece in flat(v).split(CHUNK):
                         count += torch.count_nonzero(piece < value).to(home)
-                    v.clamp_(min=value)
+                    if apply:
+                        v.clamp_(min=value)
                 floored.append(i)
                 raised.append(count.to(torch.float64))
                 metrics[opefo_floor_value(i)] = value
+            self.last_raised = 0
             if floored:
                 raised_list = self.reduce_sum(torch.stack(raised)).tolist()
                 for i, n in zip(floored, raised_list, strict=True):
                     metrics[opefo_floor_raised_frac(i)] = n / counts_list[i][1]
-        self.floored_groups += len(floored)
+                self.last_raised = round(sum(raised_list))
+        if apply:
+            self.floored_groups += len(floored)
         metrics[OPEFO_FLOOR_TRIGGERED] = float(len(floored))
         return metrics
 

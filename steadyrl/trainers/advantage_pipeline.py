@@ -8,6 +8,10 @@ matters (the trainer writes GRADE's KL factor of ``beta`` in between):
 2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per prompt group of G rows, the advantage function (GEPO's
    median/MAD, else TRL's own mean/std normalisation); filtered rows leave their group and get 0.
 
+Observe mode (docs/DESIGN.md, "Observe mode"): with ``observe_rewards`` the reward processor runs and its metrics
+are logged, but step 1 returns the raw rewards; ``observe_advantage_fn`` is computed next to the trained advantages
+in step 2 and only compared with them.
+
 PPO plugs in ``SequenceRewardPipeline``: step 2 returns the scaled sequence reward itself (NaN -> 0); GAE turns it
 into token advantages later.
 """
@@ -23,7 +27,14 @@ import torch
 from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor
 from steadyrl.guards.rollout_filters import masked_group_advantages
-from steadyrl.metrics import GEPO_ADV_MAX_ABS, GEPO_ADV_STD, GEPO_NONFINITE_REWARDS
+from steadyrl.metrics import (
+    GEPO_ADV_MAX_ABS,
+    GEPO_ADV_STD,
+    GEPO_NONFINITE_REWARDS,
+    GEPO_WOULD_ADV_DIFF_MEAN,
+    GEPO_WOULD_CLIP_ROWS,
+    GRADE_KL_FACTOR_WOULD,
+)
 
 
 def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -63,6 +74,8 @@ class AdvantagePipeline:
 
     reward_processor: GRADE (``RewardProcessor``) or None; advantage_fn: grouped (P, G) -> (P, G), default TRL's
     group normalisation with ``scale_rewards``; kl_compensation: (lo, hi) clamp of GRADE's KL factor, or None.
+    observe_rewards: the reward processor only observes (raw rewards go on); observe_advantage_fn: an advantage
+    function that only observes (compared with the trained advantages, see the module docstring).
     """
 
     def __init__(
@@ -71,12 +84,16 @@ class AdvantagePipeline:
         advantage_fn: AdvantageFunction | None = None,
         scale_rewards: str = "group",
         kl_compensation: tuple[float, float] | None = None,
+        observe_rewards: bool = False,
+        observe_advantage_fn: AdvantageFunction | None = None,
     ) -> None:
         if kl_compensation is not None and reward_processor is None:
             raise ValueError("kl_compensation needs a reward processor with kl_compensation()")
         self.reward_processor = reward_processor
         self.advantage_fn = advantage_fn or partial(group_normalized_advantages, scale_rewards=scale_rewards)
         self.kl_compensation = kl_compensation
+        self.observe_rewards = observe_rewards
+        self.observe_advantage_fn = observe_advantage_fn
 
     def scale(self, batch: RewardBatch) -> ScaledRewards:
         """(N, num_funcs) -> (N,) scaled rewards, with the metrics of the step (in logging order)."""
@@ -86,10 +103,15 @@ class AdvantagePipeline:
             rewards = rewards.masked_fill(~batch.keep.to(rewards.device), torch.nan)
         kl_factor = None
         if self.reward_processor is not None:
-            rewards = self.reward_processor(rewards, batch.prompts, batch.num_generations)
+            scaled = self.reward_processor(rewards.clone(), batch.prompts, batch.num_generations)
             metrics.update(getattr(self.reward_processor, "metrics", dict)())
             if self.kl_compensation is not None:
                 kl_factor = self.reward_processor.kl_compensation(*self.kl_compensation)
+            if self.observe_rewards:  # observe mode: the scaler's state and metrics move on, the raw rewards train
+                if kl_factor is not None:
+                    metrics[GRADE_KL_FACTOR_WOULD] = kl_factor
+                return ScaledRewards(rewards, metrics, None)
+            rewards = scaled
         return ScaledRewards(rewards, metrics, kl_factor)
 
     def advantages(
@@ -97,15 +119,41 @@ class AdvantagePipeline:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scaled rewards (N,) -> advantages (N,) and their metrics. ``keep``: dropped rows get 0 and leave their
         group's statistics (``masked_group_advantages``)."""
-        if keep is None:
-            advantages = self.advantage_fn(rewards.view(-1, num_generations)).reshape(-1)
-        else:
-            advantages = masked_group_advantages(rewards, keep, num_generations, self.advantage_fn)
+        advantages = self._grouped(self.advantage_fn, rewards, keep, num_generations)
         metrics = {
             GEPO_ADV_STD: float(advantages.std()) if advantages.numel() > 1 else 0.0,
             GEPO_ADV_MAX_ABS: float(advantages.abs().max()),
         }
+        if self.observe_advantage_fn is not None:
+            would = self._grouped(self.observe_advantage_fn, rewards, keep, num_generations)
+            clip_scale = getattr(self.observe_advantage_fn, "clip_scale", None)
+            metrics.update(compare_advantages(would, advantages, clip_scale))
         return advantages, metrics
+
+    @staticmethod
+    def _grouped(
+        fn: AdvantageFunction, rewards: torch.Tensor, keep: torch.Tensor | None, num_generations: int
+    ) -> torch.Tensor:
+        if keep is None:
+            return fn(rewards.view(-1, num_generations)).reshape(-1)
+        return masked_group_advantages(rewards, keep, num_generations, fn)
+
+
+def compare_advantages(
+    would: torch.Tensor, trained: torch.Tensor, clip_scale: float | None, shrink: float = 0.1
+) -> dict[str, float]:
+    """Observe mode: an observing advantage function's values against the trained ones. would, trained: (N,).
+
+    ``gepo/would_adv_diff_mean``: mean |would - trained| over rows. ``gepo/would_clip_rows`` (with a tanh clip of
+    bound ``clip_scale``, ``a = c tanh(z / c)``): rows whose pre-clip value ``z = c atanh(a / c)`` the clip shrinks
+    by more than ``shrink`` (|a| < (1 - shrink) |z|; for shrink 0.1, |z| > 0.57 c).
+    """
+    out = {GEPO_WOULD_ADV_DIFF_MEAN: float((would.double() - trained.double()).abs().mean()) if would.numel() else 0.0}
+    if clip_scale is not None:
+        a = would.double()
+        z = clip_scale * torch.atanh((a / clip_scale).clamp(-1 + 1e-15, 1 - 1e-15))
+        out[GEPO_WOULD_CLIP_ROWS] = float((a.abs() < (1 - shrink) * z.abs()).sum())
+    return out
 
 
 class SequenceRewardPipeline(AdvantagePipeline):

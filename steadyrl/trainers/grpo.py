@@ -30,6 +30,7 @@ from steadyrl.metrics import (
     GEPO_NONFINITE_LOGPROBS,
     GEPO_NONFINITE_LOSS,
     GEPO_NONFINITE_RATIOS,
+    GEPO_WOULD_CLAMP_LOGPROBS,
     GRADE_BETA,
     GRADE_KL_FACTOR,
     GUARD_SECONDS,
@@ -74,6 +75,15 @@ class SteadyGRPOTrainer(GRPOTrainer):
             scaled_std) after every generation batch. ``beta = beta_base x`` every factor in ``beta_factors``.
         quatro: the QUATRO loop layer (``QuatroRuntime``): adaptive KL (the ``quatro_kl`` factor of ``beta``),
             entropy floor, rollout quality filters, rollout replay.
+
+    Observe mode (docs/DESIGN.md, "Observe mode"; ``OpefoRuntime`` and ``QuatroRuntime`` carry their own flag):
+        observe_rewards: the reward processor runs and logs its statistics, but advantages come from the raw rewards
+            (its KL compensation factor is logged as ``grade/kl_factor_would``, not applied).
+        observe_advantage_fn: advantages computed next to the trained ones (TRL's, or ``advantage_fn``'s) and
+            compared (``gepo/would_clip_rows``, ``gepo/would_adv_diff_mean``); they never reach the loss.
+        observe_step_guards: step guards whose vetoes are counted (``gepo/would_skip``), never applied.
+        observe_logprob_min: count per-token log-probs below this floor (``gepo/would_clamp_logprobs``) without
+            clamping them.
     """
 
     pipeline_class: type[AdvantagePipeline] = AdvantagePipeline
@@ -90,12 +100,19 @@ class SteadyGRPOTrainer(GRPOTrainer):
         kl_compensation: tuple[float, float] | None = None,
         opefo: OpefoRuntime | None = None,
         quatro: QuatroRuntime | None = None,
+        observe_rewards: bool = False,
+        observe_advantage_fn: AdvantageFunction | None = None,
+        observe_step_guards: list[StepGuard] | None = None,
+        observe_logprob_min: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.reward_processor, self.advantage_fn = reward_processor, advantage_fn
+        self.observe_advantage_fn = observe_advantage_fn
         self.step_guards = list(step_guards or [])
+        self.observe_step_guards = list(observe_step_guards or [])
         self.logprob_min, self.finite_checks = logprob_min, finite_checks
+        self.observe_logprob_min = observe_logprob_min
         self.opefo, self.quatro = opefo, quatro
         if kl_compensation is not None and (reward_processor is None or self.beta == 0.0):
             raise ValueError("kl_compensation needs a reward processor with kl_compensation() and beta > 0")
@@ -111,11 +128,19 @@ class SteadyGRPOTrainer(GRPOTrainer):
             rank=self.accelerator.process_index,
             device=self.accelerator.device,
         )
-        self.pipeline = self.pipeline_class(reward_processor, advantage_fn, self.scale_rewards, kl_compensation)
-        self.gate = StepGate(self.step_guards, self.ctx, feedback=opefo)
+        self.pipeline = self.pipeline_class(
+            reward_processor,
+            advantage_fn,
+            self.scale_rewards,
+            kl_compensation,
+            observe_rewards=observe_rewards,
+            observe_advantage_fn=observe_advantage_fn,
+        )
+        self.gate = StepGate(self.step_guards, self.ctx, feedback=opefo, observers=self.observe_step_guards)
         self.lr_scale = trl_state.LearningRateScale()
         layers = [("reward_processor", reward_processor), ("advantage_fn", advantage_fn)]
         layers += [(f"step_guard_{i}", g) for i, g in enumerate(self.step_guards)]
+        layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(self.observe_step_guards)]
         layers += [("opefo", opefo), ("quatro", quatro)]
         self.guard_state = GuardState.register(layers, stateful, self.gate.counters, per_rank={"opefo": opefo})
         self._epsilon0: tuple[float, float] | None = None
@@ -153,7 +178,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
     def _rewrites_advantages(self) -> bool:
         filters = self.quatro is not None and self.quatro.filters_on
-        return self.reward_processor is not None or self.advantage_fn is not None or filters
+        rewrites = self.reward_processor is not None or self.advantage_fn is not None or filters
+        return rewrites or self.observe_advantage_fn is not None
 
     def _replay_on(self) -> bool:
         return self.quatro is not None and self.quatro.replay_on and self.model.training
@@ -227,6 +253,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self.finite_checks:
             self._guard_metric(GEPO_NONFINITE_LOGPROBS, float((~torch.isfinite(logps)).sum()))
+        if self.observe_logprob_min is not None:
+            self._guard_metric(GEPO_WOULD_CLAMP_LOGPROBS, float((logps < self.observe_logprob_min).sum()))
         if self.logprob_min is not None:
             logps = logps.clamp(min=self.logprob_min)  # -inf -> floor; NaN stays NaN and is caught at the step
         inputs = self.scratch.loss_inputs
@@ -268,7 +296,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ 3: optimizer-step decision
 
     def _clip_grad_norm(self, model):
-        if not self.step_guards or self.is_deepspeed_enabled:
+        if not (self.step_guards or self.observe_step_guards) or self.is_deepspeed_enabled:
             # Under DeepSpeed the step already happened inside ``accelerator.backward`` and was decided by the
             # gate installed on the ZeRO optimizer (``StepGate.install_deepspeed``); this returns the engine's norm.
             return super()._clip_grad_norm(model)
@@ -318,7 +346,7 @@ class _GuardClock(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        if t.step_guards and t.is_deepspeed_enabled:
+        if (t.step_guards or t.observe_step_guards) and t.is_deepspeed_enabled:
             t.gate.install_deepspeed(t.optimizer)
         if t.opefo is not None:
             t.opefo.attach(t.ctx, t.optimizer, lambda: t.model.named_parameters(), t.args.output_dir, t.guard_state)
@@ -326,7 +354,7 @@ class _GuardClock(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         with t.ctx.timer():
-            for obj in (t.reward_processor, t.advantage_fn, *t.step_guards):
+            for obj in (t.reward_processor, t.advantage_fn, *t.step_guards, *t.observe_step_guards):
                 if isinstance(obj, Stepping) and callable(obj.step):
                     obj.step()
             if t.opefo is not None and (factor := t.opefo.on_step_end()) is not None:
@@ -337,7 +365,7 @@ class _GuardClock(TrainerCallback):
                 if t.quatro.kl is not None:
                     metrics[QUATRO_BETA] = t.beta  # the effective coefficient, every factor included
                 t.ctx.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
-        if t.step_guards or t._rewrites_advantages() or t.quatro is not None:
+        if t.step_guards or t.observe_step_guards or t._rewrites_advantages() or t.quatro is not None:
             # seconds spent in steadyrl's guard code during this optimizer step (its whole overhead but the
             # checks in the log-prob hook, which are a few elementwise ops)
             t._guard_metric(GUARD_SECONDS, t.ctx.seconds - self._last_guard_seconds)

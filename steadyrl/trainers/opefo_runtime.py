@@ -26,6 +26,14 @@ schedule and the RNG streams are not rewound, so the steps between the snapshot 
 updates and the batch that caused it is never seen again. Snapshots therefore hold weights, optimizer state and
 guard states only; a scheduler or RNG state in them would never be used.
 
+Observe mode (``OpefoRuntime(config, observe=True)``, ``guards.opefo.mode: observe``; docs/DESIGN.md, "Observe
+mode"): the floor decides on the same schedule but changes no entry (``opefo/would_floor_entries``: the entries it
+would have raised, cumulative); a skipped step's gradient is not kept and nothing is fed back
+(``opefo/would_feed_back``); the finiteness checks run on the same schedule and count what would have been a
+rollback (``opefo/would_rollback``), with no restore and no LR cut (``on_step_end`` returns None). No snapshot is
+taken: it exists only to be restored, and it would cost a copy of the weights and moments (RAM or disk) for
+nothing, so observe mode's overhead figure leaves it out.
+
 Memory: a snapshot is one copy of the trainable weights plus the Adam moments held by this rank (CPU RAM for
 ``storage: memory``, a file per rank for ``disk``); error feedback holds one copy of this rank's gradients
 while a residual is pending.
@@ -49,8 +57,13 @@ from steadyrl.metrics import (
     EVENT_ROLLBACK,
     OPEFO_EF_PENDING,
     OPEFO_EF_WEIGHT,
+    OPEFO_FLOOR_RAISED_FRAC_PREFIX,
+    OPEFO_FLOOR_TRIGGERED,
     OPEFO_RECOVERY_ACTIVE,
     OPEFO_ROLLBACKS,
+    OPEFO_WOULD_FEED_BACK,
+    OPEFO_WOULD_FLOOR_ENTRIES,
+    OPEFO_WOULD_ROLLBACK,
 )
 from steadyrl.trainers.checkpoints import GuardState
 from steadyrl.trainers.context import RuntimeContext
@@ -72,10 +85,14 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 class OpefoRuntime:
     """OPEFO's schedule inside the trainer. Stateful: its ``state_dict`` goes to the checkpoint's guard state
-    (main process); the error-feedback residual is per rank and goes to the rank files (``rank_state_dict``)."""
+    (main process); the error-feedback residual is per rank and goes to the rank files (``rank_state_dict``).
 
-    def __init__(self, config: OpefoConfig) -> None:
+    ``observe``: decide and count, change nothing (see the module docstring)."""
+
+    def __init__(self, config: OpefoConfig, observe: bool = False) -> None:
         self.config = config
+        self.observe = observe
+        self.would = {"rollback": 0, "floor_entries": 0, "feed_back": 0}  # observe mode's counts
         self.policy = RollbackPolicy(config.rollback)
         # The collectives are bound in ``attach`` (they depend on the backend); until then, identity.
         self._reduce_partitioned = _identity
@@ -120,7 +137,12 @@ class OpefoRuntime:
             if self.zero is not None:
                 self._reduce_partitioned, self._gather_partitioned = reduce_sum, all_gather
         rb = self.config.rollback
-        if rb.enabled:
+        if self.observe:
+            logger.info(
+                "OPEFO observe mode: the floor, error feedback and rollback only count what they would do "
+                "(opefo/would_*); no snapshot is taken"
+            )
+        elif rb.enabled:
             directory = None
             if rb.storage == "disk":
                 base = Path(rb.snapshot_dir) if rb.snapshot_dir else Path(output_dir) / "opefo_snapshots"
@@ -132,6 +154,11 @@ class OpefoRuntime:
     # ------------------------------------------------------------------ error feedback
 
     def on_skip(self, gradients: list[torch.Tensor | None]) -> None:
+        if self.observe:  # the step was skipped by an acting step guard: count what error feedback would keep
+            self._check_now = "skipped step"
+            if self.config.error_feedback.enabled:
+                self.would["feed_back"] += 1
+            return
         stored = self.feedback.store(gradients)
         self._check_now = "skipped step"
         if stored:
@@ -139,7 +166,7 @@ class OpefoRuntime:
 
     def feed_back(self, gradients: list[torch.Tensor | None]) -> bool:
         """Inject the pending residual's next piece into this step's gradients; True when it changed them."""
-        if not self.feedback.pending:
+        if self.observe or not self.feedback.pending:
             return False
         metrics = self.feedback.apply(gradients)
         self.ctx.log_metrics(metrics)
@@ -152,7 +179,9 @@ class OpefoRuntime:
 
     def on_step_end(self) -> float | None:
         """After each optimizer step: floor, check, roll back or snapshot. Returns the recovery factor of the
-        learning rate for the trainer to apply (1.0 outside a recovery; None when rollback is off)."""
+        learning rate for the trainer to apply (1.0 outside a recovery; None when rollback is off or observing)."""
+        if self.observe:
+            return self._observe_step_end()
         step = self.ctx.global_step()
         rb = self.config.rollback
         if self.config.floor.enabled:
@@ -171,6 +200,40 @@ class OpefoRuntime:
             self.ctx.log_metric(OPEFO_RECOVERY_ACTIVE, float(self.policy.recovery_active(step)))
         self.ctx.log_metric(OPEFO_EF_PENDING, float(self.feedback.pending))
         return self.policy.lr_factor(step) if rb.enabled else None  # recovery_steps steps after a rollback
+
+    def _observe_step_end(self) -> None:
+        """Observe mode: the floor's and the check's decisions on act mode's schedule, counted, none applied."""
+        step = self.ctx.global_step()
+        rb = self.config.rollback
+        if self.config.floor.enabled:
+            metrics = self.floor.maybe_apply(self.base, step, apply=False)
+            if metrics:
+                self.would["floor_entries"] += self.floor.last_raised
+                self.ctx.log_metrics(
+                    {
+                        k: v
+                        for k, v in metrics.items()
+                        if k != OPEFO_FLOOR_TRIGGERED and not k.startswith(OPEFO_FLOOR_RAISED_FRAC_PREFIX)
+                    }
+                )
+            self.ctx.log_metric(OPEFO_WOULD_FLOOR_ENTRIES, float(self.would["floor_entries"]))
+        if rb.enabled:
+            due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
+            if self._check_now is not None or due:
+                cause = self._health_problem()
+                if cause is not None:
+                    self.would["rollback"] += 1
+                    if self.would["rollback"] == 1:
+                        logger.warning(
+                            "step %d: observe mode: OPEFO would roll back here (cause: %s); training goes on with "
+                            "the non-finite state, as without OPEFO",
+                            step, cause,
+                        )  # fmt: skip
+            self._check_now = None
+            self.ctx.log_metric(OPEFO_WOULD_ROLLBACK, float(self.would["rollback"]))
+        if self.config.error_feedback.enabled:
+            self.ctx.log_metric(OPEFO_WOULD_FEED_BACK, float(self.would["feed_back"]))
+        return None
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self._named_parameters() if p.requires_grad]
@@ -233,11 +296,12 @@ class OpefoRuntime:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.state_dict(), "floor": self.floor.state_dict()}
+        return {"policy": self.policy.state_dict(), "floor": self.floor.state_dict(), "would": dict(self.would)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
         self.floor.load_state_dict(state["floor"])
+        self.would.update({k: int(v) for k, v in state.get("would", {}).items()})  # absent before observe mode
 
     def rank_state_dict(self) -> dict[str, Any]:
         return {"feedback": self.feedback.state_dict()}

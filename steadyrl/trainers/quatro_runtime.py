@@ -65,6 +65,14 @@ factor of beta, the entropy coefficient, the clip-range scale); ``SteadyGRPOTrai
   replayed row also keeps its (B, T) token advantages, ``old_values`` and ``returns`` (value clipping around its own
   sampling-time values); rows are ranked by the mean |token advantage| over their loss tokens.
 
+Observe mode (``QuatroRuntime(config, observe=True)``, ``guards.quatro.mode: observe``; docs/DESIGN.md, "Observe
+mode"): the controllers observe exactly as above, but ``controls()`` is empty, so TRL's beta, entropy_coef and
+epsilon stay the user's (TRL's entropy term is not switched on); what they would set is logged
+(``quatro/kl_coef_would``, ``quatro/entropy_bonus_would``, ``quatro/clip_scale_would``,
+``quatro/floor_active_would``). The filters compute their keep mask and log ``quatro/would_filter/<reason>`` and
+``quatro/would_filter_share``; ``filter_generation`` returns None, so every row trains. Replay is inactive (no
+sampling log-probs, no mixing), which ``bind`` says in a log line.
+
 State: the controllers and the filter's length history are identical on every rank and saved with the guard
 state of the main process; the replay buffer (rows and generator) is per rank (``rank_state_dict``, saved in the
 rank files next to TRL's buffered micro-batches, which keep their ``REPLAY_STEP_KEY``).
@@ -84,13 +92,25 @@ from steadyrl.guards.entropy_floor import EntropyFloor
 from steadyrl.guards.kl_controller import AdaptiveKL
 from steadyrl.guards.quatro import QuatroConfig
 from steadyrl.guards.replay import ReplayBuffer, replay_importance_ratio_sum
-from steadyrl.guards.rollout_filters import FilterResult, RolloutFilter
+from steadyrl.guards.rollout_filters import FILTER_REASONS, FilterResult, RolloutFilter
 from steadyrl.metrics import (
     EVENT_ENTROPY_FLOOR_WARNING,
     EVENT_FILTER_WARNING,
+    QUATRO_CLIP_SCALE_WOULD,
+    QUATRO_ENTROPY_BONUS,
+    QUATRO_ENTROPY_BONUS_WOULD,
+    QUATRO_FILTERED_SHARE,
+    QUATRO_FLOOR_ACTIVE,
+    QUATRO_FLOOR_ACTIVE_WOULD,
+    QUATRO_KL_COEF,
+    QUATRO_KL_COEF_WOULD,
+    QUATRO_KL_FACTOR,
     QUATRO_REPLAY_AGE_MEAN,
     QUATRO_REPLAY_FRAC,
     QUATRO_REPLAY_RATIO_MEAN,
+    QUATRO_WOULD_FILTER_SHARE,
+    quatro_filtered,
+    quatro_would_filter,
 )
 from steadyrl.trainers.context import RuntimeContext
 
@@ -127,10 +147,13 @@ class QuatroControls:
 
 
 class QuatroRuntime:
-    """QUATRO's schedule inside the trainer. Stateful: ``state_dict`` goes to the checkpoint's guard state."""
+    """QUATRO's schedule inside the trainer. Stateful: ``state_dict`` goes to the checkpoint's guard state.
 
-    def __init__(self, config: QuatroConfig) -> None:
+    ``observe``: compute and log every decision, change nothing in TRL's state (see the module docstring)."""
+
+    def __init__(self, config: QuatroConfig, observe: bool = False) -> None:
         self.config = config
+        self.observe = observe
         self.kl: AdaptiveKL | None = None  # made in bind(): needs the trainer's beta
         self.entropy = EntropyFloor(config.entropy) if config.entropy is not None else None
         self.filter = RolloutFilter(config.filters) if config.filters is not None else None
@@ -147,7 +170,7 @@ class QuatroRuntime:
 
     @property
     def replay_on(self) -> bool:
-        return self.config.replay is not None and self.config.replay.enabled
+        return self.config.replay is not None and self.config.replay.enabled and not self.observe
 
     # ------------------------------------------------------------------ setup
 
@@ -156,11 +179,13 @@ class QuatroRuntime:
         then switches TRL's entropy bonus on when ``self.entropy`` is set and applies ``controls()``."""
         self.ctx = ctx
         self.kl_from_rollouts = setup.kl_from_rollouts
+        if self.observe:
+            self._bind_observing(setup)
         if self.replay_on:
             self.replay = ReplayBuffer(self.config.replay, seed=setup.seed + ctx.rank, pad_token_id=setup.pad_token_id)
         if self.config.kl is not None:
             self.kl = AdaptiveKL(self.config.kl, setup.beta)  # raises (naming the fix) on beta 0
-        if self.entropy is not None:
+        if self.entropy is not None and not self.observe:
             if setup.use_adaptive_entropy:
                 raise ValueError(
                     "guards.quatro.entropy and trainer.use_adaptive_entropy both drive TRL's entropy_coef; keep one"
@@ -178,8 +203,26 @@ class QuatroRuntime:
                     setup.loss_type,
                 )
 
+    def _bind_observing(self, setup: QuatroSetup) -> None:
+        self.scales_clip = self.entropy is not None and setup.loss_type in CLIP_LOSS_TYPES  # the would-be scale
+        parts = [n for n in ("kl", "entropy", "filters") if getattr(self.config, n) is not None]
+        logger.info(
+            "QUATRO observe mode (%s): decisions are computed and logged, TRL's beta=%g, entropy_coef=%g and "
+            "epsilon stay unchanged and every row trains",
+            ", ".join(parts) or "nothing enabled", setup.beta, setup.entropy_coef,
+        )  # fmt: skip
+        if self.config.replay is not None and self.config.replay.enabled:
+            logger.info(
+                "guards.quatro.replay is inactive in observe mode: no sampling log-probs, no mixing (replayed rows "
+                "would change training)"
+            )
+
     def controls(self) -> QuatroControls:
-        """The controllers' current outputs (beta factor, entropy coefficient, clip scale) for the trainer to write."""
+        """What the trainer writes into TRL: the controllers' outputs in act mode, nothing in observe mode."""
+        return QuatroControls() if self.observe else self.would_controls()
+
+    def would_controls(self) -> QuatroControls:
+        """The controllers' current outputs (beta factor, entropy coefficient, clip scale), applied or not."""
         return QuatroControls(
             kl_factor=self.kl.factor if self.kl is not None else None,
             entropy_coef=self.entropy.bonus if self.entropy is not None else None,
@@ -236,11 +279,25 @@ class QuatroRuntime:
             metrics.update(self.kl.metrics())
         if self.entropy is not None:
             warning = self.entropy.observe(entropy_mean)
-            if warning is not None:
+            if warning is not None and self.observe:  # nothing was applied: the bonus cannot have failed
+                logger.info("step %d: observe mode: entropy floor would be active and the entropy fell", step)
+            elif warning is not None:
                 logger.warning("step %d: %s", step, warning)
                 self.ctx.emit_event(EVENT_ENTROPY_FLOOR_WARNING, message=warning)
             metrics.update(self.entropy.metrics())
+        if self.observe:
+            metrics = self._would_metrics(metrics)
         return self.controls(), metrics
+
+    def _would_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Observe mode: the values QUATRO would set under their ``_would`` names; measurements keep theirs."""
+        would = self.would_controls()
+        renamed = {QUATRO_KL_COEF: QUATRO_KL_COEF_WOULD, QUATRO_ENTROPY_BONUS: QUATRO_ENTROPY_BONUS_WOULD}
+        renamed[QUATRO_FLOOR_ACTIVE] = QUATRO_FLOOR_ACTIVE_WOULD
+        out = {renamed.get(k, k): v for k, v in metrics.items() if k != QUATRO_KL_FACTOR}
+        if self.entropy is not None:
+            out[QUATRO_CLIP_SCALE_WOULD] = would.clip_scale if would.clip_scale is not None else 1.0
+        return out
 
     # ------------------------------------------------------------------ filters
 
@@ -254,6 +311,11 @@ class QuatroRuntime:
         """Gathered generation batch -> which rows to keep; logs ``quatro/filtered/<reason>`` and the warning."""
         assert self.filter is not None
         result = self.filter(rewards, prompt_ids, completion_ids, num_generations)
+        if self.observe:
+            self.ctx.log_metrics(_would_filter_metrics(result))
+            if result.warning is not None:
+                logger.info("step %d: observe mode (nothing dropped): %s", self.ctx.global_step(), result.warning)
+            return result
         self.ctx.log_metrics(result.metrics())
         if result.warning is not None:
             logger.warning("step %d: %s", self.ctx.global_step(), result.warning)
@@ -262,8 +324,9 @@ class QuatroRuntime:
 
     def filter_generation(
         self, output: dict[str, Any], rewards: torch.Tensor, completion_ids: list[Any], num_generations: int
-    ) -> torch.Tensor:
-        """QUATRO's rollout filters over the whole generation batch: (N,) bool keep mask, identical on all ranks.
+    ) -> torch.Tensor | None:
+        """QUATRO's rollout filters over the whole generation batch: (N,) bool keep mask, identical on all ranks;
+        None in observe mode (the mask was computed and logged; every row trains).
 
         ``output``: TRL's scored batch of this rank (its prompt ids); ``rewards``: (N,) weighted rewards, gathered;
         ``completion_ids``: this rank's unpadded completions (gathered here).
@@ -271,7 +334,8 @@ class QuatroRuntime:
         rows = zip(output["prompt_ids"], output["prompt_mask"], strict=True)
         prompt_ids = [row[mask.bool()].tolist() for row, mask in rows]
         prompts, completions = self.ctx.gather_object(prompt_ids), self.ctx.gather_object(completion_ids)
-        return self.filter_rows(rewards, prompts, completions, num_generations).keep
+        keep = self.filter_rows(rewards, prompts, completions, num_generations).keep
+        return None if self.observe else keep
 
     def mask_dropped_rows(self, output: dict[str, Any], keep_local: torch.Tensor) -> None:
         """With ``filters.dropped_rows: exclude``, dropped rows of this rank leave the loss: completion mask 0
@@ -375,6 +439,18 @@ class QuatroRuntime:
             self.replay.load_state_dict(saved)
         elif self.replay is not None:
             logger.warning("the checkpoint has no QUATRO replay buffer for this rank: it starts empty")
+
+
+def _would_filter_metrics(result: FilterResult) -> dict[str, float]:
+    """A filter result under observe mode's names: rows each filter would drop, and their share (the count of
+    zero-variance groups is a measurement and keeps its name)."""
+    out = {k: v for k, v in result.metrics().items() if k != QUATRO_FILTERED_SHARE and k not in _FILTERED}
+    out.update({quatro_would_filter(reason): float(count) for reason, count in result.reasons.items()})
+    out[QUATRO_WOULD_FILTER_SHARE] = result.metrics()[QUATRO_FILTERED_SHARE]
+    return out
+
+
+_FILTERED = frozenset(quatro_filtered(reason) for reason in FILTER_REASONS)
 
 
 def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:

@@ -5,6 +5,11 @@ norm; one veto skips the step. A skip hands the gradients to the guards and to O
 are dropped, is counted (``gepo/skipped_steps``, per reason ``gepo/skipped_<reason>``) and recorded as an event.
 A taken step first gets OPEFO's pending error feedback, then the usual clipping.
 
+Observing guards (``observers``: a layer in ``mode: observe``, docs/DESIGN.md, "Observe mode") see the same norm
+and decide the same way, but their veto only counts (``gepo/would_skip``, per reason ``gepo/would_skip_<reason>``;
+``gepo/would_stop`` where the guard would have stopped the run): the step proceeds, nothing is handed to error
+feedback, and a non-finite gradient reaches the optimizer exactly as in plain TRL.
+
 Where the decision runs:
 - one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.clip_or_skip`` (gradients are already
   all-reduced there, so the local norm is the global norm and every rank decides the same);
@@ -15,13 +20,22 @@ Where the decision runs:
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from typing import Any, Protocol
 
 import torch
 
 from steadyrl.guards.base import StepDecision, StepGuard, combine_decisions
-from steadyrl.metrics import EVENT_SKIP, GEPO_SKIPPED_STEPS, gepo_skipped
+from steadyrl.guards.spike import SpikeSkipError
+from steadyrl.metrics import (
+    EVENT_SKIP,
+    GEPO_SKIPPED_STEPS,
+    GEPO_WOULD_SKIP,
+    GEPO_WOULD_STOP,
+    gepo_skipped,
+    gepo_would_skip,
+)
 from steadyrl.trainers.context import RuntimeContext
 
 logger = logging.getLogger(__name__)
@@ -36,10 +50,20 @@ class ErrorFeedbackHook(Protocol):
 
 
 class StepGate:
-    """Step guards + the skip bookkeeping. ``counters`` is saved in the checkpoint (``skipped_steps``, ...)."""
+    """Step guards + the skip bookkeeping. ``counters`` is saved in the checkpoint (``skipped_steps``, ...).
 
-    def __init__(self, guards: list[StepGuard], ctx: RuntimeContext, feedback: ErrorFeedbackHook | None = None) -> None:
+    ``observers``: step guards in observe mode; they decide on every step, their vetoes are only counted.
+    """
+
+    def __init__(
+        self,
+        guards: list[StepGuard],
+        ctx: RuntimeContext,
+        feedback: ErrorFeedbackHook | None = None,
+        observers: list[StepGuard] | None = None,
+    ) -> None:
         self.guards = guards
+        self.observers = list(observers or [])
         self.ctx = ctx
         self.feedback = feedback
         self.counters: dict[str, float] = defaultdict(float)
@@ -53,6 +77,8 @@ class StepGate:
         """
         step = self.ctx.global_step()
         decision = combine_decisions([guard.decide(norm, step) for guard in self.guards])
+        if self.observers:
+            self._observe(norm, step)
         if decision.skip:
             for guard in self.guards:
                 guard.on_skip(gradients, decision, step)
@@ -75,6 +101,33 @@ class StepGate:
             if metrics is not None:
                 self.ctx.log_metrics(metrics())
         return decision
+
+    def _observe(self, norm: torch.Tensor, step: int) -> None:
+        """The observing guards' decision on this step: counted, never applied."""
+        decisions = []
+        for guard in self.observers:
+            try:
+                decisions.append(guard.decide(norm, step))
+            except SpikeSkipError as exc:  # act mode would stop the run here; observe mode only counts it
+                self.counters["would_stop"] += 1
+                decisions.append(StepDecision(True, "spike" if math.isfinite(float(norm)) else "nonfinite"))
+                if self.counters["would_stop"] == 1:
+                    logger.warning("observe mode: act mode would have stopped the run here: %s", exc)
+        would = combine_decisions(decisions)
+        if would.skip:
+            self.counters["would_skip"] += 1
+            for reason in would.reason.split(","):
+                self.counters[f"would_skip_{reason}"] += 1
+            logger.info(
+                "step %d: observe mode: the step guard would skip this step (%s, grad norm %.4g); it proceeds",
+                step + 1, would.reason, float(norm),
+            )  # fmt: skip
+        self.ctx.log_metric(GEPO_WOULD_SKIP, self.counters["would_skip"])
+        for key, value in self.counters.items():
+            if key.startswith("would_skip_"):
+                self.ctx.log_metric(gepo_would_skip(key.removeprefix("would_skip_")), value)
+        if self.counters.get("would_stop"):
+            self.ctx.log_metric(GEPO_WOULD_STOP, self.counters["would_stop"])
 
     def clip_or_skip(self, model: torch.nn.Module, max_grad_norm: float) -> tuple[torch.Tensor, bool]:
         """One process or DDP: decide on the global pre-clip norm, then drop the gradients or clip them.

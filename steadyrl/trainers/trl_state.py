@@ -43,7 +43,7 @@ def bind_quatro(trainer: Any, quatro: QuatroRuntime) -> tuple[float, float] | No
     quatro.bind(trainer.ctx, setup)
     if quatro.replay_on:
         trainer.guard_state.rank_stateful["quatro"] = quatro  # each rank replays its own rows
-    if quatro.entropy is None:
+    if quatro.entropy is None or quatro.observe:  # observe mode: TRL's entropy term stays as the user set it
         return None
     trainer._entropy_bonus_enabled = True
     return float(trainer.epsilon_low), float(trainer.epsilon_high)

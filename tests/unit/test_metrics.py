@@ -20,13 +20,15 @@ NAMESPACED = re.compile(r"^(gepo|grade|quatro|opefo|ppo|eval|steadyrl|completion
 
 
 def _reader_names() -> list[str]:
-    from steadyrl.evidence import report
+    from steadyrl.evidence import observe, report
 
     monitor = MonitorConfig()
     needs = [name for panel in report.PANELS for name in panel.needs]
     return [
         *doctor.CHECKED,
         *doctor.NONFINITE_COUNTERS,
+        *observe.READS,
+        *observe.READ_PREFIXES,
         *report.SUMMARY,
         *report.MAXIMISE,
         *needs,
