@@ -59,6 +59,13 @@ SHORT_RUN = (  # every preflight run: short, logged every step, nothing saved or
     "eval.enabled=false",
 )
 SPIKE_NORM_MULTIPLE = 3.0  # abs_threshold = this x the 95th percentile of calm norms
+CUMULATIVE_WOULD = (  # counters logged as running totals
+    M.GEPO_WOULD_SKIP,
+    M.GEPO_WOULD_STOP,
+    M.OPEFO_WOULD_ROLLBACK,
+    M.OPEFO_WOULD_FLOOR_ENTRIES,
+    M.OPEFO_WOULD_FEED_BACK,
+)
 ENTROPY_MARGIN = 0.9  # proposed floor_ratio = this x (late / early baseline entropy), when below the default
 
 
@@ -222,6 +229,11 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
         p95 = float(np.percentile(norms, 95))
         measured["grad norm (median / p95 / max)"] = f"{np.median(norms):.3g} / {p95:.3g} / {norms.max():.3g}"
         proposed["guards.gepo.spike.abs_threshold"] = float(f"{SPIKE_NORM_MULTIPLE * p95:.3g}")
+    else:
+        notes.append(
+            f"only {len(norms)} baseline step(s) had a non-zero gradient (groups without reward variance carry no "
+            "signal): the spike threshold is left at its default; run a longer baseline (--steps) or check the reward"
+        )
     entropy = _finite(history, M.ENTROPY)
     if len(entropy) >= 4:
         w = max(1, len(entropy) // 4)
@@ -248,8 +260,14 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
             )
     for name in sorted(m for m in history.metrics if "would" in m):  # what the observing layers would have done
         values = _finite(history, name)
-        if len(values):
-            measured[name] = float(values[-1])
+        if not len(values):
+            continue
+        if name.startswith(CUMULATIVE_WOULD):
+            measured[f"{name} (run total)"] = float(values[-1])
+        elif name.endswith("_would"):  # a setting the controller would have made
+            measured[f"{name} (last step)"] = float(values[-1])
+        else:
+            measured[f"{name} (mean per step)"] = float(values.mean())
     return measured, proposed
 
 
