@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# The embedded default, end to end on CPU: SFT a tiny byte-level LLaMA from scratch on 2-digit addition,
-# then GRPO from that checkpoint with the exact-match reward. Prints greedy eval accuracy after each.
+# The embedded default, end to end on CPU: SFT a tiny byte-level LLaMA from scratch on 2-digit addition, GRPO
+# from that checkpoint with every steadyrl layer at its shipped default (configs/tiny/grpo-guarded.yaml), then
+# the fault demo: the same GRPO for 60 steps twice with one NaN micro-batch at step 12, plain TRL against
+# steadyrl. Prints greedy eval accuracy after SFT and after GRPO, the doctor's verdict and the fault outcomes.
 # Usage: bash scripts/demo.sh        (expects .venv from scripts/setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-rm -rf runs/tiny-sft runs/tiny-grpo
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false STEADYRL_PROGRESS=1
+rm -rf runs/tiny-sft runs/tiny-grpo runs/fault-demo
+mkdir -p runs
 start=$(date +%s)
-steadyrl sft configs/tiny/sft.yaml > runs-sft.log 2>&1 || { tail -40 runs-sft.log; exit 1; }
-steadyrl train configs/tiny/grpo.yaml > runs-grpo.log 2>&1 || { tail -40 runs-grpo.log; exit 1; }
-mkdir -p runs && mv runs-sft.log runs/tiny-sft/train.log && mv runs-grpo.log runs/tiny-grpo/train.log
-echo "wall time $(( $(date +%s) - start )) s; logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log"
+# each stage's full log goes to a file; its progress lines (step, speed, ETA, reward, guard events) to the terminal
+stage() {  # stage NAME LOG steadyrl-args...
+  local name=$1 log=$2
+  shift 2
+  echo "== $name"
+  if ! steadyrl "$@" 2>&1 | tee "$log" | { grep --line-buffered -E '^step [0-9]+' | sed -u "s/^/   $name: /" || true; }; then
+    tail -40 "$log"
+    exit 1
+  fi
+}
+stage sft runs/sft.log sft configs/tiny/sft.yaml
+stage grpo runs/grpo.log train configs/tiny/grpo-guarded.yaml
+mv runs/sft.log runs/tiny-sft/train.log && mv runs/grpo.log runs/tiny-grpo/train.log
+echo "== fault demo: one NaN micro-batch at step 12 of 60, plain TRL against steadyrl"
+STEADYRL_PROGRESS=0 python scripts/fault_demo.py --config configs/tiny/grpo-guarded.yaml --out runs/fault-demo \
+  eval.max_samples=100 eval.every=0 || echo "(fault demo: unexpected outcome, see runs/fault-demo/*/fault_demo.log)"
+echo "wall time $(( $(date +%s) - start )) s; logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log, runs/fault-demo/"
 steadyrl report runs/tiny-grpo > /dev/null && echo "plots: runs/tiny-grpo/report/report.md"
 steadyrl doctor runs/tiny-grpo || true   # exit 1 means it found a problem; the demo still prints its result
 python - <<'PY'
