@@ -16,6 +16,14 @@ trainer's own ``steadyrl/guard_seconds`` summed over the run, over ``train_runti
     OMP_NUM_THREADS=2 python scripts/bench_real_model.py --variants base,all trainer.max_steps=10
     OMP_NUM_THREADS=2 python scripts/bench_real_model.py --variants all-minus-quatro-kl \
         --results docs/results/real_model_ablation.json
+    OMP_NUM_THREADS=2 python scripts/bench_real_model.py --variants plain,all --fault nan_loss --fault-step 5 \
+        --results docs/results/stability_real_nan.json trainer.max_steps=20 eval.enabled=false
+
+``--fault`` injects one fault from ``steadyrl.faults`` at ``--fault-step`` (a callback configured through the
+``STEADYRL_FAULT_*`` environment, as in scripts/bench_stability.py): ``nan_loss`` (NaN hidden states in one
+micro-batch's loss pass) or ``inf_exp_avg_sq`` (inf written into one Adam ``exp_avg_sq`` entry). A fault run
+records whether it died, whether the fault fired, and how many non-finite optimizer-state entries were left at
+the end (``inf_left_in_adam``).
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from steadyrl.evidence.history import load_history  # noqa: E402
+from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
+from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
+
+FAULTS = {"nan_loss": ("NanLossAtStep", {}), "inf_exp_avg_sq": ("InfExpAvgSqAtStep", {FAULT_VALUE_ENV: "inf"})}
 
 GUARDS_OFF = tuple(f"guards.{layer}.enabled=false" for layer in ("gepo", "grade", "opefo", "quatro"))
 GUARDS_ON = tuple(f"guards.{layer}.enabled=true" for layer in ("gepo", "grade", "opefo", "quatro"))
@@ -76,13 +87,28 @@ def evaluate_base(config: str, overrides: list[str]) -> dict[str, Any]:
     return result
 
 
-def train(config: str, out: Path, flags: tuple[str, ...], overrides: list[str], seed: int) -> dict[str, Any]:
+def train(
+    config: str,
+    out: Path,
+    flags: tuple[str, ...],
+    overrides: list[str],
+    seed: int,
+    fault: str | None = None,
+    fault_step: int = 5,
+) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "steadyrl", "train", config, *flags, *overrides,
            f"trainer.output_dir={out}", f"trainer.seed={seed}", "trainer.resume_from_checkpoint=null"]  # fmt: skip
+    env = dict(os.environ)
+    if fault is not None:
+        callback, fault_env = FAULTS[fault]
+        cmd.append(f"callbacks=['steadyrl.faults:{callback}']")
+        env.update({FAULT_STEP_ENV: str(fault_step), **fault_env})
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "faults.jsonl"):  # both append
+        (out / stale).unlink(missing_ok=True)
     start = time.perf_counter()
     with open(out / "bench.log", "w") as log:
-        code = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     wall = time.perf_counter() - start
     row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": wall, "died": code != 0}
     eval_file = out / "eval_results.json"
@@ -90,7 +116,15 @@ def train(config: str, out: Path, flags: tuple[str, ...], overrides: list[str], 
         result = json.loads(eval_file.read_text())
         row.update(accuracy=result["accuracy"], rewards=result["rewards"], mean_length=result["mean_length"],
                    truncated_share=result.get("truncated_share"), samples=result["samples"])  # fmt: skip
-    history = load_history(out)
+    faults = read_fault_log(out)
+    end = [r for r in faults if r["fault"] == "train_end"]
+    row["fault_fired_at"] = next((r["step"] for r in faults if r["fault"] != "train_end"), None)
+    row["inf_left_in_adam"] = end[-1].get("nonfinite_state_entries") if end else None
+    try:
+        history = load_history(out)
+    except HistoryNotFoundError:
+        return row
+    row["last_step"] = history.last_step
     runtime = next((r["train_runtime"] for r in history.rows if "train_runtime" in r), None)
     steps = max((r.get("step", 0) for r in history.rows), default=0)
     guard = sum(float(r.get("steadyrl/guard_seconds") or 0.0) for r in history.rows)
@@ -106,11 +140,11 @@ def train(config: str, out: Path, flags: tuple[str, ...], overrides: list[str], 
     return row
 
 
-def cell(variant: str, seed: int, row: dict[str, Any]) -> dict[str, Any]:
+def cell(variant: str, seed: int, row: dict[str, Any], scenario: str = "clean") -> dict[str, Any]:
     metrics = {k: [v] for k, v in row.items() if k not in ("accuracy", "died", "samples", "rewards", "command")}
     for name, value in (row.get("rewards") or {}).items():
         metrics[f"eval/{name}"] = [value]
-    out = {"scenario": "clean", "variant": variant, "seeds": [seed], "died": [bool(row.get("died", False))],
+    out = {"scenario": scenario, "variant": variant, "seeds": [seed], "died": [bool(row.get("died", False))],
            "accuracy": [row.get("accuracy")], "metrics": metrics}  # fmt: skip
     if "command" in row:
         out["note"] = f"python -m {row['command']}"
@@ -122,7 +156,7 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
              "guard share |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for variant, row in rows.items():
         rewards = row.get("rewards") or {}
-        acc = "died" if row.get("died") else f"{row['accuracy']:.3f}"
+        acc = "died" if row.get("died") else "-" if row.get("accuracy") is None else f"{row['accuracy']:.3f}"
         step = f"{row['step_time_s']:.1f} s" if row.get("step_time_s") else "-"
         share = f"{100 * row['guard_share']:.2f}%" if row.get("guard_share") is not None else "-"
         lines.append(f"| {variant} | {acc} | {rewards.get('concise_answer', float('nan')):.3f} | "
@@ -138,6 +172,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/bench-real")
     parser.add_argument("--results", default="docs/results/real_model.json")
+    parser.add_argument("--fault", choices=sorted(FAULTS), default=None, help="inject one fault into every run")
+    parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
     code_commit = commit()  # the code that runs (later edits to the tree do not change this record)
@@ -148,8 +184,9 @@ def main() -> None:
             rows[variant] = evaluate_base(args.config, args.overrides)
         else:
             flags = VARIANTS[variant]
-            rows[variant] = train(args.config, Path(args.out) / f"{variant}-s{args.seed}", flags, args.overrides,
-                                  args.seed)  # fmt: skip
+            name = f"{variant}-{args.fault}-s{args.seed}" if args.fault else f"{variant}-s{args.seed}"
+            rows[variant] = train(args.config, Path(args.out) / name, flags, args.overrides, args.seed,
+                                  args.fault, args.fault_step)  # fmt: skip
         print(f"[bench_real_model] {variant}: {json.dumps({k: v for k, v in rows[variant].items() if k != 'samples'})}",
               flush=True)  # fmt: skip
     command = "python scripts/bench_real_model.py " + " ".join(sys.argv[1:])
@@ -162,7 +199,7 @@ def main() -> None:
         "model": "smollm2-135m-instruct",
         "config": args.config,
         "steps": max((r.get("steps", 0) for r in rows.values()), default=0),
-        "cells": [cell(v, args.seed, r) for v, r in rows.items()],
+        "cells": [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
         "samples": {v: r.get("samples") for v, r in rows.items()},
     }
     path = REPO / args.results

@@ -374,6 +374,39 @@ def table(results: dict[tuple[str, str, int], dict[str, Any]], names: list[str],
     return "\n".join(lines)
 
 
+def saturation_table(
+    results: dict[tuple[str, str, int], dict[str, Any]], names: list[str], scenarios: list[str]
+) -> str:
+    """Markdown: the controllers' end-of-run state per scenario x variant (seed means), for the variants with QUATRO
+    or GEPO's spike guard. A controller held at a bound shows as kl_at_max close to the steps run."""
+    lines = [
+        "| scenario | variant | KL updates at max | KL updates at min | final beta | KL target | entropy bonus | "
+        "spike re-anchors | zero-grad steps |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def mean(runs: list[dict[str, Any]], key: str, fmt: str) -> str:
+        values = [r["last"][key] for r in runs if r.get("last") and r["last"].get(key) is not None]
+        return format(statistics.fmean(values), fmt) if values else "-"
+
+    for scenario in scenarios:
+        for name in names:
+            runs = [r for (v, s, _), r in sorted(results.items()) if v == name and s == scenario and r.get("last")]
+            if not runs or not any(r["last"] for r in runs):
+                continue
+            cells = [
+                mean(runs, M.QUATRO_KL_AT_MAX, ".1f"),
+                mean(runs, M.QUATRO_KL_AT_MIN, ".1f"),
+                mean(runs, M.QUATRO_KL_COEF, ".3g"),
+                mean(runs, M.QUATRO_KL_TARGET, ".3g"),
+                mean(runs, M.QUATRO_ENTROPY_BONUS, ".3g"),
+                mean(runs, M.GEPO_SPIKE_REBASES, ".1f"),
+                mean(runs, M.GEPO_ZERO_GRAD_STEPS, ".1f"),
+            ]
+            lines.append(f"| {scenario} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(
     results: dict[tuple[str, str, int], dict[str, Any]], names: list[str], scenarios: list[str], png: Path
 ) -> None:
@@ -470,6 +503,8 @@ def main() -> None:
         f"with {' '.join(OPEFO_SHORT_RUNS)}. QUATRO: "
         f"{'on' if flags_of['QUATRO'] is not None else 'not implemented yet, left out of all on'}.\n\n"
         + table(results, names, scenarios)
+        + "\n\nController state at the end of each run (seed means; `-`: the variant has no such controller):\n\n"
+        + saturation_table(results, names, scenarios)
         + "\n"
     )
     print(markdown, end="")
