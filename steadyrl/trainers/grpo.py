@@ -143,6 +143,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(self.observe_step_guards)]
         layers += [("opefo", opefo), ("quatro", quatro)]
         self.guard_state = GuardState.register(layers, stateful, self.gate.counters, per_rank={"opefo": opefo})
+        if kl_compensation is not None or quatro is not None:  # factors of beta set between steps: checkpointed
+            self.guard_state.stateful.setdefault("beta_factors", trl_state.BetaFactors(self))
         self._epsilon0: tuple[float, float] | None = None
         if quatro is not None:
             self._epsilon0 = trl_state.bind_quatro(self, quatro)
