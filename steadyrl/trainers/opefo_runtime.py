@@ -21,10 +21,11 @@ trainer applies it (``steadyrl.trainers.trl_state.LearningRateScale``).
 A rollback restores, on every rank, the trainable weights, the optimizer state (under ZeRO also the fp32
 master partitions) and every guard's state from the latest healthy snapshot, drops a pending error-feedback
 residual, and scales the learning rate by ``recovery_lr_factor`` for ``recovery_steps`` steps (on top of the
-schedule, which is not rewound). Training continues forward: ``global_step``, the data position, the LR
-schedule and the RNG streams are not rewound, so the steps between the snapshot and the failure are lost
-updates and the batch that caused it is never seen again. Snapshots therefore hold weights, optimizer state and
-guard states only; a scheduler or RNG state in them would never be used.
+schedule, which is not rewound: the param groups keep the current step's LR, not the snapshot's). Training
+continues forward: ``global_step``, the data position, the LR schedule and the RNG streams are not rewound, so
+the steps between the snapshot and the failure are lost updates and the batch that caused it is never seen again.
+Snapshots therefore hold weights, optimizer state and guard states only; a scheduler or RNG state in them would
+never be used.
 
 Observe mode (``OpefoRuntime(config, observe=True)``, ``guards.opefo.mode: observe``; docs/DESIGN.md, "Observe
 mode"): the floor decides on the same schedule but changes no entry (``opefo/would_floor_entries``: the entries it
@@ -283,7 +284,12 @@ class OpefoRuntime:
                     self.zero.single_partition_of_fp32_groups, payload["fp32_partitions"], strict=True
                 ):
                     live.copy_(saved.to(live.device))
+        # The snapshot's param groups hold the LR (and any other scheduled hyper-parameter) of the snapshot's step;
+        # the schedule is not rewound, so the current values stay and the recovery factor scales them.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.base.param_groups]
         self.base.load_state_dict(payload["optimizer"])
+        for group, current in zip(self.base.param_groups, hyper, strict=True):
+            group.update(current)
         self.guards.load_guard_state_dicts(payload["guards"], exclude=self)
         self.feedback.clear()
         rb = self.config.rollback
