@@ -80,6 +80,14 @@ def optimizer_chain(optimizer: Any) -> list[Any]:
     return chain
 
 
+ADAM_CLASSES = ("FusedAdam", "DeepSpeedCPUAdam")  # DeepSpeed's Adam implementations: torch's state layout
+
+
+def keeps_adam_moments(optimizer: Any) -> bool:
+    """Whether the innermost optimizer keeps Adam's per-parameter ``exp_avg`` / ``exp_avg_sq`` (what OPEFO reads)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or type(optimizer).__name__ in ADAM_CLASSES
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -131,6 +139,12 @@ class OpefoRuntime:
         self.ctx, self._named_parameters, self.guards = ctx, named_parameters, guards
         chain = optimizer_chain(optimizer)
         self.base = chain[-1]
+        if not keeps_adam_moments(self.base):
+            raise TypeError(
+                f"guards.opefo checks and floors Adam's fp32 moments (exp_avg, exp_avg_sq), but the optimizer is "
+                f"{type(self.base).__module__}.{type(self.base).__name__}, whose state it cannot read (a NaN in it "
+                "would be reported finite). Use AdamW (trainer.optim=adamw_torch) or set guards.opefo.enabled=false"
+            )
         self.zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             reduce_sum, all_gather = distributed_ops()
