@@ -140,6 +140,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_resume.py::test_resume_is_exact_with_every_stateful_guard",),
     ),
     Mutant(
+        "fp16_no_unscale",
+        "under fp16's GradScaler the gate decides on (and clips) the scaled gradients",
+        (("steadyrl/trainers/grpo.py", "scaler.unscale_(self.optimizer.optimizer)\n", "pass\n"),),
+        (f"{IT}/test_step_guard.py",),
+    ),
+    Mutant(
+        "rollback_lr_from_snapshot",
+        "after a rollback the recovery LR factor scales the snapshot's LR, not the current schedule's",
+        (("steadyrl/trainers/opefo_runtime.py", "group.update(current)\n", "pass\n"),),
+        (f"{IT}/test_opefo.py::test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot",),
+    ),
+    Mutant(
+        "zero2_fp32_partitions_not_restored",
+        "a ZeRO-2 rollback restores the bf16/fp32 weights but not ZeRO's fp32 master partitions",
+        (("steadyrl/trainers/opefo_runtime.py", "live.copy_(saved.to(live.device))\n", "pass\n"),),
+        (f"{IT}/test_launch.py::test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank[zero2]",),
+    ),
+    Mutant(
         "rollback_restores_nothing",
         "an OPEFO rollback restores neither the weights nor the optimizer state",
         (
