@@ -218,8 +218,12 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, 
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return -1, time.monotonic() - start, "timeout"
-    tail = (proc.stdout + proc.stderr).strip().splitlines()
-    return proc.returncode, time.monotonic() - start, tail[-1] if tail else ""
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = lines[-1] if lines else ""
+    first_error = next((line[1:].strip() for line in lines if line.startswith("E ")), None)
+    if first_error:  # what caught the mutant: the first assertion or error line of the failing test
+        summary += f" | {first_error[:200]}"
+    return proc.returncode, time.monotonic() - start, summary
 
 
 def main() -> int:
