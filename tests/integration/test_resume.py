@@ -163,8 +163,8 @@ def test_resume_is_exact_with_every_stateful_guard(tiny_model_dir, tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
 
     assert resumed.beta_factors == straight.beta_factors and resumed.beta == straight.beta
-    for name in ("step_guard_0", "reward_processor"):
-        assert resumed.guard_state.stateful[name].state_dict() == straight.guard_state.stateful[name].state_dict()
+    assert resumed.step_guards[0].state_dict() == straight.step_guards[0].state_dict()
+    assert resumed.reward_processor.state_dict() == straight.reward_processor.state_dict()
     assert straight.step_guards[0].accepted == 4 and straight.step_guards[0].ema is not None
     assert_same_weights(weights(resumed.model), weights(straight.model))
     assert _logs_from(resumed.state.log_history, 3) == _logs_from(straight.state.log_history, 3)
