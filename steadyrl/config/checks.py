@@ -156,6 +156,7 @@ def _check_guards(cfg: RunConfig) -> None:
                 "then loads no reference model); set trainer.beta > 0 or guards.grade.kl_compensation=false"
             )
     _check_quatro(cfg)
+    _check_what_guards_cannot_protect(cfg)
     if gepo.enabled or cfg.guards.opefo.enabled:
         if _deepspeed_launch():
             stage = _deepspeed_zero_stage()
@@ -218,6 +219,90 @@ def _check_quatro(cfg: RunConfig) -> None:
             "guards.quatro.filters work on the weighted sum of rewards; set "
             "trainer.multi_objective_aggregation=sum_then_normalize or guards.quatro.filters.enabled=false"
         )
+
+
+# trainer.optim values whose optimizer keeps AdamW's fp32 ``exp_avg`` / ``exp_avg_sq`` per parameter (OPEFO reads them)
+ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_apex_fused")
+DEEPSPEED_ADAM_TYPES = ("adam", "adamw")  # DeepSpeed's optimizer.type: FusedAdam / DeepSpeedCPUAdam, same state
+
+
+def _check_what_guards_cannot_protect(cfg: RunConfig) -> None:
+    """Settings under which a guard would run and protect nothing, refused instead of running silently (issue 14).
+
+    Each is detectable from the config: the Trainer's ``optim``, ``fsdp`` and the DeepSpeed JSON (``trainer.
+    deepspeed``, or the launch's ``ACCELERATE_DEEPSPEED_CONFIG_FILE`` / ``..._OFFLOAD_OPTIMIZER_DEVICE``). Both modes
+    are refused: an observing guard would count nothing on the same grounds.
+    """
+    t, opefo = cfg.trainer, cfg.guards.opefo
+    step_guard = cfg.guards.gepo.enabled or opefo.enabled  # both install a step guard (GEPO's, or non-finite-only)
+    ds = _deepspeed_config(cfg)
+    zero = (ds or {}).get("zero_optimization") or {}
+    if opefo.enabled:
+        optim = str(t.get("optim", "adamw_torch_fused"))
+        ds_type = str(((ds or {}).get("optimizer") or {}).get("type", "adamw")).lower()
+        if ds is None and optim not in ADAM_OPTIMS:
+            raise ConfigError(
+                f"guards.opefo checks and floors AdamW's fp32 moments (exp_avg, exp_avg_sq), but trainer.optim={optim} "
+                "keeps another state: a NaN in it would be reported finite and the floor would never run. Set "
+                f"trainer.optim to one of {list(ADAM_OPTIMS)} or guards.opefo.enabled=false"
+            )
+        if ds is not None and ds_type not in DEEPSPEED_ADAM_TYPES:
+            raise ConfigError(
+                f"guards.opefo checks and floors Adam's moments, but the DeepSpeed config's optimizer.type is "
+                f"{ds_type!r}, whose state OPEFO cannot read; use optimizer.type AdamW (or drop the optimizer block: "
+                "the Trainer's AdamW is used) or set guards.opefo.enabled=false"
+            )
+    if step_guard and _fsdp(cfg):
+        raise ConfigError(
+            "guards.gepo / guards.opefo decide each optimizer step on the global gradient norm, but under FSDP each "
+            "rank holds a shard of the gradients and would decide on its own shard's norm (ranks could disagree). "
+            "Use DDP or DeepSpeed ZeRO-1/2 (configs/accelerate/zero2.yaml), or set guards.gepo.enabled=false and "
+            "guards.opefo.enabled=false"
+        )
+    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    if offload == "none" and _deepspeed_launch():  # the accelerate plugin's own setting
+        offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none").lower()
+    if opefo.enabled and opefo.error_feedback.enabled and offload in ("cpu", "nvme"):
+        raise ConfigError(
+            f"guards.opefo.error_feedback injects a skipped step's gradient into ZeRO's gradient partition, but "
+            f"ZeRO-Offload (offload_optimizer.device={offload}) accumulates gradients in its own CPU buffers, so the "
+            "residual would never reach the optimizer. Set guards.opefo.error_feedback.enabled=false or drop "
+            "offload_optimizer from the DeepSpeed config"
+        )
+    if step_guard and zero.get("compute_grad_norm") is False:
+        raise ConfigError(
+            "zero_optimization.compute_grad_norm is false in the DeepSpeed config: ZeRO then computes no gradient "
+            "norm, and the step guard of guards.gepo / guards.opefo (which decides inside ZeRO's norm computation) "
+            "would never run, not even for a NaN gradient. Remove compute_grad_norm (default true) or set "
+            "guards.gepo.enabled=false and guards.opefo.enabled=false"
+        )
+
+
+def _deepspeed_config(cfg: RunConfig) -> dict | None:
+    """The run's DeepSpeed JSON: ``trainer.deepspeed`` (a dict or a file), else the DeepSpeed launch's config file;
+    None without DeepSpeed or when it cannot be read (an unreadable file fails later, in DeepSpeed, with its path)."""
+    value = cfg.trainer.get("deepspeed")
+    if isinstance(value, dict):
+        return value
+    path = value if isinstance(value, str) else None
+    if path is None and _deepspeed_launch():
+        path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if not path:
+            return {}  # a DeepSpeed launch configured by the accelerate plugin alone (env values)
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        tree = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return tree if isinstance(tree, dict) else None
+
+
+def _fsdp(cfg: RunConfig) -> bool:
+    """FSDP from the trainer section (``fsdp``) or the launch (accelerate sets ``ACCELERATE_USE_FSDP``)."""
+    value = cfg.trainer.get("fsdp")
+    from_trainer = bool(value) and value not in ("", "none", [], False)
+    return from_trainer or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def _deepspeed_launch() -> bool:

@@ -143,6 +143,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(self.observe_step_guards)]
         layers += [("opefo", opefo), ("quatro", quatro)]
         self.guard_state = GuardState.register(layers, stateful, self.gate.counters, per_rank={"opefo": opefo})
+        if kl_compensation is not None or quatro is not None:  # factors of beta set between steps: checkpointed
+            self.guard_state.stateful.setdefault("beta_factors", trl_state.BetaFactors(self))
         self._epsilon0: tuple[float, float] | None = None
         if quatro is not None:
             self._epsilon0 = trl_state.bind_quatro(self, quatro)
@@ -300,10 +302,19 @@ class SteadyGRPOTrainer(GRPOTrainer):
             # Under DeepSpeed the step already happened inside ``accelerator.backward`` and was decided by the
             # gate installed on the ZeRO optimizer (``StepGate.install_deepspeed``); this returns the engine's norm.
             return super()._clip_grad_norm(model)
+        scaler = getattr(self.optimizer, "scaler", None)  # accelerate's GradScaler: fp16 without DeepSpeed
+        if scaler is not None:
+            # The gradients are still multiplied by the loss scale. Unscale them first, as the Trainer's own
+            # clipping does (accelerator.clip_grad_norm_): the gate decides on, feeds back into and clips the true
+            # gradients, and the scaler records its inf check here, so a vetoed step (no gradients left) passes
+            # scaler.step / scaler.update like a step without overflow.
+            scaler.unscale_(self.optimizer.optimizer)
         norm, skipped = self.gate.clip_or_skip(model, self.args.max_grad_norm)
-        if getattr(self.optimizer, "scaler", None) is None and hasattr(self.optimizer, "_is_overflow"):
-            # Tell the Trainer the step was skipped so it does not advance the LR schedule, exactly as it does
-            # for an fp16 overflow and for a step DeepSpeed skipped.
+        # Tell the Trainer the step was skipped so it does not advance the LR schedule, exactly as it does for an
+        # fp16 overflow and for a step DeepSpeed skipped. Under a scaler, optimizer.step() rewrites the flag, so it
+        # is set again after the step (_GuardClock.on_optimizer_step).
+        self.scratch.vetoed_step = skipped
+        if scaler is None and hasattr(self.optimizer, "_is_overflow"):
             self.optimizer._is_overflow = skipped
         return norm
 
@@ -350,6 +361,13 @@ class _GuardClock(TrainerCallback):
             t.gate.install_deepspeed(t.optimizer)
         if t.opefo is not None:
             t.opefo.attach(t.ctx, t.optimizer, lambda: t.model.named_parameters(), t.args.output_dir, t.guard_state)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        if t.scratch.vetoed_step:  # read by the Trainer right after this callback (optimizer_step_was_skipped)
+            t.scratch.vetoed_step = False
+            if hasattr(t.optimizer, "_is_overflow"):
+                t.optimizer._is_overflow = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer

@@ -10,7 +10,8 @@ How each is overridden (never by copying the body):
   processor or advantage function is set; with QUATRO replay, add ``old_per_token_logps`` where TRL left them out.
 - ``_prepare_inputs``: call the parent; when it generated (``_buffered_inputs`` is a new list), replace its
   buffered micro-batches with QUATRO's replay mix and return the mixed counterpart of the one it returned.
-- ``_clip_grad_norm``: compute the global pre-clip norm, ask the step guards, then clip or skip.
+- ``_clip_grad_norm``: under fp16's GradScaler unscale first (as the parent's clipping does), compute the global
+  pre-clip norm, ask the step guards, then clip or skip.
 - ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
   count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
 - ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance

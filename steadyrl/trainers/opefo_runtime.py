@@ -21,10 +21,11 @@ trainer applies it (``steadyrl.trainers.trl_state.LearningRateScale``).
 A rollback restores, on every rank, the trainable weights, the optimizer state (under ZeRO also the fp32
 master partitions) and every guard's state from the latest healthy snapshot, drops a pending error-feedback
 residual, and scales the learning rate by ``recovery_lr_factor`` for ``recovery_steps`` steps (on top of the
-schedule, which is not rewound). Training continues forward: ``global_step``, the data position, the LR
-schedule and the RNG streams are not rewound, so the steps between the snapshot and the failure are lost
-updates and the batch that caused it is never seen again. Snapshots therefore hold weights, optimizer state and
-guard states only; a scheduler or RNG state in them would never be used.
+schedule, which is not rewound: the param groups keep the current step's LR, not the snapshot's). Training
+continues forward: ``global_step``, the data position, the LR schedule and the RNG streams are not rewound, so
+the steps between the snapshot and the failure are lost updates and the batch that caused it is never seen again.
+Snapshots therefore hold weights, optimizer state and guard states only; a scheduler or RNG state in them would
+never be used.
 
 Observe mode (``OpefoRuntime(config, observe=True)``, ``guards.opefo.mode: observe``; docs/DESIGN.md, "Observe
 mode"): the floor decides on the same schedule but changes no entry (``opefo/would_floor_entries``: the entries it
@@ -79,6 +80,14 @@ def optimizer_chain(optimizer: Any) -> list[Any]:
     return chain
 
 
+ADAM_CLASSES = ("FusedAdam", "DeepSpeedCPUAdam")  # DeepSpeed's Adam implementations: torch's state layout
+
+
+def keeps_adam_moments(optimizer: Any) -> bool:
+    """Whether the innermost optimizer keeps Adam's per-parameter ``exp_avg`` / ``exp_avg_sq`` (what OPEFO reads)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or type(optimizer).__name__ in ADAM_CLASSES
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -130,6 +139,12 @@ class OpefoRuntime:
         self.ctx, self._named_parameters, self.guards = ctx, named_parameters, guards
         chain = optimizer_chain(optimizer)
         self.base = chain[-1]
+        if not keeps_adam_moments(self.base):
+            raise TypeError(
+                f"guards.opefo checks and floors Adam's fp32 moments (exp_avg, exp_avg_sq), but the optimizer is "
+                f"{type(self.base).__module__}.{type(self.base).__name__}, whose state it cannot read (a NaN in it "
+                "would be reported finite). Use AdamW (trainer.optim=adamw_torch) or set guards.opefo.enabled=false"
+            )
         self.zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             reduce_sum, all_gather = distributed_ops()
@@ -283,7 +298,12 @@ class OpefoRuntime:
                     self.zero.single_partition_of_fp32_groups, payload["fp32_partitions"], strict=True
                 ):
                     live.copy_(saved.to(live.device))
+        # The snapshot's param groups hold the LR (and any other scheduled hyper-parameter) of the snapshot's step;
+        # the schedule is not rewound, so the current values stay and the recovery factor scales them.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.base.param_groups]
         self.base.load_state_dict(payload["optimizer"])
+        for group, current in zip(self.base.param_groups, hyper, strict=True):
+            group.update(current)
         self.guards.load_guard_state_dicts(payload["guards"], exclude=self)
         self.feedback.clear()
         rb = self.config.rollback

@@ -37,3 +37,8 @@ class HookScratch:
     staging_dir: Path | None = None
     """The staging root of a checkpoint being written. Written by ``_save_checkpoint`` around TRL's save; read by
     ``_get_output_dir`` (so every file TRL writes lands in staging); cleared by ``_save_checkpoint``."""
+
+    vetoed_step: bool = False
+    """The step gate vetoed the optimizer step being taken. Written by ``_clip_grad_norm``; read and cleared by
+    ``_GuardClock.on_optimizer_step`` right after ``optimizer.step()``, which marks the step skipped for the Trainer
+    (under a GradScaler ``optimizer.step()`` itself rewrites accelerate's skip flag)."""

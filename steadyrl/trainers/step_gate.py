@@ -12,7 +12,8 @@ feedback, and a non-finite gradient reaches the optimizer exactly as in plain TR
 
 Where the decision runs:
 - one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.clip_or_skip`` (gradients are already
-  all-reduced there, so the local norm is the global norm and every rank decides the same);
+  all-reduced there, so the local norm is the global norm and every rank decides the same; under fp16's GradScaler
+  the trainer unscales them first);
 - DeepSpeed ZeRO-1/2: the step runs inside ``accelerator.backward`` -> ``engine.step()``, so the Trainer's
   ``_clip_grad_norm`` comes too late; ``install_deepspeed`` puts the gate inside the ZeRO optimizer's step.
 """

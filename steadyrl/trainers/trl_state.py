@@ -25,6 +25,24 @@ def set_beta_factor(trainer: Any, name: str, value: float) -> None:
     trainer.beta = trainer.beta_base * math.prod(trainer.beta_factors.values())
 
 
+class BetaFactors:
+    """Every factor of the KL coefficient as checkpointed guard state (``beta_factors`` in ``steadyrl_state.pt``).
+
+    GRADE's KL compensation is set once per generation batch; a resume inside a generation window trains on that
+    batch again without recomputing it, so the factor must come back from the checkpoint (QUATRO's is also
+    re-applied from its controller's restored state)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"factors": dict(self.trainer.beta_factors)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in state["factors"].items():
+            set_beta_factor(self.trainer, name, float(value))
+
+
 def bind_quatro(trainer: Any, quatro: QuatroRuntime) -> tuple[float, float] | None:
     """Bind QUATRO to the trainer's settings (``QuatroSetup``) and its context. With the entropy floor on, switch
     TRL's entropy term on (fixed at init; the floor drives its coefficient) and return the initial (epsilon_low,

@@ -109,3 +109,103 @@ def tiny_grpo_trainer(model_dir: Path | str, out: Path | str, guards: dict[str, 
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         **(guards or {}),
     )
+
+
+class TrainedOn:
+    """What TRL's own loss trains on, next to what TRL generated and scored (a spy on ``GRPOTrainer``'s methods).
+
+    ``generations``: one entry per training generation batch, in TRL's row order (before any shuffle or split):
+    its ``index``, ``rewards_per_func`` (gathered, (N, num_funcs)) and ``rows`` (this rank's (prompt_ids,
+    completion_ids) keys).
+    ``losses``: one entry per loss call: the generation it trains on, its row keys and ``inputs["advantages"]``.
+    ``expected_advantages(fn)`` pairs every loss row with its generation row, so a test compares, element by
+    element, the advantages the loss received with ``fn(generation)`` (the guard's output, computed independently).
+    """
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from trl import GRPOTrainer
+
+        self.generations: list[dict[str, Any]] = []
+        self.losses: list[dict[str, Any]] = []
+        calculate, generate, loss = (
+            GRPOTrainer._calculate_rewards,
+            GRPOTrainer._generate_and_score_completions,
+            GRPOTrainer._compute_loss,
+        )
+        pending: dict[str, Any] = {}
+
+        def spy_calculate(trainer, *args, **kwargs):
+            out = calculate(trainer, *args, **kwargs)
+            pending["rewards_per_func"] = out.detach().clone()
+            return out
+
+        def spy_generate(trainer, *args, **kwargs):
+            out = generate(trainer, *args, **kwargs)
+            if trainer.model.training:
+                rewards = pending.pop("rewards_per_func")
+                index = len(self.generations)
+                self.generations.append({"index": index, "rewards_per_func": rewards, "rows": _row_keys(out)})
+            return out
+
+        def spy_loss(trainer, model, inputs):
+            if trainer.model.training:
+                advantages = inputs["advantages"].detach().clone()
+                entry = {"generation": len(self.generations) - 1, "rows": _row_keys(inputs), "advantages": advantages}
+                self.losses.append(entry)
+            return loss(trainer, model, inputs)
+
+        monkeypatch.setattr(GRPOTrainer, "_calculate_rewards", spy_calculate)
+        monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", spy_generate)
+        monkeypatch.setattr(GRPOTrainer, "_compute_loss", spy_loss)
+
+    def expected_advantages(self, fn: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For each loss call: (advantages the loss received, ``fn(generation)`` of the same rows in the same order).
+
+        ``fn(generation)`` -> one value per row of the generation (this rank's rows, TRL's order). Rows are matched
+        by their (prompt, completion) token ids; identical rows are matched as a multiset.
+        """
+        out = []
+        for entry in self.losses:
+            generation = self.generations[entry["generation"]]
+            values = fn(generation)
+            by_key: dict[tuple, list[float]] = {}
+            for key, value in zip(generation["rows"], values.tolist(), strict=True):
+                by_key.setdefault(key, []).append(value)
+            received = entry["advantages"].double()
+            expected = []
+            for key, got in zip(entry["rows"], received.tolist(), strict=True):
+                candidates = by_key[key]
+                # identical rows of one generation: take the candidate equal to what the loss got, else the first
+                pick = next((i for i, c in enumerate(candidates) if c == got), 0)
+                expected.append(candidates.pop(pick))
+            out.append((received, torch.tensor(expected, dtype=torch.float64)))
+        return out
+
+
+def _row_keys(batch: dict[str, Any]) -> list[tuple]:
+    prompts, completions = batch["prompt_ids"], batch["completion_ids"]
+    return [(*p.tolist(), -1, *c.tolist()) for p, c in zip(prompts, completions, strict=True)]
+
+
+def _grade_scaler() -> type:
+    from steadyrl.guards.grade import GradeScaler
+
+    class RecordingGrade(GradeScaler):
+        """GRADE that keeps each call's raw input and output (``inputs``, ``outputs``: one (N,) tensor per
+        generation batch)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.inputs: list[torch.Tensor] = []
+            self.outputs: list[torch.Tensor] = []
+
+        def __call__(self, rewards: torch.Tensor, prompts: list[Any], num_generations: int) -> torch.Tensor:
+            self.inputs.append(rewards.detach().clone())
+            out = super().__call__(rewards, prompts, num_generations)
+            self.outputs.append(out.detach().clone())
+            return out
+
+    return RecordingGrade
+
+
+RecordingGrade = _grade_scaler()

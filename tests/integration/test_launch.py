@@ -201,8 +201,11 @@ def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, 
     )
     assert [d["global_step"] for d in dumps] == [4, 4]
     assert proc.stderr.count("step 3: OPEFO rollback #1 to the snapshot of step 2 (cause: non-finite") == 2
-    for d in dumps:  # after step 3 every rank is back at its step-2 state
+    # one rollback restores everything (under ZeRO also the fp32 master partitions): no second one at step 4
+    assert "OPEFO rollback #2" not in proc.stderr
+    for d in dumps:  # after step 3 every rank is back at its step-2 state, and step 4 trains again
         assert_same_weights(d["per_step"][1]["weights"], d["per_step"][2]["weights"])
+        assert any(not torch.equal(v, d["per_step"][3]["weights"][k]) for k, v in d["per_step"][2]["weights"].items())
         assert all(torch.isfinite(m["exp_avg_sq"]).all() for m in d["per_step"][-1]["moments"])
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
     assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())

@@ -50,7 +50,7 @@ def _trainer(model_dir, out, guards, opefo=None, callbacks=(), **args):
     trainer = SteadyGRPOTrainer(
         model=str(model_dir),
         reward_funcs=[byte_mean],
-        args=grpo_args(out, max_grad_norm=1.0, lr_scheduler_type="constant", **args),
+        args=grpo_args(out, **{"max_grad_norm": 1.0, "lr_scheduler_type": "constant", **args}),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         step_guards=guards,
@@ -97,6 +97,21 @@ def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, cap
     plain.train()
     plain_base = optimizer_chain(plain.optimizer)[-1]
     assert any(torch.isinf(s["exp_avg_sq"]).any() for s in plain_base.state.values())
+
+
+def test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot(tiny_model_dir, tmp_path):
+    """Linear decay over 6 steps, rollback at step 3 to the step-2 snapshot: the recovery steps 4 and 5 run at 0.3 x
+    the schedule's LR of *their* step (restoring the snapshot's optimizer state must not bring back its LR)."""
+    fault = CorruptOptimizerState(step=2, value=float("inf"))
+    guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
+    trainer, after = _trainer(
+        tiny_model_dir, tmp_path / "linear", guards, _opefo(), [fault], max_steps=6, lr_scheduler_type="linear"
+    )
+    trainer.train()
+    assert trainer.opefo.policy.rollbacks == 1
+    schedule = [1e-3 * (6 - k) / 6 for k in range(1, 7)]  # the LR set after step k, for step k + 1
+    expected = [lr * (0.3 if k in (3, 4) else 1.0) for k, lr in enumerate(schedule, start=1)]
+    assert [lrs[0] for lrs in after.lrs] == pytest.approx(expected, rel=1e-9, abs=1e-15)
 
 
 def test_error_feedback_reinjects_a_skipped_gradient_and_rejects_a_nonfinite_one(tiny_model_dir, tmp_path):

@@ -12,11 +12,20 @@ import torch
 from transformers import AutoTokenizer
 from trl import GRPOConfig
 
+import steadyrl.trainers.ppo as ppo_module
 from steadyrl.config.schema import PPOSection
 from steadyrl.trainers.grpo import COMPLETE_MARKER
 from steadyrl.trainers.ppo import CRITIC_FILE, SteadyPPOTrainer
 from steadyrl.trainers.ppo_config import SteadyPPOConfig
-from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
+from tests.integration.helpers import (
+    RecordingGrade,
+    assert_same_weights,
+    byte_mean,
+    grpo_args,
+    per_step,
+    small_dataset,
+    weights,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -180,14 +189,24 @@ def test_vf_coef_zero_leaves_the_critic_untouched(tiny_model_dir, tmp_path):
     assert all(v > 0 for v in per_step(trainer.state.log_history, "ppo/value_loss"))
 
 
-def test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step(tiny_model_dir, tmp_path):
-    """GRADE scales the sequence reward before GAE (docs/DESIGN.md, "GRADE: reward scaler"); the step guard sees one
-    norm over policy + critic and skips nothing on a healthy run."""
-    from steadyrl.guards.grade import GradeConfig, GradeScaler
+def test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step(tiny_model_dir, tmp_path, monkeypatch):
+    """GRADE scales the sequence reward before GAE (docs/DESIGN.md, "GRADE: reward scaler"): the sequence rewards
+    GAE's reward placement receives are GRADE's output, row by row; the step guard sees one norm over policy +
+    critic and skips nothing on a healthy run."""
+    from steadyrl.guards.grade import GradeConfig
     from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 
+    placed = []
+    real = ppo_module.place_rewards
+
+    def spy(sequence_rewards, completion_mask, per_token_kl=None, beta=0.0):
+        placed.append(sequence_rewards.detach().clone())
+        return real(sequence_rewards, completion_mask, per_token_kl, beta)
+
+    monkeypatch.setattr(ppo_module, "place_rewards", spy)
+    grade = RecordingGrade(GradeConfig(warmup=2, clip_start=2))
     guards = dict(
-        reward_processor=GradeScaler(GradeConfig(warmup=2, clip_start=2)),
+        reward_processor=grade,
         step_guards=[SpikeGuard(SpikeConfig())],
         finite_checks=True,
     )
@@ -196,6 +215,12 @@ def test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step(tiny_model_d
     history = trainer.state.log_history
     scaled, raw = per_step(history, "grade/scaled_mean"), per_step(history, "reward")
     assert len(scaled) == 3 and scaled != raw  # GRADE changed the rewards PPO trained on
+    assert len(placed) == len(grade.outputs) == 3
+    for got, scaled_rows in zip(placed, grade.outputs, strict=True):
+        assert torch.equal(got.float(), torch.nan_to_num(scaled_rows, nan=0.0).float())
+    # from the second batch on GRADE whitens: the raw sequence rewards are not what GAE got
+    for got, raw_rows in zip(placed[1:], grade.inputs[1:], strict=True):
+        assert not torch.allclose(got, raw_rows.float())
     assert all(math.isfinite(v) for v in per_step(history, "ppo/returns_mean"))
     assert per_step(history, "gepo/skipped_steps")[-1] == 0.0
     assert all(math.isfinite(v) for v in per_step(history, "grad_norm"))

@@ -137,3 +137,34 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
     rotate_complete_checkpoints(tmp_path, save_total_limit=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+
+
+def test_resume_is_exact_with_every_stateful_guard(tiny_model_dir, tmp_path):
+    """GEPO's spike guard and advantages, GRADE with KL compensation; one rollout per 2 steps, resumed at step 3,
+    inside the window of the rollout generated at step 3. That rollout's KL factor of beta (0.5: GRADE whitened it)
+    is used again at step 4, so it must come back from the checkpoint; the spike guard's EMA and counters too."""
+    from steadyrl.guards.grade import GradeConfig, GradeScaler
+    from steadyrl.guards.robust_advantage import GEPOAdvantage
+    from steadyrl.guards.spike import SpikeConfig, SpikeGuard
+
+    def guards():
+        return {
+            "advantage_fn": GEPOAdvantage(),
+            "step_guards": [SpikeGuard(SpikeConfig(warmup_steps=1))],
+            "reward_processor": GradeScaler(GradeConfig(warmup=2, clip_start=2, quantile_every=1)),
+            "kl_compensation": (0.5, 2.0),
+        }
+
+    common = dict(max_steps=4, save_steps=3, save_strategy="steps", steps_per_generation=2, beta=0.04)
+    straight = tiny_grpo_trainer(tiny_model_dir, tmp_path / "straight", guards(), **common)
+    straight.train()
+    assert straight.beta_factors["grade"] != 1.0, "GRADE must compensate beta in this test"
+    resumed = tiny_grpo_trainer(tiny_model_dir, tmp_path / "resumed", guards(), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
+
+    assert resumed.beta_factors == straight.beta_factors and resumed.beta == straight.beta
+    assert resumed.step_guards[0].state_dict() == straight.step_guards[0].state_dict()
+    assert resumed.reward_processor.state_dict() == straight.reward_processor.state_dict()
+    assert straight.step_guards[0].accepted == 4 and straight.step_guards[0].ema is not None
+    assert_same_weights(weights(resumed.model), weights(straight.model))
+    assert _logs_from(resumed.state.log_history, 3) == _logs_from(straight.state.log_history, 3)

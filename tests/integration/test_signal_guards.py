@@ -10,7 +10,7 @@ import yaml
 
 from steadyrl.config import load_config
 from steadyrl.trainers.build import build_trainer
-from tests.integration.helpers import per_step
+from tests.integration.helpers import RecordingGrade, TrainedOn, per_step, tiny_grpo_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -123,3 +123,56 @@ def test_grade_kl_compensation_scales_beta(tiny_model_dir, tmp_path):
     for f, b, r, s in list(zip(factors, betas, raw, scaled, strict=True))[1:]:
         assert f == pytest.approx(min(max(r / s, 0.5), 2.0), rel=1e-6) and b == pytest.approx(0.04 * f, rel=1e-6)
     assert trainer.beta == pytest.approx(0.04 * trainer.beta_factors["grade"]) and trainer.beta_base == 0.04
+
+
+# ---------------------------------------------------------------- seams: the loss trains on what the guard computed
+
+
+def test_trl_loss_receives_gepo_advantages_element_by_element(tiny_model_dir, tmp_path, monkeypatch):
+    """Every advantage TRL's loss receives is GEPO's median/MAD advantage of the row's reward, element by element;
+    and on these rewards TRL's mean/std advantage differs, so a trainer that ignored GEPO would fail here."""
+    from steadyrl.guards.advantages import group_normalized_advantages
+    from steadyrl.guards.robust_advantage import GEPOAdvantage
+
+    spy = TrainedOn(monkeypatch)
+    gepo = GEPOAdvantage(clip_scale=2.5)
+    trainer = tiny_grpo_trainer(tiny_model_dir, tmp_path / "gepo", {"advantage_fn": gepo}, max_steps=3)
+    trainer.train()
+    G = trainer.num_generations
+
+    def grouped(fn):
+        return lambda generation: fn(generation["rewards_per_func"][:, 0].view(-1, G)).reshape(-1)
+
+    pairs = spy.expected_advantages(grouped(gepo))
+    assert len(pairs) == 3 and all(len(received) == 8 for received, _ in pairs)
+    for received, expected in pairs:
+        torch.testing.assert_close(received, expected, rtol=0, atol=1e-6)
+    mean_std = spy.expected_advantages(grouped(group_normalized_advantages))
+    gaps = [float((gepo_adv - trl).abs().max()) for (gepo_adv, _), (_, trl) in zip(pairs, mean_std, strict=True)]
+    assert max(gaps) > 0.05
+
+
+def test_grade_scaled_rewards_reach_the_grpo_advantages(tiny_model_dir, tmp_path, monkeypatch):
+    """GRADE's output (not the raw reward) is what TRL's advantages are made of: with scale_rewards=none the
+    advantage is the scaled reward minus its group mean, so dropping GRADE changes it by GRADE's 1/std."""
+    from steadyrl.guards.advantages import group_normalized_advantages
+    from steadyrl.guards.grade import GradeConfig
+
+    spy = TrainedOn(monkeypatch)
+    grade = RecordingGrade(GradeConfig(warmup=2, clip_start=2, quantile_every=1))
+    trainer = tiny_grpo_trainer(
+        tiny_model_dir, tmp_path / "grade", {"reward_processor": grade}, max_steps=3, scale_rewards="none"
+    )
+    trainer.train()
+    G = trainer.num_generations
+
+    def advantages_of(rewards_of):
+        return lambda g: group_normalized_advantages(rewards_of(g).view(-1, G), scale_rewards="none").reshape(-1)
+
+    scaled = spy.expected_advantages(advantages_of(lambda g: grade.outputs[g["index"]]))
+    raw = spy.expected_advantages(advantages_of(lambda g: g["rewards_per_func"][:, 0]))
+    assert len(scaled) == 3 and len(grade.outputs) == 3
+    for received, expected in scaled:
+        torch.testing.assert_close(received, expected, rtol=0, atol=1e-6)
+    # from the second batch on GRADE whitens: the raw rewards' advantages are not what the loss got
+    assert all(float((received - expected).abs().max()) > 1e-3 for received, expected in raw[1:])

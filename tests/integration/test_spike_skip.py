@@ -1,19 +1,23 @@
-"""A NaN loss at one step: SpikeGuard skips that step and training goes on; plain TRL ends with NaN weights."""
+"""A NaN loss at one step: SpikeGuard skips that step and training goes on; plain TRL ends with NaN weights. A finite
+spike is skipped on the pre-clip norm."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOTrainer
 
 from steadyrl.faults import inject_nan_loss
-from steadyrl.guards.spike import SpikeGuard
+from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
-from tests.integration.helpers import byte_mean, grpo_args, small_dataset, weights
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
 pytestmark = pytest.mark.slow
 POISONED_MICRO_STEP = 1  # the second backward pass
+SPIKE_STEP = 3  # the fourth optimizer step (after a 2-step warm-up and one more accepted step)
 
 
 def _trainer(cls, model_dir, out, **kwargs):
@@ -46,3 +50,41 @@ def test_nan_loss_step_is_skipped(tiny_model_dir, tmp_path):
         plain.train()
     assert plain.state.global_step == 2
     assert any(not torch.isfinite(v).all() for v in weights(plain.model).values())
+
+
+class AfterStep(TrainerCallback):
+    """Weights and Adam moments after every optimizer step."""
+
+    def __init__(self):
+        self.weights, self.moments = [], []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.weights.append(weights(model))
+        self.moments.append(copy.deepcopy({k: dict(v) for k, v in optimizer.state_dict()["state"].items()}))
+
+
+def test_finite_spike_is_skipped_on_the_pre_clip_norm(tiny_model_dir, tmp_path):
+    """Single process: a finite gradient 1000x its usual size at step 4 is skipped (weights and Adam moments
+    bit-identical across it). The guard decides on the pre-clip norm: after clipping at max_grad_norm=1 the spike
+    would be a norm of 1, below abs_threshold=5, and would go through."""
+    guard, after = SpikeGuard(SpikeConfig(warmup_steps=2)), AfterStep()
+    trainer = SteadyGRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=[byte_mean],
+        args=grpo_args(tmp_path, max_steps=5, max_grad_norm=1.0),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        step_guards=[guard],
+        callbacks=[after],
+    )
+    param = next(p for p in trainer.model.parameters() if p.requires_grad)
+    param.register_hook(lambda g: g * 1000.0 if trainer._step == SPIKE_STEP else g)
+    trainer.train()
+    assert guard.reasons == {"spike": 1} and trainer.steady_counters["skipped_spike"] == 1
+    norms = per_step(trainer.state.log_history, "grad_norm")
+    usual = [n for i, n in enumerate(norms) if i != SPIKE_STEP]
+    assert norms[SPIKE_STEP] > 100 * max(usual) and norms[SPIKE_STEP] > 5.0  # the logged norm is the pre-clip one
+    assert_same_weights(after.weights[SPIKE_STEP], after.weights[SPIKE_STEP - 1])
+    for pid, state in after.moments[SPIKE_STEP - 1].items():
+        assert all(torch.equal(t, after.moments[SPIKE_STEP][pid][k]) for k, t in state.items()), pid
+    assert any(not torch.equal(v, after.weights[-1][k]) for k, v in after.weights[SPIKE_STEP].items())

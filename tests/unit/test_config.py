@@ -378,3 +378,47 @@ def test_grade_kl_compensation_needs_a_kl_term_and_a_sane_range(base: Path) -> N
         load_config(base, [*on, "trainer.beta=0.04", "guards.grade.kl_compensation_range=[1.5, 2.0]"])
     cfg = load_config(base, [*on, "trainer.beta=0.04"])
     assert cfg.guards.grade.kl_compensation_range == [0.5, 2.0]
+
+
+def test_what_a_guard_cannot_protect_is_refused(base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPEFO with a non-Adam optimizer state, FSDP with a step guard, ZeRO-Offload with error feedback, DeepSpeed
+    without gradient norms with a step guard: each a config error naming the cause and the fix (issue 14)."""
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    opefo, gepo = ["guards.opefo.enabled=true"], ["guards.gepo.enabled=true"]
+    for optim in ("adafactor", "sgd", "adamw_bnb_8bit"):
+        with pytest.raises(ConfigError, match=rf"trainer.optim={optim} keeps another state.*Set trainer.optim"):
+            load_config(base, [*opefo, f"trainer.optim={optim}"])
+    assert load_config(base, [*opefo, "trainer.optim=adamw_torch"]).guards.opefo.enabled
+    assert load_config(base, ["trainer.optim=sgd"]).trainer["optim"] == "sgd"  # no OPEFO: nothing to protect
+    with pytest.raises(ConfigError, match=r"under FSDP each rank holds a shard.*Use DDP or DeepSpeed ZeRO-1/2"):
+        load_config(base, [*gepo, "trainer.fsdp=full_shard"])
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match=r"under FSDP"):
+        load_config(base, opefo)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    with pytest.raises(ConfigError, match=r"ZeRO-Offload \(offload_optimizer.device=cpu\).*feedback.enabled=false"):
+        load_config(base, [*opefo, f"trainer.deepspeed={ds}"])
+    ef_off = [*opefo, "guards.opefo.error_feedback.enabled=false", f"trainer.deepspeed={ds}"]
+    assert load_config(base, ef_off).guards.opefo.enabled
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "nvme")  # the accelerate plugin, no JSON
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+    with pytest.raises(ConfigError, match=r"offload_optimizer.device=nvme"):
+        load_config(base, opefo)
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+
+    ds.write_text('{"zero_optimization": {"stage": 2, "compute_grad_norm": false}}')
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds))
+    for guards in (gepo, opefo):
+        with pytest.raises(ConfigError, match=r"compute_grad_norm is false.*would never run"):
+            load_config(base, guards)
+    ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}')
+    with pytest.raises(ConfigError, match=r"optimizer.type is 'lamb', whose state OPEFO cannot read"):
+        load_config(base, opefo)
+    ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}')
+    assert load_config(base, [*opefo, *gepo]).guards.opefo.enabled

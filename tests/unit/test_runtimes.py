@@ -185,3 +185,12 @@ def test_opefo_error_feedback_reinjects_a_skipped_gradient(tmp_path) -> None:
     grads = [torch.ones_like(g) for g in skipped]
     assert opefo.feed_back(grads) and ctx.last(OPEFO_EF_WEIGHT) == pytest.approx(0.3)
     assert not torch.equal(grads[0], torch.ones_like(grads[0]))
+
+
+def test_opefo_refuses_an_optimizer_without_adam_moments(tmp_path) -> None:
+    """SGD (or Adafactor, 8-bit Adam) keeps no fp32 exp_avg / exp_avg_sq: OPEFO would report a NaN state finite."""
+    model = torch.nn.Linear(3, 2)
+    opefo = OpefoRuntime(OpefoConfig(enabled=True))
+    with pytest.raises(TypeError, match=r"the optimizer is torch.optim.sgd.SGD, whose state it cannot read"):
+        opefo.attach(FakeContext(), torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters, str(tmp_path),
+                     GuardState())  # fmt: skip

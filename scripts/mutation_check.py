@@ -1,0 +1,287 @@
+"""Mutation check: cut a guard off from training, one small patch at a time, and see a test fail.
+
+Each mutant is a named textual patch of the source (an exact string replaced once) that breaks the seam between a
+guard and training the way an audit did (issue 14): the trainer ignoring GEPO's advantages, GRADE's rewards dropped
+before the advantages or before GAE, the spike guard deciding on the clipped norm, guard state missing from
+checkpoints, a rollback that restores nothing. For each mutant the script patches a scratch copy of the working
+tree (tracked and untracked-but-not-ignored files; this checkout is never touched), runs the tests that should kill
+it, and records whether they failed. Every mutant must be killed; a surviving one means a seam without a test.
+
+    flock /tmp/steadyrl-cpu.lock python scripts/mutation_check.py                 # all mutants, baseline first
+    python scripts/mutation_check.py --only gepo_advantage_ignored --no-baseline  # one mutant
+
+The table goes to stdout and ``docs/results/mutation_check.json``; exit status 1 when a mutant survived, the baseline
+failed, or a patch no longer applies (the source moved on: update the mutant's text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results" / "mutation_check.json"
+IT = "tests/integration"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the defect, in words
+    patches: tuple[tuple[str, str, str], ...]  # (file, old, new): old must occur exactly once
+    tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "gepo_advantage_ignored",
+        "the trainer trains on TRL's mean/std advantages, not GEPO's",
+        (
+            (
+                "steadyrl/trainers/advantage_pipeline.py",
+                "self.advantage_fn = advantage_fn or partial(",
+                "self.advantage_fn = partial(",
+            ),
+        ),
+        (f"{IT}/test_signal_guards.py::test_trl_loss_receives_gepo_advantages_element_by_element",),
+    ),
+    Mutant(
+        "gepo_uses_mean_std",
+        "GEPO's advantage function centres on the mean instead of the median",
+        (
+            (
+                "steadyrl/guards/robust_advantage.py",
+                "centre = nan_median(r, dim=1, keepdim=True)",
+                "centre = torch.nanmean(r, dim=1, keepdim=True)",
+            ),
+        ),
+        ("tests/unit/test_gepo.py", "tests/unit/test_advantages.py"),
+    ),
+    Mutant(
+        "grade_dropped_grpo",
+        "GRADE's scaled rewards are thrown away before GRPO's advantages",
+        (
+            (
+                "steadyrl/trainers/advantage_pipeline.py",
+                "            rewards = scaled\n",
+                "            rewards = scaled if type(self).__name__ == 'SequenceRewardPipeline' else rewards\n",
+            ),
+        ),
+        (f"{IT}/test_signal_guards.py::test_grade_scaled_rewards_reach_the_grpo_advantages",),
+    ),
+    Mutant(
+        "grade_dropped_ppo",
+        "GRADE's scaled rewards are thrown away before PPO's GAE",
+        (
+            (
+                "steadyrl/trainers/advantage_pipeline.py",
+                "            rewards = scaled\n",
+                "            rewards = rewards if type(self).__name__ == 'SequenceRewardPipeline' else scaled\n",
+            ),
+        ),
+        (f"{IT}/test_ppo.py::test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step",),
+    ),
+    Mutant(
+        "spike_on_clipped_norm",
+        "the spike guard decides on the already-clipped norm (single process / DDP path)",
+        (
+            (
+                "steadyrl/trainers/step_gate.py",
+                "        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())\n",
+                "        if grads and max_grad_norm > 0:\n"
+                "            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)\n"
+                "        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())\n",
+            ),
+        ),
+        (f"{IT}/test_spike_skip.py::test_finite_spike_is_skipped_on_the_pre_clip_norm",),
+    ),
+    Mutant(
+        "spike_state_not_checkpointed",
+        "the spike guard's EMA and counters are left out of checkpoints",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                '        layers += [(f"step_guard_{i}", g) for i, g in enumerate(self.step_guards)]\n',
+                "",
+            ),
+        ),
+        (f"{IT}/test_resume.py::test_resume_is_exact_with_every_stateful_guard",),
+    ),
+    Mutant(
+        "kl_factor_not_checkpointed",
+        "GRADE's KL-compensation factor of beta is left out of checkpoints",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                '            self.guard_state.stateful.setdefault("beta_factors", trl_state.BetaFactors(self))\n',
+                "            pass\n",
+            ),
+        ),
+        (f"{IT}/test_resume.py::test_resume_is_exact_with_every_stateful_guard",),
+    ),
+    Mutant(
+        "resume_skips_guard_state",
+        "resume restores no guard state (steadyrl_state.pt is read and ignored)",
+        (
+            (
+                "steadyrl/trainers/checkpoints.py",
+                '    state.load_guard_state_dicts(saved["guards"], where=str(folder))\n',
+                "    pass\n",
+            ),
+        ),
+        (f"{IT}/test_resume.py::test_resume_is_exact_with_every_stateful_guard",),
+    ),
+    Mutant(
+        "fp16_no_unscale",
+        "under fp16's GradScaler the gate decides on (and clips) the scaled gradients",
+        (("steadyrl/trainers/grpo.py", "scaler.unscale_(self.optimizer.optimizer)\n", "pass\n"),),
+        (f"{IT}/test_step_guard.py",),
+    ),
+    Mutant(
+        "rollback_lr_from_snapshot",
+        "after a rollback the recovery LR factor scales the snapshot's LR, not the current schedule's",
+        (("steadyrl/trainers/opefo_runtime.py", "group.update(current)\n", "pass\n"),),
+        (f"{IT}/test_opefo.py::test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot",),
+    ),
+    Mutant(
+        "zero2_fp32_partitions_not_restored",
+        "a ZeRO-2 rollback restores the bf16/fp32 weights but not ZeRO's fp32 master partitions",
+        (("steadyrl/trainers/opefo_runtime.py", "live.copy_(saved.to(live.device))\n", "pass\n"),),
+        (f"{IT}/test_launch.py::test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank[zero2]",),
+    ),
+    Mutant(
+        "rollback_restores_nothing",
+        "an OPEFO rollback restores neither the weights nor the optimizer state",
+        (
+            (
+                "steadyrl/trainers/opefo_runtime.py",
+                '                p.copy_(payload["params"][name].to(p.device))\n',
+                "                pass\n",
+            ),
+            (
+                "steadyrl/trainers/opefo_runtime.py",
+                '        self.base.load_state_dict(payload["optimizer"])\n',
+                "",
+            ),
+        ),
+        (f"{IT}/test_opefo.py::test_inf_in_exp_avg_sq_rolls_back_and_recovers",),
+    ),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    """The working tree as it is (tracked files and untracked ones git does not ignore) under ``dest``."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in listed:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = REPO / rel
+        if not src.is_file():  # deleted in the working tree
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+def apply(root: Path, mutant: Mutant) -> dict[Path, str]:
+    """Patch the scratch copy; returns the original texts to restore. Raises when a patch does not apply once."""
+    originals: dict[Path, str] = {}
+    for rel, old, new in mutant.patches:
+        path = root / rel
+        text = path.read_text()
+        originals.setdefault(path, text)
+        if text.count(old) != 1:
+            raise ValueError(f"mutant {mutant.name}: {rel} holds the patched text {text.count(old)} times, not once")
+        path.write_text(text.replace(old, new, 1))
+    return originals
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, time.monotonic() - start, "timeout"
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = lines[-1] if lines else ""
+    first_error = next((line[1:].strip() for line in lines if line.startswith("E ")), None)
+    if first_error:  # what caught the mutant: the first assertion or error line of the failing test
+        summary += f" | {first_error[:200]}"
+    return proc.returncode, time.monotonic() - start, summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of all tests")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    names = {m.name for m in MUTANTS}
+    unknown = set(args.only or []) - names
+    if unknown:
+        parser.error(f"unknown mutant(s) {sorted(unknown)}; valid: {sorted(names)}")
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory(prefix="steadyrl-mutants-") as tmp:
+        root = Path(tmp)
+        scratch_copy(root)
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+            rc, seconds, tail = run_tests(root, tests, args.timeout * 2)
+            print(f"baseline (no mutant): {len(tests)} test target(s), rc={rc}, {seconds:.0f} s: {tail}", flush=True)
+            if rc != 0:
+                print("the baseline must pass before mutants mean anything", file=sys.stderr)
+                return 1
+        for mutant in mutants:
+            try:
+                originals = apply(root, mutant)
+            except ValueError as exc:
+                print(exc, file=sys.stderr)
+                rows.append({"mutant": mutant.name, "what": mutant.what, "tests": list(mutant.tests),
+                             "status": "stale", "seconds": 0.0, "summary": str(exc)})  # fmt: skip
+                ok = False
+                continue
+            try:
+                rc, seconds, tail = run_tests(root, mutant.tests, args.timeout)
+            finally:
+                for path, text in originals.items():
+                    path.write_text(text)
+            status = {0: "survived", 1: "killed"}.get(rc, "error")
+            ok &= status == "killed"
+            rows.append({"mutant": mutant.name, "what": mutant.what, "tests": list(mutant.tests), "status": status,
+                         "seconds": round(seconds, 1), "summary": tail})  # fmt: skip
+            print(f"{mutant.name}: {status} ({seconds:.0f} s) {tail}", flush=True)
+    width = max(len(r["mutant"]) for r in rows) if rows else 6
+    print(f"\n{'mutant':<{width}}  killed  seconds  tests")
+    for r in rows:
+        killed = {"killed": "yes", "survived": "NO", "error": "error", "stale": "stale"}[r["status"]]
+        tests = ", ".join(t.split("/")[-1] for t in r["tests"])
+        print(f"{r['mutant']:<{width}}  {killed:<6}  {r['seconds']:>7.1f}  {tests}")
+    if args.out is not None and not args.only:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"command": "python scripts/mutation_check.py", "commit": commit, "dirty_tree": dirty, "mutants": rows}
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
