@@ -60,7 +60,7 @@ def _trainer(model_dir, out, quatro, reward=byte_mean, **args):
 def test_adaptive_kl_moves_beta_toward_the_target_and_composes_with_grade(tiny_model_dir, tmp_path):
     """Target 1e-9: step 1's KL is 0 (policy == reference) -> beta x 0.8; afterwards KL > target -> x 1.2 each
     step. The effective beta is beta_base x quatro_kl x grade at every step."""
-    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=1e-9)))
+    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=1e-9, beta_range=[0.25, 4.0])))
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=[byte_mean],
