@@ -175,11 +175,11 @@ def results_json(
     cells = []
     for scenario in scenarios:
         for name in names:
-            runs = [results.get((name, scenario, seed)) for seed in seeds]
-            if all(r is None for r in runs):
+            present = [seed for seed in seeds if (name, scenario, seed) in results]  # the seeds this cell ran
+            if not present:
                 continue
-            runs = [r or {"status": "not_run"} for r in runs]
-            cell: dict[str, Any] = {"scenario": scenario, "variant": result_name(name), "seeds": seeds}
+            runs = [results[(name, scenario, seed)] for seed in present]
+            cell: dict[str, Any] = {"scenario": scenario, "variant": result_name(name), "seeds": present}
             if any(r["status"] == "not_run" for r in runs):
                 cell["note"] = "not run: the variant does not validate in this steadyrl version"
             cell["died"] = [r["status"] == "died" for r in runs]
@@ -458,6 +458,9 @@ def main() -> None:
     ap.add_argument("--png", default=None, help="write the accuracy bar chart here (e.g. docs/img/stability.png)")
     ap.add_argument("--results", default=None, help="write the RESULTS.md-format JSON here (docs/results/...)")
     ap.add_argument(
+        "--commit", default=None, help="with --collect-only: the commit the runs were made with (default: HEAD)"
+    )
+    ap.add_argument(
         "--collect-only", action="store_true", help="train nothing: rebuild the table from the run folders in --out"
     )
     args = ap.parse_args()
@@ -484,19 +487,21 @@ def main() -> None:
         cmd, env = train_command(args.sft, out, flags_of[name] or (), scenario, seed, steps, fault_step, args.quick)
         return job, run_one(cmd, env, out, args.timeout)
 
-    sha = commit()  # the code being measured: taken before any run starts
+    sha = args.commit or commit()  # the code being measured: taken before any run starts
     start = time.time()
-    if args.collect_only:
+    if args.collect_only:  # several invocations may share --out: a combination never run is left out
         for job in jobs:
             if job not in results:
                 name, scenario, seed = job
-                results[job] = collect_run(root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}")
+                run = collect_run(root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}")
+                if run["status"] != "not_run":
+                    results[job] = run
     else:
         with ThreadPoolExecutor(args.workers) as pool:
             results.update(pool.map(work, [job for job in jobs if job not in results]))
     command = "python scripts/bench_stability.py " + shlex.join(sys.argv[1:])
     markdown = (
-        f"```\n{command}   # {len(jobs) - sum(r['status'] == 'not_run' for r in results.values())} runs, "
+        f"```\n{command}   # {sum(r['status'] != 'not_run' for r in results.values())} runs, "
         f"{time.time() - start:.0f} s with {args.workers} workers\n```\n\n"
         f"{steps} steps per run, {16 if args.quick else 64} completions per step, step faults at step k = "
         f"{fault_step} (reward burst: steps k .. k + {BURST_STEPS - 1}), seeds {', '.join(map(str, seeds))}; OPEFO "
