@@ -393,9 +393,13 @@ CHANGE_FLOOR = (
     "guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; docs/DESIGN.md: "
     "QUATRO: entropy floor)"
 )
+CHANGE_FLOOR_ON = (
+    "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01), or lower "
+    "floor_ratio if the falling entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
+)
 CHANGE_KL = (
-    "guards.quatro.kl.target: lower it (0.02 -> 0.01), or trainer.beta: raise it 2-3x, to pull the policy back "
-    "to the reference (docs/DESIGN.md: QUATRO: adaptive KL)"
+    "guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early KL), "
+    "or trainer.beta: raise it 2-3x, to pull the policy back to the reference (docs/DESIGN.md: QUATRO: adaptive KL)"
 )
 
 
@@ -421,11 +425,12 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
         signs.append("reward flat" if reward.z > -config.flat_z else "reward falling")
         evidence.append(reward.evidence(REWARD, f" (change {reward.z:+.1f} pooled std)"))
     floor_steps, floor = _finite(history, QUATRO_FLOOR_ACTIVE)
-    if np.count_nonzero(floor):
+    floor_on = bool(np.count_nonzero(floor))
+    if floor_on:
         active = floor_steps[floor > 0]
         detail = f"floor active at {len(active)} logged step(s) and entropy still fell"
         evidence.append(Evidence(QUATRO_FLOOR_ACTIVE, int(active[0]), int(active[-1]), detail))
-    changes = [CHANGE_FLOOR, CHANGE_KL, "trainer.learning_rate: lower it"]
+    changes = [CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR, CHANGE_KL, "trainer.learning_rate: lower it"]
     changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
     if signs and not rising:
         summary = f"entropy fell to {entropy.ratio:.0%} of its early mean with {', '.join(signs)}"

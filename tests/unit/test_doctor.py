@@ -185,8 +185,13 @@ def test_entropy_collapse_is_named_with_kl_repetition_and_flat_reward():
     entropy = evidence_for(collapse, "entropy")
     assert (entropy.first_step, entropy.last_step) == (1, N)
     assert evidence_for(collapse, "quatro/filtered/repetition")
-    assert any(c.startswith("guards.quatro.entropy") for c in collapse.changes)
+    assert any(c.startswith("guards.quatro.entropy: turn the entropy floor on") for c in collapse.changes)
     assert any("trainer.beta" in c and "guards.quatro.kl.target" in c for c in collapse.changes)
+    # the same run with the floor already on: the advice is its cap, not "turn it on"
+    rows = [{**r, "quatro/floor_active": 1.0} if "entropy" in r and r["step"] > N // 2 else r for r in collapse_rows()]
+    changes = diagnose(History(rows=rows))[0].changes
+    assert any(c.startswith("guards.quatro.entropy.coef_max: the floor is on") for c in changes)
+    assert not any("turn the entropy floor on" in c for c in changes)
 
 
 def test_entropy_falling_while_reward_rises_is_only_a_warning():
