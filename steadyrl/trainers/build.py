@@ -15,6 +15,7 @@ from steadyrl.config import RunConfig
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import load_object, world_size_from_env
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn
+from steadyrl.rewards.guarded import GuardedReward
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,16 @@ BUILTIN_MODEL = "builtin:tiny-llama"
 
 
 def reward_functions(cfg: RunConfig) -> dict[str, Any]:
-    """name -> callable (``fn`` entries) or reward-model path (``model`` entries), in config order."""
+    """name -> callable (``fn`` entries, each a ``GuardedReward``) or reward-model path (``model`` entries), in
+    config order."""
     out: dict[str, Any] = {}
     for entry in cfg.rewards:
         name = entry.resolved_name
-        out[name] = entry.model if entry.fn is None else bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
+        if entry.fn is None:
+            out[name] = entry.model
+        else:  # on_error / retries / timeout / checked returns (steadyrl.rewards.guarded)
+            bound = bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
+            out[name] = GuardedReward(name, bound, entry, output_dir=cfg.trainer.get("output_dir"))
     return out
 
 

@@ -1,0 +1,53 @@
+"""Reliability at the edges (issue 15) through the real CLI on the tiny model: a flaky reward service, a damaged
+checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from steadyrl.evidence.history import load_history
+from steadyrl.metrics import reward_errors, reward_skipped
+from tests.integration.test_cli import steadyrl
+
+pytestmark = pytest.mark.slow
+
+
+def _args(model: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "configs/tiny/grpo.yaml",
+        f"model.path={model}",
+        f"trainer.output_dir={out}",
+        "trainer.per_device_train_batch_size=8",
+        "trainer.num_generations=4",
+        "trainer.max_completion_length=4",
+        "trainer.logging_steps=1",
+        "eval.enabled=false",
+        *extra,
+    ]
+
+
+def test_flaky_reward_is_skipped_and_counted_then_stops_the_run(tiny_model_dir, tmp_path):
+    flaky = "{name: flaky, fn: 'tests.integration.helpers:flaky_reward', on_error: skip, retries: 0"
+    # call 2 fails: step 2 is scored unscorable and counted; the run finishes
+    out = tmp_path / "skip"
+    proc = steadyrl(
+        *_args(tiny_model_dir, out, "trainer.max_steps=3", f"rewards=[{flaky}, kwargs: {{fail_calls: [2]}}}}]")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in load_history(out).rows if "loss" in r]
+    assert [r[reward_errors("flaky")] for r in rows] == [0.0, 1.0, 0.0]
+    assert [r[reward_skipped("flaky")] for r in rows] == [0.0, 1.0, 0.0]
+
+    # every call from the 3rd on fails: two skipped calls in a row stop the run, naming the last checkpoint
+    out = tmp_path / "stop"
+    rewards = f"rewards=[{flaky}, max_consecutive_errors: 2, kwargs: {{fail_from: 3}}}}]"
+    proc = steadyrl(*_args(tiny_model_dir, out, "trainer.max_steps=6", "trainer.save_steps=1", rewards))
+    assert proc.returncode == 1
+    assert (
+        "steadyrl: stopped: reward 'flaky' failed 2 calls in a row (on_error: skip, max_consecutive_errors: 2); "
+        f"last error: ConnectionError: reward server dropped call 4. Last complete checkpoint: {out / 'checkpoint-3'} "
+        "(trainer.resume_from_checkpoint: auto resumes from it)."
+    ) in proc.stderr
