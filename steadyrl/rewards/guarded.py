@@ -112,7 +112,7 @@ def last_checkpoint_note(output_dir: str | Path | None) -> str:
         return ""
     from steadyrl.trainers.checkpoints import find_resume_checkpoint
 
-    found = find_resume_checkpoint(output_dir)
+    found = find_resume_checkpoint(output_dir, verify=False)
     if found is None:
         return f" No complete checkpoint in {output_dir} yet."
     return f" Last complete checkpoint: {found} (trainer.resume_from_checkpoint: auto resumes from it)."

@@ -103,8 +103,27 @@ def _cpu_process_group(kwargs: dict[str, Any]) -> None:
 
 
 def resolve_resume(cfg: RunConfig) -> str | None:
-    """``auto`` -> newest complete checkpoint in output_dir (or None); a path -> itself; null -> None."""
-    from steadyrl.trainers.grpo import find_resume_checkpoint, is_complete_checkpoint
+    """``auto`` -> newest complete checkpoint in output_dir that verifies (or None); a path -> itself, once it
+    verifies; null -> None. The main process reads and hashes the files; every rank gets its answer."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    answer: list[Any] = [None, None]  # (checkpoint path or None, ConfigError text or None)
+    if state.is_main_process:
+        try:
+            answer[0] = _resume_path(cfg)
+        except ConfigError as exc:
+            answer[1] = str(exc)
+    if state.num_processes > 1:
+        broadcast_object_list(answer)
+    if answer[1] is not None:
+        raise ConfigError(answer[1])
+    return answer[0]
+
+
+def _resume_path(cfg: RunConfig) -> str | None:
+    from steadyrl.trainers.checkpoints import find_resume_checkpoint, is_complete_checkpoint, verify_checkpoint
 
     resume = cfg.trainer.get("resume_from_checkpoint")
     if resume in (None, False):
@@ -118,6 +137,11 @@ def resolve_resume(cfg: RunConfig) -> str | None:
         raise ConfigError(f"trainer.resume_from_checkpoint: {resume!r} does not exist")
     if not is_complete_checkpoint(path):
         logger.warning("%s has no steadyrl completion marker; resuming from it anyway as asked", path)
+    elif (problem := verify_checkpoint(path)) is not None:
+        raise ConfigError(
+            f"trainer.resume_from_checkpoint: {path} is damaged: {problem}. Resume from an older checkpoint, or "
+            "with auto (the newest one that verifies)"
+        )
     return str(path)
 
 

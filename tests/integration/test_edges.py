@@ -51,3 +51,31 @@ def test_flaky_reward_is_skipped_and_counted_then_stops_the_run(tiny_model_dir, 
         f"last error: ConnectionError: reward server dropped call 4. Last complete checkpoint: {out / 'checkpoint-3'} "
         "(trainer.resume_from_checkpoint: auto resumes from it)."
     ) in proc.stderr
+
+
+def test_truncated_newest_checkpoint_is_refused_by_path_and_skipped_by_auto(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    first = steadyrl(*_args(tiny_model_dir, out, "trainer.max_steps=4", "trainer.save_steps=2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    weights = out / "checkpoint-4" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(size // 2)  # a copy cut short; the completion marker is intact
+    damage = f"{weights} has {size // 2} bytes, the completion marker recorded {size} (truncated or overwritten)"
+
+    explicit = steadyrl(
+        *_args(tiny_model_dir, out, "trainer.max_steps=6", f"trainer.resume_from_checkpoint={out / 'checkpoint-4'}")
+    )
+    assert explicit.returncode == 1
+    assert (
+        f"steadyrl: config error: trainer.resume_from_checkpoint: {out / 'checkpoint-4'} is damaged: {damage}."
+        in explicit.stderr
+    )
+
+    auto = steadyrl(*_args(tiny_model_dir, out, "trainer.max_steps=6", "trainer.save_steps=2"))
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert f"checkpoint {out / 'checkpoint-4'} is damaged, falling back to an older one: {damage}" in auto.stderr
+    assert f"resume_from_checkpoint=auto: {out / 'checkpoint-2'}" in auto.stderr
+    from steadyrl.trainers.checkpoints import verify_checkpoint
+
+    assert [verify_checkpoint(out / f"checkpoint-{s}") for s in (2, 4, 6)] == [None, None, None]  # 4 saved afresh
