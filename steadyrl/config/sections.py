@@ -14,6 +14,7 @@ from steadyrl.config.loader import FieldValueError
 
 ALGORITHMS = ("grpo", "sft", "reward", "ppo")
 ON_ERROR = ("raise", "retry", "skip")  # rewards[].on_error
+ON_BAD_ROW = ("error", "skip")  # data.on_bad_row
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -45,6 +46,11 @@ class DataSection:
     chat_template: str | None = None  # a .jinja file path or the template text
     max_samples: int | None = None
     builtin: dict[str, Any] = field(default_factory=dict)  # kwargs for the builtin task generator
+    on_bad_row: str = "error"  # error | skip: empty prompts, empty reward columns, too long (steadyrl.data_rows)
+
+    def __post_init__(self) -> None:
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise FieldValueError("on_bad_row", f"unknown policy {self.on_bad_row!r}; valid: {list(ON_BAD_ROW)}")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import yaml
 from steadyrl.config import RunConfig
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import load_object, world_size_from_env
-from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn
+from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
 from steadyrl.rewards.guarded import GuardedReward
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,36 @@ def _write_resolved(cfg: RunConfig, state: Any) -> None:
         (out / "resolved_config.yaml").write_text(yaml.safe_dump(cfg.to_tree(), sort_keys=False))
 
 
+def checked_rows(
+    cfg: RunConfig, args: Any, model_path: str, tokenizer: Any, rewards: dict[str, Any], train_ds: Any, eval_ds: Any
+) -> tuple[Any, Any]:
+    """Both splits through ``steadyrl.data_rows.check_rows`` (``data.on_bad_row``): empty prompts, empty reward
+    columns, prompts that leave no room for ``max_completion_length`` in the model's context."""
+    from transformers import AutoConfig
+
+    from steadyrl.data_rows import check_rows
+
+    needs: dict[str, list[str]] = {}
+    for name, fn in rewards.items():
+        for column in sorted(required_columns(fn)) if callable(fn) else []:
+            needs.setdefault(column, []).append(name)
+    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    context = getattr(model_config, "max_position_embeddings", None)
+    d = cfg.data
+    local = Path(d.path).suffix in (".jsonl", ".json", ".parquet", ".csv")
+    sources = [
+        d.path if local else f"{d.path} ({d.split} split)",
+        d.eval_path if d.eval_path is not None else f"{d.path} ({d.eval_split} split)",
+    ]
+    checked = [
+        None
+        if ds is None
+        else check_rows(ds, source, d.on_bad_row, needs, tokenizer, context, args.max_completion_length)
+        for ds, source in zip((train_ds, eval_ds), sources, strict=True)
+    ]
+    return checked[0], checked[1]
+
+
 def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> Any:
     """Everything but ``train()``: validated pieces assembled into a SteadyGRPOTrainer, SteadyPPOTrainer or
     SFTTrainer."""
@@ -201,6 +231,8 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     if cfg.data.chat_template is not None:
         template = Path(cfg.data.chat_template)
         tokenizer.chat_template = template.read_text() if template.is_file() else cfg.data.chat_template
+    if cfg.algorithm in ("grpo", "ppo"):
+        train_ds, eval_ds = checked_rows(cfg, args, model_path, tokenizer, rewards, train_ds, eval_ds)
     common = dict(
         model=model_path,
         args=args,

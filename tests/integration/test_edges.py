@@ -3,6 +3,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,24 @@ def test_truncated_newest_checkpoint_is_refused_by_path_and_skipped_by_auto(tiny
     from steadyrl.trainers.checkpoints import verify_checkpoint
 
     assert [verify_checkpoint(out / f"checkpoint-{s}") for s in (2, 4, 6)] == [None, None, None]  # 4 saved afresh
+
+
+def test_empty_first_prompt_is_refused_then_skipped(tiny_model_dir, tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "", "answer": "0"}] + [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"data.path={data}", "data.eval_split=null", "trainer.max_steps=2"]
+
+    refused = steadyrl(*_args(tiny_model_dir, tmp_path / "a", *args))
+    assert refused.returncode == 1
+    assert (
+        f"steadyrl: config error: {data}: row 0, column 'prompt': empty prompt (''). Fix the data, or set "
+        "data.on_bad_row: skip to drop such rows at load"
+    ) in refused.stderr
+
+    skipped = steadyrl(*_args(tiny_model_dir, tmp_path / "b", *args, "data.on_bad_row=skip"))
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert f"dropped 1 of 17 rows of {data} (empty prompt: 1); first: row 0, empty prompt ('')" in skipped.stderr
+    assert json.loads((tmp_path / "b" / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
