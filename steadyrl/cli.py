@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steadyrl: config error: {exc}", file=sys.stderr)
             return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from steadyrl.rewards.guarded import RewardError
+
     try:
         cfg = load_config(args.config, args.overrides)
         for command in ("sft", "reward"):
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg)
     except ConfigError as exc:
         print(f"steadyrl: config error: {exc}", file=sys.stderr)
+        return 1
+    except RewardError as exc:  # a reward function's policy gave up (README "When things go wrong")
+        print(f"steadyrl: stopped: {exc}", file=sys.stderr)
         return 1
     if result is not None:
         phase = "SFT" if cfg.algorithm == "sft" else cfg.algorithm.upper()

@@ -29,6 +29,17 @@ SAMPLING_LOGP_GAP = "sampling/sampling_logp_difference/mean"  # vLLM vs policy l
 SAMPLING_LOGP_GAP_MAX = "sampling/sampling_logp_difference/max"
 TRAIN_RUNTIME = "train_runtime"  # only in the Trainer's final summary row
 
+
+def reward_errors(name: str) -> str:
+    """Failed attempts of reward function ``name`` per call (``on_error: retry | skip``; recovered retries count)."""
+    return f"{REWARDS_PREFIX}{name}/errors"
+
+
+def reward_skipped(name: str) -> str:
+    """1 for a call of reward function ``name`` whose completions were scored unscorable (``on_error: skip``)."""
+    return f"{REWARDS_PREFIX}{name}/skipped"
+
+
 # ----------------------------------------------------------------------------------- GEPO
 
 GEPO_NONFINITE_REWARDS = "gepo/nonfinite_rewards"

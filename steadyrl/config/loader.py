@@ -32,11 +32,18 @@ Origins = dict[str, str]  # dotted key -> file that set it (or "command line")
 
 
 def _record(tree: Any, prefix: str, origin: str, origins: Origins) -> None:
+    """Note ``origin`` for every key under ``prefix``, list entries included (``rewards[0].weight``)."""
     if isinstance(tree, dict):
         for key, value in tree.items():
             dotted = f"{prefix}.{key}" if prefix else str(key)
             origins[dotted] = origin
             _record(value, dotted, origin, origins)
+    elif isinstance(tree, list):  # a list replaces the parent's whole: forget the parent's entries first
+        for stale in [k for k in origins if k.startswith(f"{prefix}[")]:
+            del origins[stale]
+        for i, value in enumerate(tree):
+            origins[f"{prefix}[{i}]"] = origin
+            _record(value, f"{prefix}[{i}]", origin, origins)
 
 
 def deep_merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
@@ -108,8 +115,9 @@ def apply_overrides(tree: dict[str, Any], origins: Origins, overrides: list[str]
         node = tree
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
-            if child is None:
+            if child is None:  # a section the command line creates: errors about it name the command line
                 child = node[part] = {}
+                origins[".".join(parts[: i + 1])] = "command line"
             elif not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
                 raise ConfigError(f"override {text!r}: '{where}' is a value, not a section")

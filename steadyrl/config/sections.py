@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steadyrl.config.loader import FieldValueError
+
 ALGORITHMS = ("grpo", "sft", "reward", "ppo")
+ON_ERROR = ("raise", "retry", "skip")  # rewards[].on_error
+ON_BAD_ROW = ("error", "skip")  # data.on_bad_row
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -42,6 +46,11 @@ class DataSection:
     chat_template: str | None = None  # a .jinja file path or the template text
     max_samples: int | None = None
     builtin: dict[str, Any] = field(default_factory=dict)  # kwargs for the builtin task generator
+    on_bad_row: str = "error"  # error | skip: empty prompts, empty reward columns, too long (steadyrl.data_rows)
+
+    def __post_init__(self) -> None:
+        if self.on_bad_row not in ON_BAD_ROW:
+            raise FieldValueError("on_bad_row", f"unknown policy {self.on_bad_row!r}; valid: {list(ON_BAD_ROW)}")
 
 
 @dataclass
@@ -53,6 +62,26 @@ class RewardSection:
     model: str | None = None
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # a failing ``fn`` (a reward server that times out): steadyrl.rewards.guarded, README "When things go wrong"
+    on_error: str = "raise"  # raise | retry | skip
+    retries: int = 2  # retry, skip: more attempts after a failed one
+    backoff: float = 1.0  # seconds before the first retry, doubled for each next one
+    timeout: float | None = None  # seconds one attempt may take (a late one counts as failed); null = wait
+    max_consecutive_errors: int = 3  # skip: this many skipped calls in a row stop the run
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR:
+            raise FieldValueError("on_error", f"unknown policy {self.on_error!r}; valid: {list(ON_ERROR)}")
+        for key in ("retries", "backoff"):
+            if getattr(self, key) < 0:
+                raise FieldValueError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise FieldValueError("timeout", f"must be > 0 seconds (or null = wait), got {self.timeout}")
+        if self.max_consecutive_errors < 1:
+            raise FieldValueError("max_consecutive_errors", f"must be >= 1, got {self.max_consecutive_errors}")
+        if self.fn is None and (self.on_error != "raise" or self.timeout is not None):
+            key = "on_error" if self.on_error != "raise" else "timeout"
+            raise FieldValueError(key, "applies to `fn` rewards only; a reward `model` runs in this process")
 
     @property
     def resolved_name(self) -> str:

@@ -14,7 +14,8 @@ import yaml
 from steadyrl.config import RunConfig
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import load_object, world_size_from_env
-from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn
+from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
+from steadyrl.rewards.guarded import GuardedReward
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,16 @@ BUILTIN_MODEL = "builtin:tiny-llama"
 
 
 def reward_functions(cfg: RunConfig) -> dict[str, Any]:
-    """name -> callable (``fn`` entries) or reward-model path (``model`` entries), in config order."""
+    """name -> callable (``fn`` entries, each a ``GuardedReward``) or reward-model path (``model`` entries), in
+    config order."""
     out: dict[str, Any] = {}
     for entry in cfg.rewards:
         name = entry.resolved_name
-        out[name] = entry.model if entry.fn is None else bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
+        if entry.fn is None:
+            out[name] = entry.model
+        else:  # on_error / retries / timeout / checked returns (steadyrl.rewards.guarded)
+            bound = bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
+            out[name] = GuardedReward(name, bound, entry, output_dir=cfg.trainer.get("output_dir"))
     return out
 
 
@@ -97,8 +103,27 @@ def _cpu_process_group(kwargs: dict[str, Any]) -> None:
 
 
 def resolve_resume(cfg: RunConfig) -> str | None:
-    """``auto`` -> newest complete checkpoint in output_dir (or None); a path -> itself; null -> None."""
-    from steadyrl.trainers.grpo import find_resume_checkpoint, is_complete_checkpoint
+    """``auto`` -> newest complete checkpoint in output_dir that verifies (or None); a path -> itself, once it
+    verifies; null -> None. The main process reads and hashes the files; every rank gets its answer."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    answer: list[Any] = [None, None]  # (checkpoint path or None, ConfigError text or None)
+    if state.is_main_process:
+        try:
+            answer[0] = _resume_path(cfg)
+        except ConfigError as exc:
+            answer[1] = str(exc)
+    if state.num_processes > 1:
+        broadcast_object_list(answer)
+    if answer[1] is not None:
+        raise ConfigError(answer[1])
+    return answer[0]
+
+
+def _resume_path(cfg: RunConfig) -> str | None:
+    from steadyrl.trainers.checkpoints import find_resume_checkpoint, is_complete_checkpoint, verify_checkpoint
 
     resume = cfg.trainer.get("resume_from_checkpoint")
     if resume in (None, False):
@@ -112,6 +137,11 @@ def resolve_resume(cfg: RunConfig) -> str | None:
         raise ConfigError(f"trainer.resume_from_checkpoint: {resume!r} does not exist")
     if not is_complete_checkpoint(path):
         logger.warning("%s has no steadyrl completion marker; resuming from it anyway as asked", path)
+    elif (problem := verify_checkpoint(path)) is not None:
+        raise ConfigError(
+            f"trainer.resume_from_checkpoint: {path} is damaged: {problem}. Resume from an older checkpoint, or "
+            "with auto (the newest one that verifies)"
+        )
     return str(path)
 
 
@@ -150,6 +180,36 @@ def _write_resolved(cfg: RunConfig, state: Any) -> None:
         (out / "resolved_config.yaml").write_text(yaml.safe_dump(cfg.to_tree(), sort_keys=False))
 
 
+def checked_rows(
+    cfg: RunConfig, args: Any, model_path: str, tokenizer: Any, rewards: dict[str, Any], train_ds: Any, eval_ds: Any
+) -> tuple[Any, Any]:
+    """Both splits through ``steadyrl.data_rows.check_rows`` (``data.on_bad_row``): empty prompts, empty reward
+    columns, prompts that leave no room for ``max_completion_length`` in the model's context."""
+    from transformers import AutoConfig
+
+    from steadyrl.data_rows import check_rows
+
+    needs: dict[str, list[str]] = {}
+    for name, fn in rewards.items():
+        for column in sorted(required_columns(fn)) if callable(fn) else []:
+            needs.setdefault(column, []).append(name)
+    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    context = getattr(model_config, "max_position_embeddings", None)
+    d = cfg.data
+    local = Path(d.path).suffix in (".jsonl", ".json", ".parquet", ".csv")
+    sources = [
+        d.path if local else f"{d.path} ({d.split} split)",
+        d.eval_path if d.eval_path is not None else f"{d.path} ({d.eval_split} split)",
+    ]
+    checked = [
+        None
+        if ds is None
+        else check_rows(ds, source, d.on_bad_row, needs, tokenizer, context, args.max_completion_length)
+        for ds, source in zip((train_ds, eval_ds), sources, strict=True)
+    ]
+    return checked[0], checked[1]
+
+
 def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> Any:
     """Everything but ``train()``: validated pieces assembled into a SteadyGRPOTrainer, SteadyPPOTrainer or
     SFTTrainer."""
@@ -171,6 +231,8 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     if cfg.data.chat_template is not None:
         template = Path(cfg.data.chat_template)
         tokenizer.chat_template = template.read_text() if template.is_file() else cfg.data.chat_template
+    if cfg.algorithm in ("grpo", "ppo"):
+        train_ds, eval_ds = checked_rows(cfg, args, model_path, tokenizer, rewards, train_ds, eval_ds)
     common = dict(
         model=model_path,
         args=args,

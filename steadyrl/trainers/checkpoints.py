@@ -5,7 +5,9 @@
 it runs), steadyrl adds its guard state and per-rank rollout buffers, and once every rank is past a barrier the
 main process writes the completion marker and renames the folder to ``<output_dir>/checkpoint-N``. A crash at any
 point leaves either the previous complete checkpoints untouched or the new one complete: ``resume: auto`` never
-sees a half-written folder. Rotation (``save_total_limit``) counts complete checkpoints only, so the newest
+sees a half-written folder. The marker lists the size and hash of every file (``steadyrl.trainers.integrity``), so a
+file damaged *after* the save (a truncated copy, a flipped bit) is found on resume: ``auto`` falls back to the newest
+checkpoint that verifies. Rotation (``save_total_limit``) counts complete checkpoints only, so the newest
 complete one is never deleted; leftovers of a crashed save are removed.
 
 Files steadyrl adds to a checkpoint: ``steadyrl_state.pt`` (main process: every stateful guard's ``state_dict``
@@ -27,7 +29,9 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from steadyrl.config.loader import ConfigError
 from steadyrl.guards.base import RankStateful, Stateful
+from steadyrl.trainers import integrity
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +127,10 @@ def publish_checkpoint(staged: Path, final: Path, global_step: int, num_processe
     aside, so there is no moment at which neither the old nor the new folder exists under a checkpoint name
     that ``resume: auto`` would pick.
     """
-    marker = {"global_step": global_step, "num_processes": num_processes}
+    files = integrity.manifest(staged, exclude=frozenset({COMPLETE_MARKER}), fsync=True)  # hashes and flushes
+    marker = {"global_step": global_step, "num_processes": num_processes, "files": files}
     (staged / COMPLETE_MARKER).write_text(json.dumps(marker))
-    _fsync_tree(staged)
+    _fsync_tree(staged, only=staged / COMPLETE_MARKER)
     trash = None
     if final.exists():
         trash = final.parent / STAGING_DIR / f"{final.name}.old"
@@ -151,9 +156,9 @@ def rotate_complete_checkpoints(run_dir: Path, save_total_limit: int | None) -> 
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file of a freshly written checkpoint to disk before it is published."""
-    for path in folder.rglob("*"):
+def _fsync_tree(folder: Path, only: Path | None = None) -> None:
+    """Flush every file of a freshly written checkpoint (or ``only`` that one) to disk before it is published."""
+    for path in [only] if only is not None else folder.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -206,13 +211,37 @@ def _checkpoint_folders(run_dir: Path) -> list[tuple[int, Path]]:
     return out
 
 
-def find_resume_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete ``checkpoint-N`` folder in ``output_dir``, or None (start fresh)."""
+def verify_checkpoint(folder: Path) -> str | None:
+    """None when every file the completion marker lists has its recorded size and hash (``integrity``); else what is
+    wrong, naming the file. A marker from before the file list is trusted."""
+    marker = folder / COMPLETE_MARKER
+    try:
+        files = json.loads(marker.read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{marker} cannot be read: {exc}"
+    return None if files is None else integrity.verify(folder, files)
+
+
+def find_resume_checkpoint(output_dir: str | os.PathLike[str], verify: bool = True) -> Path | None:
+    """The newest complete ``checkpoint-N`` folder in ``output_dir`` that verifies (``verify_checkpoint``), or None
+    (start fresh). A damaged one is skipped with a warning naming the file; when every complete checkpoint is
+    damaged, a ConfigError lists them (starting fresh would silently drop the run)."""
     root = Path(output_dir)
     if not root.is_dir():
         return None
+    damaged = []
     for _, folder in sorted(_checkpoint_folders(root), reverse=True):
-        if is_complete_checkpoint(folder):
+        if not is_complete_checkpoint(folder):
+            logger.warning("ignoring incomplete checkpoint %s", folder)
+            continue
+        problem = verify_checkpoint(folder) if verify else None
+        if problem is None:
             return folder
-        logger.warning("ignoring incomplete checkpoint %s", folder)
+        logger.warning("checkpoint %s is damaged, falling back to an older one: %s", folder, problem)
+        damaged.append(problem)
+    if damaged:
+        raise ConfigError(
+            f"trainer.resume_from_checkpoint: every complete checkpoint in {root} is damaged ({'; '.join(damaged)}); "
+            "move them aside, or set trainer.resume_from_checkpoint: null to start afresh"
+        )
     return None

@@ -209,3 +209,16 @@ def _grade_scaler() -> type:
 
 
 RecordingGrade = _grade_scaler()
+
+
+_FLAKY_CALLS = {"n": 0}
+
+
+def flaky_reward(completions: list[str], fail_calls: list[int] = (), fail_from: int | None = None, **_: Any):
+    """byte_mean, except that call number k (1-based, counted per process) raises ConnectionError when k is in
+    ``fail_calls`` or k >= ``fail_from``: a reward server that drops requests."""
+    _FLAKY_CALLS["n"] += 1
+    call = _FLAKY_CALLS["n"]
+    if call in fail_calls or (fail_from is not None and call >= fail_from):
+        raise ConnectionError(f"reward server dropped call {call}")
+    return byte_mean(completions)

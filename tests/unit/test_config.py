@@ -422,3 +422,47 @@ def test_what_a_guard_cannot_protect_is_refused(base: Path, tmp_path: Path, monk
         load_config(base, opefo)
     ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}')
     assert load_config(base, [*opefo, *gepo]).guards.opefo.enabled
+
+
+# ------------------------------------------------------------------ typos keep their origin (issue 15)
+
+VALID_OPEFO = "['enabled', 'error_feedback', 'floor', 'mode', 'rollback']"
+
+
+def _error(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_misspelt_section_names_its_file(tmp_path: Path, base: Path) -> None:
+    child = write(tmp_path / "c.yaml", "extends: base/grpo.yaml\nguards:\n  opefo:\n    rollbak: {enabled: false}\n")
+    assert _error(child) == (
+        f"guards.opefo.rollbak (set in {child}): unknown key 'rollbak'. Did you mean 'rollback'? "
+        f"Valid keys here: {VALID_OPEFO}"
+    )
+
+
+def test_misspelt_section_names_the_command_line(base: Path) -> None:
+    assert _error(base, ["guards.opefo.rollbak.enabled=false"]) == (
+        "guards.opefo.rollbak (set in command line): unknown key 'rollbak'. Did you mean 'rollback'? "
+        f"Valid keys here: {VALID_OPEFO}"
+    )
+
+
+def test_misspelt_key_in_a_list_entry_names_its_file_or_the_command_line(tmp_path: Path, base: Path) -> None:
+    child = write(
+        tmp_path / "c.yaml", "extends: base/grpo.yaml\nrewards:\n  - fn: exact_match\n  - {fn: x:y, wieght: 2}\n"
+    )
+    assert _error(child).startswith(f"rewards[1].wieght (set in {child}): unknown key 'wieght'. Did you mean 'weight'?")
+    cli = _error(base, ["rewards=[{fn: exact_match, wieght: 2}]"])
+    assert cli.startswith("rewards[0].wieght (set in command line): unknown key 'wieght'. Did you mean 'weight'?")
+
+
+def test_a_child_list_replaces_the_parents_origins(tmp_path: Path) -> None:
+    parent = write(tmp_path / "p.yaml", BASE.replace("[{fn: exact_match}]", "[{fn: exact_match}, {fn: digit_credit}]"))
+    child = write(tmp_path / "c.yaml", "extends: p.yaml\nrewards: [{fn: exact_match, weight: oops}]\n")
+    _, origins = load_config_tree(child)
+    assert origins["rewards[0].weight"] == str(child)
+    assert "rewards[1]" not in origins and "rewards[1].fn" not in origins  # the parent's second entry is gone
+    assert str(parent) not in {origins[k] for k in origins if k.startswith("rewards")}

@@ -1,0 +1,70 @@
+"""Checkpoint integrity: the size and SHA-256 hash of every file, recorded in the completion marker, checked on resume.
+
+``publish_checkpoint`` (``steadyrl.trainers.checkpoints``) writes ``manifest(folder)`` into ``steadyrl_complete.json``
+under ``"files"``; ``verify(folder, files)`` names the first file that is missing, has another size (a truncated
+write) or another hash (a flipped bit, an overwrite). Sizes are checked for every file before any hash, so a
+truncation is found without reading the rest.
+
+Cost: each file is read once more at save time (in the same pass that fsyncs it) and once at resume, in parallel
+threads (hashlib releases the GIL). SHA-256 rather than BLAKE2b: OpenSSL's SHA-256 uses the CPU's SHA extensions and
+measured 1,029 MiB/s against BLAKE2b's 553 MiB/s on the 2-core development machine (numbers in README "When things go
+wrong"). A marker without ``"files"`` (written before this check existed) is trusted as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HASH = "sha256"
+_CHUNK = 1 << 20
+
+
+def file_hash(path: Path, fsync: bool = False) -> str:
+    """SHA-256 hex digest of a file, read in 1 MiB chunks; ``fsync`` also flushes it to disk."""
+    digest = hashlib.new(HASH)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def _files(folder: Path, exclude: frozenset[str]) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in exclude)
+
+
+def _workers(count: int) -> int:
+    return max(1, min(8, os.cpu_count() or 1, count))
+
+
+def manifest(folder: Path, exclude: frozenset[str] = frozenset(), fsync: bool = False) -> dict[str, dict[str, object]]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` for every file under ``folder`` but ``exclude``."""
+    files = _files(folder, exclude)
+    with ThreadPoolExecutor(_workers(len(files))) as pool:
+        digests = list(pool.map(lambda p: file_hash(p, fsync), files))
+    return {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, HASH: digest}
+        for p, digest in zip(files, digests, strict=True)
+    }
+
+
+def verify(folder: Path, files: dict[str, dict[str, object]]) -> str | None:
+    """None when every recorded file is there with its size and hash; else what is wrong, naming the file."""
+    for name, meta in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != meta["size"]:
+            return f"{path} has {size} bytes, the completion marker recorded {meta['size']} (truncated or overwritten)"
+    names = list(files)
+    with ThreadPoolExecutor(_workers(len(names))) as pool:
+        digests = list(pool.map(lambda n: file_hash(folder / n), names))
+    for name, digest in zip(names, digests, strict=True):
+        if digest != files[name][HASH]:
+            return f"{folder / name} does not match the {HASH} hash in the completion marker (its bytes changed)"
+    return None
