@@ -21,4 +21,4 @@ def test_a_hung_rank_fails_with_its_rank_and_the_deadline():
     pattern = r"_hang_on_rank_1: rank\(s\) \[(0, )?1\] still running after 15 s"
     with pytest.raises(pytest.fail.Exception, match=pattern):
         spawn_or_fail(_hang_on_rank_1, (120.0,), timeout=15.0)
-    spawn_or_fail(_hang_on_rank_1, (0.0,), timeout=60.0)  # both ranks finish: no failure
+    spawn_or_fail(_hang_on_rank_1, (0.0,), timeout=300.0)  # both ranks finish: no failure (generous: a loaded box)
