@@ -56,5 +56,9 @@ def test_bench_stability_quick(tiny_model_dir, tmp_path):
 
     text = md.read_text()
     assert text.startswith("```\npython scripts/bench_stability.py ")
-    assert sum(line.startswith(("| nan_loss |", "| inf_exp_avg_sq |")) for line in text.splitlines()) == 6
+    outcomes, controllers = text.split("Controller state at the end of each run")
+    assert sum(line.startswith(("| nan_loss |", "| inf_exp_avg_sq |")) for line in outcomes.splitlines()) == 6
+    # the controller table: the variants with a spike guard or QUATRO (GEPO, all on) x 2 faults
+    rows = [line for line in controllers.splitlines() if line.startswith(("| nan_loss |", "| inf_exp_avg_sq |"))]
+    assert sorted(row.split(" | ")[1] for row in rows) == ["GEPO", "GEPO", "all on", "all on"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
