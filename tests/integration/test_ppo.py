@@ -116,7 +116,8 @@ def _quatro_kl(**kl) -> dict:
     from steadyrl.guards.quatro import KLConfig, QuatroConfig
     from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
-    return {"quatro": QuatroRuntime(QuatroConfig(kl=KLConfig(**{"target": 1e-9, "up": 1.5, "down": 0.5, **kl})))}
+    kl = {"target": 1e-9, "up": 1.5, "down": 0.5, "beta_range": [0.25, 4.0], **kl}  # two-sided: rollout 1 lowers beta
+    return {"quatro": QuatroRuntime(QuatroConfig(kl=KLConfig(**kl)))}
 
 
 def _spy_on_placed_beta(monkeypatch) -> list[float]:
