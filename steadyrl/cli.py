@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import yaml
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steadyrl: config error: {exc}", file=sys.stderr)
             return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from steadyrl.callbacks.preemption import Preempted, resume_hint
     from steadyrl.rewards.guarded import RewardError
 
     try:
@@ -172,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     except RewardError as exc:  # a reward function's policy gave up (README "When things go wrong")
         print(f"steadyrl: stopped: {exc}", file=sys.stderr)
         return 1
+    except Preempted as exc:  # a signal stopped the run after a checkpoint (config `preemption`)
+        if os.environ.get("RANK", "0") == "0":  # one line per run, not per rank
+            print(f"steadyrl: {exc}. Resume with the same launch and: {resume_hint(args.config, args.overrides)}",
+                  file=sys.stderr)  # fmt: skip
+        _teardown()
+        return exc.exit_code
     if result is not None:
         phase = "SFT" if cfg.algorithm == "sft" else cfg.algorithm.upper()
         print(

@@ -39,6 +39,7 @@ from steadyrl.config.sections import (
     ModelSection,
     PeftSection,
     PPOSection,
+    PreemptionSection,
     RewardSection,
 )
 from steadyrl.config.typed import (
@@ -63,6 +64,7 @@ class RunConfig:
     guards: GuardsSection = field(default_factory=GuardsSection)
     eval: EvalSection = field(default_factory=EvalSection)
     ppo: PPOSection = field(default_factory=PPOSection)  # read only by algorithm: ppo
+    preemption: PreemptionSection = field(default_factory=PreemptionSection)
     callbacks: list[str] = field(default_factory=list)  # extra TrainerCallback classes, "module:Class"
 
     @classmethod
@@ -98,6 +100,7 @@ __all__ = [
     "OpefoSection",
     "PPOSection",
     "PeftSection",
+    "PreemptionSection",
     "QuatroFiltersSection",
     "QuatroReplaySection",
     "QuatroSection",

@@ -122,6 +122,36 @@ class EvalSection:
             raise ValueError(f"every must be >= 0 (0 = no periodic eval), got {self.every}")
 
 
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")  # preemption.signals
+
+
+@dataclass
+class PreemptionSection:
+    """``preemption``: a signal ends the run at the next optimizer-step boundary with a complete checkpoint.
+
+    README "When things go wrong" and ``steadyrl.callbacks.preemption``. On the first of ``signals`` every rank
+    finishes the step under way, all ranks agree (one all-reduce per step), the checkpoint is written through the
+    atomic path and the process exits with ``exit_code`` and a line saying how to resume. A repeat of the signal
+    within ``relay_window_s`` of the first is taken as a launcher's relayed copy (torchrun forwards what it gets to
+    its workers, a terminal's Ctrl-C reaches both) and ignored; a later one exits at once (the previous complete
+    checkpoint is untouched). Add ``SIGUSR1`` where a scheduler sends it before the kill (Slurm ``--signal``).
+    """
+
+    enabled: bool = True
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
+    exit_code: int = 75  # EX_TEMPFAIL: "try again", what requeue scripts test for
+    relay_window_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.signals if s not in PREEMPTION_SIGNALS]
+        if unknown:
+            raise FieldValueError("signals", f"unknown signal(s) {unknown}; valid: {list(PREEMPTION_SIGNALS)}")
+        if not 1 <= self.exit_code <= 125:
+            raise FieldValueError("exit_code", f"must be in 1..125 (above: signal codes), got {self.exit_code}")
+        if self.relay_window_s < 0:
+            raise FieldValueError("relay_window_s", f"must be >= 0, got {self.relay_window_s}")
+
+
 @dataclass
 class PPOSection:
     """``ppo``: the critic and the token-level rewards of ``algorithm: ppo``.

@@ -248,6 +248,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     from steadyrl.callbacks.progress import terminal_callbacks
 
     common["callbacks"] += terminal_callbacks()  # a status line per log on a terminal; quiet when piped
+    if cfg.preemption.enabled:
+        from steadyrl.callbacks.preemption import PreemptionCallback
+
+        common["callbacks"].append(PreemptionCallback(cfg.preemption.signals, cfg.preemption.relay_window_s))
     if cfg.algorithm != "sft" and cfg.guards.gepo.enabled and cfg.guards.gepo.monitor.enabled:
         from steadyrl.callbacks.monitor import SignalMonitor
 
@@ -348,10 +352,27 @@ def run_reward(cfg: RunConfig) -> dict[str, Any]:
     return run_reward_stage(model_path, train_ds, eval_ds, output_dir, model_init_kwargs=init_kwargs, **kwargs)
 
 
+def _raise_if_preempted(cfg: RunConfig, trainer: Any) -> None:
+    from steadyrl.callbacks.preemption import Preempted, PreemptionCallback
+
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, PreemptionCallback)), None)
+    if callback is None or callback.stopped_at is None:
+        return
+    trainer.accelerator.wait_for_everyone()
+    folder = Path(cfg.trainer["output_dir"]) / f"checkpoint-{callback.stopped_at}"  # what the Trainer just wrote
+    written = (folder / "trainer_state.json").is_file()
+    checkpoint = str(folder) if written else None
+    raise Preempted(callback.signal_name, callback.stopped_at, checkpoint, cfg.preemption.exit_code)
+
+
 def run(cfg: RunConfig) -> dict[str, Any] | None:
-    """Train, save the final model to ``<output_dir>/final``, evaluate. Returns the eval result (main process)."""
+    """Train, save the final model to ``<output_dir>/final``, evaluate. Returns the eval result (main process).
+
+    Raises ``Preempted`` when a signal stopped training (``preemption``): the checkpoint is written, the final save
+    and eval are skipped."""
     trainer = build_trainer(cfg)
     trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+    _raise_if_preempted(cfg, trainer)
     final_dir = Path(cfg.trainer["output_dir"]) / "final"
     trainer.save_model(str(final_dir))
     if trainer.accelerator.is_main_process:

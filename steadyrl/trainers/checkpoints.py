@@ -179,7 +179,10 @@ def load_steady_state(folder: Path, state: GuardState, rank: int, device: Any) -
     rank_file = folder / RANK_STATE_FILE.format(rank=rank)
     rollouts = None
     if rank_file.is_file():
-        rank_state = torch.load(rank_file, map_location=device, weights_only=False)
+        where = torch.device(device)
+        # a CPU process of a multi-process run has device cpu:<rank>, a location torch.load does not know
+        where = torch.device("cpu") if where.type == "cpu" else where
+        rank_state = torch.load(rank_file, map_location=where, weights_only=False)
         rollouts = {"step": rank_state["step"], "buffered_inputs": rank_state["buffered_inputs"]}
         for name, obj in state.rank_stateful.items():
             if name in rank_state.get("guards", {}):

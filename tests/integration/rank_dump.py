@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -109,3 +110,47 @@ class KillDuringSave(TrainerCallback):
             return original(obj, f, *a, **kw)
 
         torch.save = save
+
+
+def _ppid(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class SignalAtStep(TrainerCallback):
+    """Rank 0 sends a signal at the end of one optimizer step, as a scheduler would: configured by
+    ``STEADYRL_TEST_SIGNAL=STEP:TARGET[:REPEAT_AFTER_S]``, TARGET ``self`` (this process), ``parent`` (the
+    launcher, which relays it to every worker, as Kubernetes signalling the container's first process) or ``all``
+    (the launcher and every worker at once, as Slurm's scancel does; each worker then also gets the launcher's
+    relayed copy). With REPEAT_AFTER_S it sends a second SIGTERM that long after."""
+
+    def __init__(self) -> None:
+        step, target, *repeat = os.environ["STEADYRL_TEST_SIGNAL"].split(":")
+        self.step, self.target = int(step), target
+        self.repeat = float(repeat[0]) if repeat else None
+
+    def _send(self) -> None:
+        import signal
+
+        if self.target == "all":
+            launcher = os.getppid()
+            workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == launcher]
+            for pid in [launcher, *workers]:
+                os.kill(pid, signal.SIGTERM)
+        else:
+            os.kill(os.getppid() if self.target == "parent" else os.getpid(), signal.SIGTERM)
+        # wait for this process's copy (relayed by the launcher) to land, so the stop step is deterministic
+        handler = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        deadline = time.monotonic() + 30
+        while handler is not None and handler.received is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step or not state.is_world_process_zero:
+            return
+        self._send()
+        if self.repeat is not None:
+            time.sleep(self.repeat)
+            self._send()
