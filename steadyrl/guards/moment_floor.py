@@ -1,6 +1,7 @@
-"""Second-moment floor (OPEFO, ``guards.opefo.floor``): when many ``exp_avg_sq`` entries underflowed, raise the ones
-below the group's 10th percentile to it, so ``lr * m / (sqrt(v) + eps)`` cannot take a huge step where v is ~0
-(docs/DESIGN.md, "OPEFO: second-moment floor"). Pure torch over the optimizer's state; see steadyrl.guards.opefo.
+"""Second-moment floor (OPEFO, ``guards.opefo.floor``): when many of a tensor's ``exp_avg_sq`` entries underflowed,
+raise the ones below that tensor's 10th percentile to it, so ``lr * m / (sqrt(v) + eps)`` cannot take a huge step
+where v is ~0 (docs/DESIGN.md, "OPEFO: second-moment floor"). Pure torch over the optimizer's state; see
+steadyrl.guards.opefo.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from steadyrl.guards.optimizer_state import CHUNK, AllGather, ReduceSum, flat, group_states, identity, optimizer_device
+from steadyrl.guards.optimizer_state import CHUNK, ReduceSum, flat, identity, optimizer_device
 from steadyrl.metrics import (
     OPEFO_FLOOR_TRIGGERED,
     opefo_floor_raised_frac,
@@ -49,125 +50,136 @@ class FloorConfig:
             raise ValueError("invalid FloorConfig: " + "; ".join(problems))
 
 
+def _moments(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(exp_avg_sq, exp_avg) of each param of ``group`` that has both moments, in parameter order."""
+    out = []
+    for p in group["params"]:
+        state = optimizer.state.get(p, {})
+        v, m = state.get("exp_avg_sq"), state.get("exp_avg")
+        if isinstance(v, torch.Tensor) and isinstance(m, torch.Tensor) and v.numel() and m.shape == v.shape:
+            out.append((v, m))
+    return out
+
+
+def consistency_bound(beta1: float, beta2: float) -> float:
+    """The largest |exp_avg| / sqrt(exp_avg_sq) any gradient history can give Adam's raw moments.
+
+    ``m = (1 - b1) sum_k b1^k g_k`` and ``v = (1 - b2) sum_k b2^k g_k^2``; by Cauchy-Schwarz
+    ``|sum b1^k g_k| <= sqrt(sum (b1^2 / b2)^k) sqrt(sum b2^k g_k^2)``, so ``|m| <= C sqrt(v)`` with
+    ``C = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))``: 7.27 for (0.9, 0.999), at every step, for any gradients
+    (clipped ones too). An entry past it has a second moment that cannot explain its first: an underflow or a
+    damaged state. Infinite when ``b1^2 >= b2`` (no bound)."""
+    if beta1**2 >= beta2 or beta2 >= 1.0:
+        return math.inf
+    return (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1**2 / beta2))
+
+
+def _inconsistent(v: torch.Tensor, m: torch.Tensor, bound: float, eps: float) -> torch.Tensor:
+    """Entries whose Adam step |m| / (sqrt(v) + eps) exceeds ``bound``: v too small for m (NaN/inf v: False)."""
+    return m.abs() > bound * (v.clamp(min=0).sqrt() + eps)
+
+
 class SecondMomentFloor:
-    """``maybe_apply(optimizer, step)`` raises underflowed ``exp_avg_sq`` entries to a percentile floor, in place.
+    """``maybe_apply(optimizer, step)`` raises underflowed ``exp_avg_sq`` entries to a per-tensor percentile floor.
 
     Stateless between calls apart from counters (the sample depends only on ``seed + step``).
+
+    The unit is one state tensor (one parameter's ``exp_avg_sq``; under ZeRO-2, this rank's flat fp32 partition of a
+    param group, which is what DeepSpeed's base optimizer holds). An entry counts as underflowed when its second
+    moment cannot explain its first: ``|m| > C (sqrt(v) + eps)``, with C the largest ratio any gradient history
+    allows (``consistency_bound``, 7.27 for betas (0.9, 0.999)), i.e. its Adam step is larger than any healthy
+    state can produce. An entry whose gradient was always 0 (the embedding row of a token never seen) has
+    m = v = 0 and steps by exactly 0; a tiny but consistent one (v ~ 1e-20 from gradients ~ 1e-9) steps normally:
+    neither is a fault, where the seed's ``v <= 1e-20`` count fires on both. A tensor with more than
+    ``trigger_frac`` of its entries underflowed gets its live entries (m != 0) below its own ``percentile`` (over
+    its entries above ``tiny``) raised to it: the floor sits at the scale of that tensor, not of the whole group
+    (a group-wide p10 can sit thousands of times below one tensor's level).
+    Decisions need no collective: DDP replicas hold equal states, and a ZeRO partition belongs to one rank only.
     """
 
-    def __init__(
-        self,
-        config: FloorConfig | None = None,
-        reduce_sum: ReduceSum | None = None,
-        all_gather: AllGather | None = None,
-    ) -> None:
+    def __init__(self, config: FloorConfig | None = None, reduce_sum: ReduceSum | None = None) -> None:
         self.config = config or FloorConfig()
         self.reduce_sum = reduce_sum or identity
-        self.all_gather = all_gather or identity
         self.checks = 0
         self.floored_groups = 0
         self.last_raised = 0  # entries the last check raised (or would have raised, with apply=False)
 
     def maybe_apply(self, optimizer: torch.optim.Optimizer, step: int, apply: bool = True) -> dict[str, float]:
-        """At ``step % interval == 0`` (step > 0): check each group, floor those above ``trigger_frac``.
+        """At ``step % interval == 0`` (step > 0): check each state tensor, floor those above ``trigger_frac``.
 
-        Returns ``opefo/floor_triggered`` (groups floored), and per group index g ``opefo/tiny_frac/<g>``,
-        ``opefo/floor_value/<g>`` (0 when not floored) and ``opefo/floor_raised_frac/<g>`` (entries changed);
-        ``{}`` when this step is not a check step. ``last_raised`` holds the number of entries raised (all ranks).
-        ``apply=False`` (observe mode): the same decision and counts, but no entry is changed and the
-        ``floored_groups`` total stays.
+        Returns ``opefo/floor_triggered`` (groups with a floored tensor), and per group index g
+        ``opefo/tiny_frac/<g>`` (underflowed live entries / entries, over all ranks), ``opefo/floor_value/<g>`` (the
+        lowest floor this rank applied in the group, 0 when none) and ``opefo/floor_raised_frac/<g>`` (entries
+        changed); ``{}`` when this step is not a check step. ``last_raised`` holds the number of entries raised
+        (summed over ranks). ``apply=False`` (observe mode): the same decisions and counts, no entry is changed and
+        the ``floored_groups`` total stays. One ``reduce_sum`` per check, on every rank.
         """
         cfg = self.config
         if not cfg.enabled or step <= 0 or step % cfg.interval:
             return {}
         self.checks += 1
         home = optimizer_device(optimizer)
-        groups = [group_states(optimizer, g, "exp_avg_sq") for g in optimizer.param_groups]
+        generator = torch.Generator().manual_seed(cfg.seed + step)
+        # per group: underflowed live entries, entries, entries raised, tensors floored
+        totals = torch.zeros(len(optimizer.param_groups), 4, dtype=torch.float64, device=home)
+        lowest = [math.inf] * len(optimizer.param_groups)
         with torch.no_grad():
-            # 1) global count of tiny entries and numel per group: one all-reduce of (num_groups, 2)
-            counts = torch.zeros(len(groups), 2, dtype=torch.float64, device=home)
-            for i, states in enumerate(groups):
-                tiny = torch.zeros((), dtype=torch.int64, device=home)
-                for v in states:
-                    for piece in flat(v).split(CHUNK):
-                        tiny += torch.count_nonzero(piece <= cfg.tiny).to(home)
-                counts[i, 0] = tiny
-                counts[i, 1] = float(sum(v.numel() for v in states))
-            counts_list = self.reduce_sum(counts).tolist()
-
-            # 2) percentile of each triggered group (same on every rank), then the in-place floor
-            metrics: dict[str, float] = {}
-            generator = torch.Generator().manual_seed(cfg.seed + step)
-            floored: list[int] = []
-            raised = []
-            for i, states in enumerate(groups):
-                n_tiny, numel = counts_list[i]
-                frac = n_tiny / numel if numel else 0.0
-                metrics[opefo_tiny_frac(i)] = frac
-                metrics[opefo_floor_value(i)] = 0.0
-                metrics[opefo_floor_raised_frac(i)] = 0.0
-                if frac <= cfg.trigger_frac:
-                    continue
-                value = self._percentile(states, int(numel), generator, home)
-                if value is None:  # no finite (above-tiny) entry anywhere: nothing to floor to
-                    continue
-                count = torch.zeros((), dtype=torch.int64, device=home)
-                for v in states:
-                    for piece in flat(v).split(CHUNK):
-                        count += torch.count_nonzero(piece < value).to(home)
-                    if apply:
-                        v.clamp_(min=value)
-                floored.append(i)
-                raised.append(count.to(torch.float64))
-                metrics[opefo_floor_value(i)] = value
-            self.last_raised = 0
-            if floored:
-                raised_list = self.reduce_sum(torch.stack(raised)).tolist()
-                for i, n in zip(floored, raised_list, strict=True):
-                    metrics[opefo_floor_raised_frac(i)] = n / counts_list[i][1]
-                self.last_raised = round(sum(raised_list))
+            for i, group in enumerate(optimizer.param_groups):
+                beta1, beta2 = group.get("betas", (0.9, 0.999))
+                bound = consistency_bound(float(beta1), float(beta2)) * (1.0 + 1e-3)  # margin: float rounding
+                eps = float(group.get("eps", 1e-8))
+                for v, m in _moments(optimizer, group):
+                    pieces = list(zip(flat(v).split(CHUNK), flat(m).split(CHUNK), strict=True))
+                    underflowed = sum(int(_inconsistent(pv, pm, bound, eps).count_nonzero()) for pv, pm in pieces)
+                    totals[i, 0] += underflowed
+                    totals[i, 1] += v.numel()
+                    if underflowed <= cfg.trigger_frac * v.numel():
+                        continue
+                    value = self._percentile(v, generator, home)
+                    if value is None:  # no finite entry above tiny in this tensor: nothing to floor to
+                        continue
+                    for pv, pm in pieces:
+                        low = (pv < value) & (pm != 0)
+                        totals[i, 2] += int(torch.count_nonzero(low))
+                        if apply:
+                            pv.masked_fill_(low, value)
+                    totals[i, 3] += 1
+                    lowest[i] = min(lowest[i], value)
+        reduced = self.reduce_sum(totals).tolist()
+        metrics: dict[str, float] = {}
+        floored = 0
+        for i, (n_tiny, numel, n_raised, n_tensors) in enumerate(reduced):
+            metrics[opefo_tiny_frac(i)] = n_tiny / numel if numel else 0.0
+            metrics[opefo_floor_value(i)] = lowest[i] if math.isfinite(lowest[i]) else 0.0
+            metrics[opefo_floor_raised_frac(i)] = n_raised / numel if numel else 0.0
+            floored += n_tensors > 0
+        self.last_raised = round(sum(row[2] for row in reduced))
         if apply:
-            self.floored_groups += len(floored)
-        metrics[OPEFO_FLOOR_TRIGGERED] = float(len(floored))
+            self.floored_groups += floored
+        metrics[OPEFO_FLOOR_TRIGGERED] = float(floored)
         return metrics
 
-    def _percentile(
-        self, states: list[torch.Tensor], global_numel: int, generator: torch.Generator, home: torch.device
-    ) -> float | None:
-        """The group's ``percentile``-th percentile (linear interpolation) of the gathered sample; None if empty."""
+    def _percentile(self, v: torch.Tensor, generator: torch.Generator, home: torch.device) -> float | None:
+        """The tensor's ``percentile``-th percentile (linear interpolation): exact up to ``sample_size`` entries, else
+        over a seeded sample of that many; None when no entry qualifies."""
         cfg = self.config
-        local = sum(v.numel() for v in states)
-        if global_numel <= cfg.sample_size:  # small group: every entry, exact
-            parts = [flat(v).to(home, torch.float64) for v in states]
-        else:  # this rank's share of the sample, in proportion to its numel
-            share = min(local, round(cfg.sample_size * local / global_numel))
-            parts = self._sample(states, share, generator, home)
-        sample = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=home)
+        if v.numel() <= cfg.sample_size:
+            sample = flat(v).to(home, torch.float64)
+        else:
+            sample = self._sample(v, cfg.sample_size, generator, home)
         keep = torch.isfinite(sample)
         if cfg.exclude_tiny:
             keep &= sample > cfg.tiny
-        gathered = self.all_gather(sample[keep])
-        if gathered.numel() == 0:
+        sample = sample[keep]
+        if sample.numel() == 0:
             return None
-        return torch.quantile(gathered, cfg.percentile / 100.0).item()
+        return torch.quantile(sample, cfg.percentile / 100.0).item()
 
     @staticmethod
-    def _sample(
-        states: list[torch.Tensor], k: int, generator: torch.Generator, home: torch.device
-    ) -> list[torch.Tensor]:
-        """k entries drawn uniformly with replacement over the concatenation of ``states``, as float64."""
-        if k <= 0:
-            return []
-        sizes = torch.tensor([v.numel() for v in states], dtype=torch.int64)
-        ends = sizes.cumsum(0)
-        index = torch.randint(0, int(ends[-1]), (k,), generator=generator).sort().values
-        owner = torch.searchsorted(ends, index, right=True)
-        per_tensor = torch.bincount(owner, minlength=len(states)).tolist()
-        parts = []
-        for v, start, idx in zip(states, (ends - sizes).tolist(), index.split(per_tensor), strict=True):
-            if idx.numel():
-                parts.append(flat(v)[(idx - start).to(v.device)].to(home, torch.float64))
-        return parts
+    def _sample(v: torch.Tensor, k: int, generator: torch.Generator, home: torch.device) -> torch.Tensor:
+        """k entries of ``v`` drawn uniformly with replacement (index order), as float64 on ``home``."""
+        index = torch.randint(0, v.numel(), (k,), generator=generator).sort().values
+        return flat(v)[index.to(v.device)].to(home, torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": self.checks, "floored_groups": self.floored_groups}

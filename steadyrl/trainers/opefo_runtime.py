@@ -105,13 +105,8 @@ class OpefoRuntime:
         self.policy = RollbackPolicy(config.rollback)
         # The collectives are bound in ``attach`` (they depend on the backend); until then, identity.
         self._reduce_partitioned = _identity
-        self._gather_partitioned = _identity
         self._reduce_all = _identity
-        self.floor = SecondMomentFloor(
-            config.floor,
-            reduce_sum=lambda t: self._reduce_partitioned(t),
-            all_gather=lambda t: self._gather_partitioned(t),
-        )
+        self.floor = SecondMomentFloor(config.floor, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.store: SnapshotStore | None = None
         self.ctx = RuntimeContext()
@@ -147,10 +142,10 @@ class OpefoRuntime:
             )
         self.zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            reduce_sum, all_gather = distributed_ops()
+            reduce_sum, _ = distributed_ops()
             self._reduce_all = reduce_sum
-            if self.zero is not None:
-                self._reduce_partitioned, self._gather_partitioned = reduce_sum, all_gather
+            if self.zero is not None:  # ZeRO partitions differ per rank; DDP replicas are equal (no collective)
+                self._reduce_partitioned = reduce_sum
         rb = self.config.rollback
         if self.observe:
             logger.info(

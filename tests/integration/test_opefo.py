@@ -138,6 +138,21 @@ class MomentsAtStart(TrainerCallback):
         self.state = copy.deepcopy(optimizer_chain(optimizer)[-1].state_dict()["state"])
 
 
+class ZeroLiveSecondMoment(TrainerCallback):
+    """At the end of step ``step``: exp_avg_sq = 0 where exp_avg is largest, in every param's state (an underflow:
+    a live first moment its second moment cannot explain), so the floor has something to floor."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step != self.step:
+            return
+        with torch.no_grad():
+            for st in optimizer.optimizer.state.values():
+                st["exp_avg_sq"].view(-1)[st["exp_avg"].abs().argmax()] = 0.0
+
+
 def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path):
     """Floor (forced to trigger), error feedback pending across the checkpoint, snapshots, checks: 6 straight
     steps == 3 + resume + 3 (torch.equal), and the resumed run starts from exactly the saved Adam moments."""
@@ -148,7 +163,8 @@ def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path):
         return OpefoRuntime(OpefoConfig(enabled=True, floor=floor, rollback=rollback))
 
     common = dict(max_steps=6, save_steps=3, save_strategy="steps", beta=0.04)
-    straight, _ = _trainer(tiny_model_dir, tmp_path / "straight", [SkipAt({1})], opefo(), **common)
+    straight, _ = _trainer(tiny_model_dir, tmp_path / "straight", [SkipAt({1})], opefo(), [ZeroLiveSecondMoment(1)],
+                           **common)  # fmt: skip
     straight.train()
     history = straight.state.log_history
     assert max(per_step(history, "opefo/floor_triggered")) > 0, "the floor must really run in this test"

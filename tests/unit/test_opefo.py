@@ -81,7 +81,9 @@ class FakeRanks:
 def adamw_with_v(
     *groups: list[list[float]] | list[torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> torch.optim.AdamW:
-    """A real AdamW after one step, one param group per argument, each param's exp_avg_sq set to the given list."""
+    """A real AdamW after one step, one param group per argument, each param's exp_avg_sq set to the given list and
+    its exp_avg consistent with it (sqrt(v), a healthy ratio of 1), except where v is 0: there exp_avg is 0.1, a
+    live first moment that v cannot explain (an underflow). NaN and inf entries get exp_avg 0.1."""
     params = [[torch.nn.Parameter(torch.zeros(len(v), dtype=dtype)) for v in g] for g in groups]
     opt = torch.optim.AdamW([{"params": ps} for ps in params], lr=1e-3)
     for ps in params:
@@ -90,7 +92,10 @@ def adamw_with_v(
     opt.step()
     for ps, g in zip(params, groups, strict=True):
         for p, v in zip(ps, g, strict=True):
-            opt.state[p]["exp_avg_sq"].copy_(torch.as_tensor(v, dtype=dtype))
+            v = torch.as_tensor(v, dtype=dtype)
+            opt.state[p]["exp_avg_sq"].copy_(v)
+            healthy = torch.isfinite(v) & (v > 0)
+            opt.state[p]["exp_avg"].copy_(torch.where(healthy, v.clamp(min=0).sqrt(), torch.full_like(v, 0.1)))
     return opt
 
 
@@ -122,22 +127,85 @@ def test_floor_config_validation_and_defaults():
         FloorConfig(sample_size=0)
 
 
-def test_floor_by_hand_over_two_params_one_group_and_a_param_without_state():
-    # group 0: [0, 1..19] x 1e-8 split over two params; group 1 healthy; one param never got a gradient
+def test_floor_by_hand_per_tensor_over_two_params_one_group_and_a_param_without_state():
+    # group 0: [0, 1..19] x 1e-8 split over two params; group 1 healthy; one param never got a gradient.
+    # Every entry's first moment is live (0.1 after the one real step), so the 0 is an underflow.
     opt = adamw_with_v([E8[:9], E8[9:]], [[1.0, 2.0, 3.0]])
     stateless = torch.nn.Parameter(torch.zeros(4))
     opt.param_groups[0]["params"].append(stateless)
     floor = SecondMomentFloor()
     m = floor.maybe_apply(opt, 100)
-    # percentile over the 19 entries above tiny, linear: position 0.1 * 18 = 1.8 -> 2 + 0.8 * (3 - 2) = 2.8 (x1e-8)
-    assert m["opefo/floor_value/0"] == pytest.approx(2.8e-8, rel=1e-6)
-    assert m["opefo/tiny_frac/0"] == 0.05 and m["opefo/floor_raised_frac/0"] == 3 / 20  # 0, 1e-8, 2e-8 raised
+    # param A = [0, 1..8]e-8: 1 of 9 underflowed (11 %) -> its own p10 over the 8 entries above tiny, linear:
+    # position 0.1 * 7 = 0.7 -> 1 + 0.7 * (2 - 1) = 1.7 (x1e-8); 0 and 1e-8 raised. Param B = [9..19]e-8: none.
+    assert m["opefo/floor_value/0"] == pytest.approx(1.7e-8, rel=1e-6)
+    assert m["opefo/tiny_frac/0"] == 0.05 and m["opefo/floor_raised_frac/0"] == 2 / 20
     assert (m["opefo/floor_triggered"], m["opefo/tiny_frac/1"], m["opefo/floor_value/1"]) == (1.0, 0.0, 0.0)
-    expected = torch.tensor(E8).clamp(min=m["opefo/floor_value/0"])
-    assert torch.equal(v_of(opt, 0)[:20], expected)
-    assert v_of(opt, 0)[:3].tolist() == [v_of(opt, 0)[0].item()] * 3
+    expected = torch.tensor(E8[:9]).clamp(min=m["opefo/floor_value/0"])
+    assert torch.equal(v_of(opt, 0)[:9], expected) and torch.equal(v_of(opt, 0)[9:], torch.tensor(E8[9:]))
     assert torch.equal(v_of(opt, 1), torch.tensor([1.0, 2.0, 3.0]))
-    assert stateless not in opt.state and floor.floored_groups == 1
+    assert stateless not in opt.state and floor.floored_groups == 1 and floor.last_raised == 2
+
+
+def _set_m(opt: torch.optim.Optimizer, values: list[float], group: int = 0, index: int = 0) -> None:
+    p = opt.param_groups[group]["params"][index]
+    opt.state[p]["exp_avg"].copy_(torch.tensor(values))
+
+
+def test_consistency_bound_by_hand_and_on_a_real_adam_history():
+    from steadyrl.guards.moment_floor import consistency_bound
+
+    assert consistency_bound(0.9, 0.999) == pytest.approx(0.1 / math.sqrt(0.001 * (1 - 0.81 / 0.999)))
+    assert consistency_bound(0.9, 0.999) == pytest.approx(7.2703, abs=1e-3) and consistency_bound(0.99, 0.9) == INF
+    # the worst case for the bound: a gradient that is 0 for a long time, then one spike: m/sqrt(v) stays below C
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=0.0)
+    worst = 0.0
+    for step in range(300):
+        p.grad = torch.tensor([1.0, 1e-12, 0.0]) * (1.0 if step % 50 else 1e3) * (0.5 ** (step % 7))
+        opt.step()
+        m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+        live = v > 0
+        worst = max(worst, float((m[live].abs() / v[live].sqrt()).max()))
+    assert worst < consistency_bound(0.9, 0.999)
+
+
+def test_tiny_but_consistent_entries_do_not_count_as_underflow():
+    # v ~ 1e-20 from gradients ~ 1e-9 (m = sqrt(v)): a normal Adam step, not a fault; the seed's v <= 1e-20 counts it
+    opt = adamw_with_v([[1e-21] * 10 + [1e-6] * 90])
+    m = SecondMomentFloor().maybe_apply(opt, 100)
+    assert m["opefo/tiny_frac/0"] == 0.0 and m["opefo/floor_triggered"] == 0.0
+
+
+def test_never_touched_entries_are_not_underflow_and_stay_zero():
+    # v: three zeros then 1..17; m: the first two zeros never saw a gradient (m == 0), the third did (an underflow)
+    values = [0.0, 0.0, 0.0, *range(1, 18)]
+    opt = adamw_with_v([values])
+    _set_m(opt, [0.0, 0.0, *[0.1] * 18])
+    m = SecondMomentFloor().maybe_apply(opt, 100)
+    # 1 live underflow in 20 (5 %) -> p10 over the 17 entries above tiny: 1 + 0.1 * 16 = 2.6; raised: the live zero,
+    # 1 and 2; the never-touched zeros stay 0 (their update is m / (sqrt(v) + eps) = 0 anyway)
+    assert m["opefo/tiny_frac/0"] == 0.05 and m["opefo/floor_value/0"] == pytest.approx(2.6)
+    assert v_of(opt).tolist()[:6] == pytest.approx([0.0, 0.0, 2.6, 2.6, 2.6, 3.0])
+    assert m["opefo/floor_raised_frac/0"] == 3 / 20
+    # only never-touched zeros (an SFT checkpoint's unseen-token rows): no trigger, nothing changes
+    opt = adamw_with_v([values])
+    _set_m(opt, [0.0, 0.0, 0.0, *[0.1] * 17])
+    m = SecondMomentFloor().maybe_apply(opt, 100)
+    assert m["opefo/tiny_frac/0"] == 0.0 and m["opefo/floor_triggered"] == 0.0
+    assert v_of(opt).tolist() == values
+
+
+def test_a_half_zeroed_tensor_is_floored_at_its_own_scale_not_the_groups():
+    # tensor A at ~1e-4 with half its v zeroed, tensor B at ~1e-12 in the same group: the group's p10 (~1e-12)
+    # would leave A's zeroed half ~1e8 below its level; the per-tensor p10 is A's own
+    a = [0.0] * 50 + [1e-4 * (1 + i / 50) for i in range(50)]
+    b = [1e-12 * (1 + i / 100) for i in range(400)]
+    opt = adamw_with_v([a, b])
+    m = SecondMomentFloor().maybe_apply(opt, 100)
+    expected = torch.quantile(torch.tensor(a[50:], dtype=torch.float64), 0.1).item()
+    assert m["opefo/floor_value/0"] == pytest.approx(expected) and expected > 1e-4
+    assert v_of(opt)[:50].tolist() == pytest.approx([expected] * 50)
+    assert torch.equal(v_of(opt)[100:], torch.tensor(b))  # B had no underflow: untouched
 
 
 def test_floor_literal_seed_rule_and_strict_trigger_and_off_steps():
@@ -179,50 +247,53 @@ def big_state(sizes: list[int], seed: int = 0) -> torch.optim.AdamW:
 
 def test_sampled_percentile_is_accurate_and_deterministic():
     opt = big_state([600_000, 400_000])
-    before = v_of(opt).clone()
-    healthy = before[before > 1e-20]
+    before = [t.clone() for t in (v_of_param(opt, 0), v_of_param(opt, 1))]
     m = SecondMomentFloor().maybe_apply(opt, 300)
-    q = m["opefo/floor_value/0"]
     assert m["opefo/tiny_frac/0"] == pytest.approx(0.02, abs=0.001)
-    # rank of the estimate among the entries above tiny: 0.10 +- sqrt(0.1 * 0.9 / 64000) = 0.0012 (1 sigma)
-    assert (healthy < q).double().mean().item() == pytest.approx(0.10, abs=0.006)
-    assert torch.equal(v_of(opt), before.clamp(min=q))
-    assert m["opefo/floor_raised_frac/0"] == pytest.approx((before < q).double().mean().item())
+    floors = []
+    for i, b in enumerate(before):
+        after = v_of_param(opt, i)
+        q = after.min().item()  # every entry is live: the ones below the tensor's floor now equal it
+        floors.append(q)
+        healthy = b[b > 1e-20]
+        # rank of the estimate among the entries above tiny: 0.10 +- sqrt(0.1 * 0.9 / 65536) = 0.0012 (1 sigma)
+        assert (healthy < q).double().mean().item() == pytest.approx(0.10, abs=0.006)
+        assert torch.equal(after, b.clamp(min=q))
+    q = m["opefo/floor_value/0"]  # float64; the state holds it rounded to fp32
+    assert q == pytest.approx(min(floors), rel=1e-6) and floors[0] != floors[1]
+    raised = sum(int((b < q).sum()) for b, q in zip(before, floors, strict=True))
+    assert m["opefo/floor_raised_frac/0"] == pytest.approx(raised / 1_000_000)
     # deterministic in (seed, step): a fresh instance on the same state agrees; another step draws another sample
     again, other = big_state([600_000, 400_000]), big_state([600_000, 400_000])
     assert SecondMomentFloor().maybe_apply(again, 300)["opefo/floor_value/0"] == q
     assert SecondMomentFloor().maybe_apply(other, 400)["opefo/floor_value/0"] != q
 
 
-def test_two_ranks_exact_mode_equals_one_process():
-    values = [0.0, 0.0, 5.0, *range(1, 28)]  # 30 entries, 2 tiny
-    single = adamw_with_v([values])
-    m1 = SecondMomentFloor().maybe_apply(single, 100)
+def v_of_param(opt: torch.optim.Optimizer, index: int, group: int = 0) -> torch.Tensor:
+    return opt.state[opt.param_groups[group]["params"][index]]["exp_avg_sq"].reshape(-1)
+
+
+def test_two_ranks_floor_their_own_partition_and_agree_on_the_counts():
+    # a ZeRO-like split of one group: rank 0's partition has 2 underflows in 17, rank 1's none
+    values = [0.0, 0.0, 5.0, *range(1, 28)]
+    parts = [values[:17], values[17:]]
+    alone = []
+    for part in parts:
+        opt = adamw_with_v([part])
+        SecondMomentFloor().maybe_apply(opt, 100)
+        alone.append(v_of(opt))
     ranks = FakeRanks(2)
-    parts = [values[:17], values[17:]]  # unequal partitions, like ZeRO-2 slices
 
     def rank_fn(rank: int):
         opt = adamw_with_v([parts[rank]])
-        floor = SecondMomentFloor(reduce_sum=ranks.reduce_sum(rank), all_gather=ranks.all_gather(rank))
-        return floor.maybe_apply(opt, 100), v_of(opt)
+        floor = SecondMomentFloor(reduce_sum=ranks.reduce_sum(rank))
+        return floor.maybe_apply(opt, 100), v_of(opt), floor.last_raised
 
-    (m_a, v_a), (m_b, v_b) = ranks.run(rank_fn)
-    assert m_a == m_b == m1
-    assert torch.equal(torch.cat([v_a, v_b]), v_of(single))
-
-
-def test_two_ranks_sampled_mode_decide_the_same():
-    ranks = FakeRanks(2)
-    sizes = [[120_000], [80_000]]
-
-    def rank_fn(rank: int):
-        opt = big_state(sizes[rank], seed=rank)
-        floor = SecondMomentFloor(FloorConfig(sample_size=4096), ranks.reduce_sum(rank), ranks.all_gather(rank))
-        return floor.maybe_apply(opt, 100)
-
-    m_a, m_b = ranks.run(rank_fn)
-    assert m_a == m_b and m_a["opefo/floor_triggered"] == 1.0
-    assert m_a["opefo/floor_value/0"] == pytest.approx(0.1, abs=0.03)  # uniform(0.001, 1.001): p10 ~ 0.101
+    (m_a, v_a, n_a), (m_b, v_b, n_b) = ranks.run(rank_fn)
+    assert torch.equal(v_a, alone[0]) and torch.equal(v_b, torch.tensor(parts[1]))  # each by its own statistic
+    assert m_a["opefo/tiny_frac/0"] == m_b["opefo/tiny_frac/0"] == 2 / 30  # counts over both partitions
+    assert m_a["opefo/floor_triggered"] == m_b["opefo/floor_triggered"] == 1.0
+    assert m_a["opefo/floor_raised_frac/0"] == m_b["opefo/floor_raised_frac/0"] == n_a / 30 and n_a == n_b > 0
 
 
 # ------------------------------------------------------------------------------------------ error feedback
@@ -536,7 +607,7 @@ def test_distributed_ops_on_a_one_process_gloo_group(tmp_path):
         with pytest.raises(ValueError, match="1-D"):
             all_gather(torch.zeros(2, 2))
         opt = big_state([50_000])
-        floor = SecondMomentFloor(FloorConfig(sample_size=1000), reduce_sum, all_gather)
+        floor = SecondMomentFloor(FloorConfig(sample_size=1000), reduce_sum)
         assert floor.maybe_apply(opt, 100)["opefo/floor_triggered"] == 1.0
     finally:
         dist.destroy_process_group()
@@ -553,8 +624,10 @@ def _two_process_worker(rank: int, tmp: str) -> None:
         empty_one = all_gather(torch.zeros(0) if rank == 0 else torch.tensor([5.0]))
         param = torch.nn.Parameter(torch.zeros(30_000 if rank == 0 else 20_000))
         opt = torch.optim.AdamW([param])  # state set by hand: no optimizer step in the worker (slow first call)
-        opt.state[param]["exp_avg_sq"] = torch.rand(param.numel()) * (torch.arange(param.numel()) % 20 > 0)
-        m = SecondMomentFloor(FloorConfig(sample_size=2000), reduce_sum, all_gather).maybe_apply(opt, 100)
+        v = torch.rand(param.numel()) * (torch.arange(param.numel()) % 20 > 0)
+        opt.state[param]["exp_avg_sq"] = v
+        opt.state[param]["exp_avg"] = torch.where(v > 0, v.sqrt(), torch.ones_like(v))  # 1 in 20 underflowed
+        m = SecondMomentFloor(FloorConfig(sample_size=2000), reduce_sum).maybe_apply(opt, 100)
         torch.save((summed.tolist(), gathered.tolist(), empty_one.tolist(), m), f"{tmp}/rank{rank}.pt")
         dist.barrier()  # a rank that tears gloo down while its peer still reads the last collective aborts it
     finally:
@@ -569,7 +642,8 @@ def test_distributed_ops_on_two_gloo_processes(tmp_path):
     (s0, g0, e0, m0), (s1, g1, e1, m1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert s0 == s1 == [3.0, 20.0]
     assert g0 == g1 == [0.0, 1.0, 2.0, 7.0] and e0 == e1 == [5.0]
-    assert m0 == m1 and m0["opefo/floor_triggered"] == 1.0
+    assert m0["opefo/floor_triggered"] == m1["opefo/floor_triggered"] == 1.0  # counts summed over both ranks
+    assert m0["opefo/tiny_frac/0"] == m1["opefo/tiny_frac/0"] == pytest.approx(0.05, abs=0.01)
 
 
 @settings(max_examples=40, deadline=None)
