@@ -7,13 +7,14 @@ common character ("111" earns 1.0). The learning rate is raised until plain TRL'
 ``python -m steadyrl train`` process, one at a time; every variant starts from trainer.beta=0.04:
 
     plain TRL                     every guard off (a fixed KL penalty, beta 0.04)
-    QUATRO                        guards.quatro.enabled=true, defaults: adaptive KL (target 0.02), entropy floor
-                                  (0.8 x mean of the first 10 steps, 20-step window, bonus up to 0.01, clip x 0.5),
-                                  filters (repetition: > 50 % repeated 3-grams; zero-variance groups; ...); no replay
+    QUATRO                        guards.quatro.enabled=true, defaults: adaptive KL (target auto), entropy floor
+                                  (0.8 x mean of the first 10 steps, 5-step window, PI-controlled bonus up to 0.5,
+                                  clip x 0.5), filters (repetition: > 50 % repeated 3-grams; zero-variance groups;
+                                  ...); no replay
     + short-answer repetition     the repetition filter on unigrams, > 30 % repeats (answers here are 1-3 characters)
     ablations                     one QUATRO part alone (KL controller / entropy floor / filters), the floor with a
-                                  50x larger bonus (coef_max 0.5), and plain TRL at a fixed beta 1.0 (overriding 0.04:
-                                  the value QUATRO's KL controller reaches)
+                                  10x smaller bonus cap (coef_max 0.05), and plain TRL at a fixed beta 1.0 (overriding
+                                  0.04: the value the old fixed-target KL controller reached)
 
 Entropy is measured by ``EntropyProbe`` (a callback the runs load from this file): TRL's logged ``entropy`` covers
 the rows QUATRO's filters keep only, so it cannot compare the variants. Per run: the floor band is 0.8 x the mean
@@ -37,6 +38,7 @@ Demo (``--demo``). ``configs/tiny/grpo.yaml`` as it is (exact-match reward, lr 1
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -67,8 +69,8 @@ KL_OFF, FLOOR_OFF, FILTERS_OFF = (f"guards.quatro.{part}.enabled=false" for part
 # The answers are 1-3 digits + EOS, too short for the default repetition filter (> 50 % repeated 3-grams: "111"
 # + EOS has two distinct 3-grams); on unigrams with > 30 % repeats it drops "11", "111", "000", keeps "100", "054".
 SHORT_REPETITION = ("guards.quatro.filters.repetition.n=1", "guards.quatro.filters.repetition.max_repeat_share=0.3")
-# The default bonus ramps to entropy_coef 0.01; this one to 0.5 in 10 steps (a 50x stronger floor, same trigger).
-BIG_BONUS = ("guards.quatro.entropy.coef_max=0.5", "guards.quatro.entropy.coef_delta=0.05")
+# The default PI-controlled bonus may reach entropy_coef 0.5; this cap is 10x lower (does the cap bind?).
+SMALL_CAP = ("guards.quatro.entropy.coef_max=0.05",)
 VARIANTS = {  # name -> (folder slug, colour, overrides)
     "plain TRL": ("plain", "C3", ()),
     "QUATRO": ("quatro", "C0", (QUATRO,)),
@@ -76,7 +78,7 @@ VARIANTS = {  # name -> (folder slug, colour, overrides)
     "QUATRO KL controller only": ("kl-only", "C1", (QUATRO, FLOOR_OFF, FILTERS_OFF)),
     "plain TRL, fixed β 1.0": ("plain-beta1", "C7", ("trainer.beta=1.0",)),  # where QUATRO's controller ends up
     "QUATRO entropy floor only": ("floor-only", "C4", (QUATRO, KL_OFF, FILTERS_OFF)),
-    "QUATRO entropy floor only, bonus up to 0.5": ("floor-only-0.5", "C6", (QUATRO, KL_OFF, FILTERS_OFF, *BIG_BONUS)),
+    "QUATRO entropy floor only, bonus cap 0.05": ("floor-cap0.05", "C6", (QUATRO, KL_OFF, FILTERS_OFF, *SMALL_CAP)),
     "QUATRO filters only": ("filters-only", "C5", (QUATRO, KL_OFF, FLOOR_OFF)),
 }
 MAIN_VARIANTS = ("plain TRL", "QUATRO", "QUATRO + short-answer repetition filter")
@@ -463,6 +465,8 @@ def main_collapse(args: argparse.Namespace) -> str:
     if args.png:
         plot_collapse(results, Path(args.png), args.lr)
     command = "python scripts/bench_entropy_floor.py " + shlex.join(sys.argv[1:])
+    if args.results:
+        write_results(Path(args.results), command, results, names, list(seeds), steps)
     return (
         f"```\nOMP_NUM_THREADS=1 {command}   # {len(results)} runs, one at a time, "
         f"{time.time() - start:.0f} s\n```\n\n"
@@ -471,6 +475,37 @@ def main_collapse(args: argparse.Namespace) -> str:
         + collapse_tables(results, steps)
         + "\n"
     )
+
+
+RESULT_METRICS = ("band", "collapse_step", "stays_below", "below_share", "entropy_end", "reward_end",
+                  "floor_active_steps", "bonus_max", "repetition_drops", "kl_end", "wall_s")  # fmt: skip
+
+
+def write_results(path: Path, command: str, results: dict, names: list[str], seeds: list[int], steps: int) -> None:
+    """The collapse runs in the shared RESULTS.md format: scenario ``forced_collapse``, one cell per variant;
+    ``accuracy`` is the greedy exact match at the end (logged only: the trained reward is the repetition one)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    cells = []
+    for name in names:
+        runs = [results[(name, seed)] for seed in seeds]
+        cells.append({
+            "scenario": "forced_collapse", "variant": name, "seeds": seeds,
+            "died": [r["status"] != "ok" for r in runs],
+            "accuracy": [r.get("accuracy") if r["status"] == "ok" else None for r in runs],
+            "metrics": {key: [r.get(key) for r in runs] for key in RESULT_METRICS},
+        })  # fmt: skip
+    doc = {
+        "benchmark": "entropy_floor",
+        "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} {command}",
+        "commit": commit,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()}-core CPU, no GPU",
+        "model": "tiny-llama-0.9m (SFT checkpoint)",
+        "steps": steps,
+        "cells": cells,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def summarise_demo(run_dir: Path, returncode: int, wall_s: float) -> dict[str, Any]:
@@ -574,6 +609,7 @@ def main() -> None:
     ap.add_argument("--demo", action="store_true", help="the tiny demo without/with QUATRO instead of the collapse")
     ap.add_argument("--out-md", default=None, help="write the markdown (command + table) here; always printed")
     ap.add_argument("--png", default=None, help="entropy plot of the collapse runs (e.g. docs/img/entropy_floor.png)")
+    ap.add_argument("--results", default=None, help="collapse mode: RESULTS.md-format JSON (docs/results/...)")
     args = ap.parse_args()
     if args.variants and set(n.strip() for n in args.variants.split(",")) - set(VARIANTS):
         ap.error(f"unknown variant in {args.variants!r}; valid: {', '.join(VARIANTS)}")

@@ -174,6 +174,81 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (f"{IT}/test_opefo.py::test_inf_in_exp_avg_sq_rolls_back_and_recovers",),
     ),
+    Mutant(
+        "kl_auto_target_not_calibrated",
+        "the auto KL target ignores the run's own KL and falls to target_min",
+        (
+            (
+                "steadyrl/guards/kl_controller.py",
+                "self.target = max(c.target_ratio * sum(tail) / len(tail), c.target_min)",
+                "self.target = c.target_min",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_kl_auto_target_is_calibrated_from_the_runs_own_kl_at_the_users_beta",),
+    ),
+    Mutant(
+        "spike_zero_steps_in_ema",
+        "no-signal (zero-norm) steps enter the spike guard's EMA, which then locks out healthy steps",
+        (("steadyrl/guards/spike.py", "if norm <= c.zero_norm:", "if False:"),),
+        ("tests/unit/test_spike.py::test_zero_gradient_stretch_does_not_lock_out_healthy_steps",),
+    ),
+    Mutant(
+        "spike_never_rebases",
+        "a level shift in the gradient norm is skipped step after step instead of re-anchoring the baseline",
+        (
+            (
+                "steadyrl/guards/spike.py",
+                "if not (c.rebase_after and len(self._spike_norms) >= c.rebase_after):",
+                "if True:",
+            ),
+        ),
+        ("tests/unit/test_spike.py::test_a_level_shift_rebases_after_rebase_after_spikes_in_a_row",),
+    ),
+    Mutant(
+        "dropped_rows_leave_the_normaliser",
+        "filtered rows leave the loss normaliser under the default zero_advantage (the kept rows' LR shifts)",
+        (
+            (
+                "steadyrl/trainers/quatro_runtime.py",
+                'if self.filter.config.dropped_rows != "exclude":\n            return\n',
+                "",
+            ),
+        ),
+        (f"{IT}/test_quatro.py::test_repetition_filter_drops_and_counts_exactly",),
+    ),
+    Mutant(
+        "floor_counts_tiny_entries",
+        "the exp_avg_sq floor counts v <= tiny as underflow (the seed's rule): never-touched and tiny-but-healthy too",
+        (
+            (
+                "steadyrl/guards/moment_floor.py",
+                "_inconsistent(pv, pm, bound, eps).count_nonzero()",
+                "(pv <= cfg.tiny).sum()",
+            ),
+        ),
+        (
+            "tests/unit/test_opefo.py::test_never_touched_entries_are_not_underflow_and_stay_zero",
+            "tests/unit/test_opefo.py::test_tiny_but_consistent_entries_do_not_count_as_underflow",
+        ),
+    ),
+    Mutant(
+        "floor_at_the_groups_scale",
+        "the exp_avg_sq floor uses one value per param group (its lowest tensor's p10), not each tensor's own",
+        (
+            (
+                "steadyrl/guards/moment_floor.py",
+                "value = self._percentile(v, generator, home)\n",
+                "value = min(self._percentile(t, generator, home) or 1.0 for t, _ in _moments(optimizer, group))\n",
+            ),
+        ),
+        ("tests/unit/test_opefo.py::test_a_half_zeroed_tensor_is_floored_at_its_own_scale_not_the_groups",),
+    ),
+    Mutant(
+        "preemption_writes_no_checkpoint",
+        "a SIGTERM stops the run without writing a checkpoint",
+        (("steadyrl/callbacks/preemption.py", "control.should_save = True\n", "pass\n"),),
+        (f"{IT}/test_preemption.py::test_sigterm_checkpoints_exits_75_and_resumes_exactly",),
+    ),
 )
 
 

@@ -2,9 +2,19 @@
 with TRL's own entropy bonus and a narrower clip range (docs/DESIGN.md, "QUATRO: entropy floor").
 
 Baseline = mean token entropy of the first ``baseline_steps`` (10) optimizer steps, floor = ``floor_ratio`` (0.8) x
-baseline, compared with the mean of a rolling ``window`` (20 steps). While active the bonus ramps up by
-``coef_delta`` per step to ``coef_max`` and ``clip_scale()`` is ``clip_factor`` (0.5); it releases above floor x
-``hysteresis``. ``EntropyFloor.bonus`` is a coefficient in TRL's ``entropy_coef`` units (see steadyrl.guards.quatro).
+baseline, compared with the mean of a rolling ``window`` (5 steps). The floor turns on when the window mean falls
+below it, and off above floor x ``hysteresis``; while it is on ``clip_scale()`` is ``clip_factor`` (0.5).
+
+The bonus is a proportional-integral controller on the relative gap ``gap = (floor - mean) / floor``: every step
+once the floor has turned on, ``integral += ki x gap`` and ``bonus = integral + kp x gap`` (``ki`` 0.05, ``kp``
+0.2), both kept in ``[0, coef_max]`` (0.5). Below the floor the integral grows until the bonus is large enough to
+hold entropy there, whatever the strength of the pressure that collapses it; above the floor it shrinks, so the
+bonus cannot push entropy far past the floor (a fixed ramp to a fixed cap either stays too small to hold, as the
+seed's 0.01 did, or overshoots). The proportional term damps it: entropy integrates the bonus's effect step after
+step, and an integral alone on such a plant oscillates. ``EntropyFloor.bonus`` is a coefficient in TRL's
+``entropy_coef`` units (loss - coef x mean token entropy; GRPO's advantages are of order 1, so coefficients of
+0.05-0.5 are what counter a collapse, measured in docs/entropy_floor.md). A bonus at ``coef_max`` while entropy
+stays below the floor is counted (``at_cap``) and reported by ``steadyrl doctor``.
 """
 
 from __future__ import annotations
@@ -27,9 +37,10 @@ class EntropyConfig:
     enabled: bool = True
     baseline_steps: int = 10  # optimizer steps whose mean entropy is the baseline
     floor_ratio: float = 0.8  # floor = floor_ratio x baseline
-    window: int = 20  # rolling window (steps) compared with the floor
-    coef_delta: float = 0.001  # bonus ramp per step, in TRL's entropy_coef units
-    coef_max: float = 0.01
+    window: int = 5  # rolling window (steps) compared with the floor
+    ki: float = 0.05  # integral gain: bonus change per step at a relative gap of 1, in TRL's entropy_coef units
+    kp: float = 0.2  # proportional gain: bonus per unit relative gap, on top of the integral
+    coef_max: float = 0.5
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
 
@@ -41,8 +52,10 @@ class EntropyConfig:
             problems.append(f"floor_ratio must be in (0, 1], got {self.floor_ratio}")
         if self.window < 1:
             problems.append(f"window must be >= 1, got {self.window}")
-        if not (math.isfinite(self.coef_delta) and self.coef_delta > 0):
-            problems.append(f"coef_delta must be finite and > 0, got {self.coef_delta}")
+        if not (math.isfinite(self.ki) and self.ki > 0):
+            problems.append(f"ki must be finite and > 0, got {self.ki}")
+        if not (math.isfinite(self.kp) and self.kp >= 0):
+            problems.append(f"kp must be finite and >= 0, got {self.kp}")
         if not (math.isfinite(self.coef_max) and self.coef_max >= 0):
             problems.append(f"coef_max must be finite and >= 0, got {self.coef_max}")
         if not 0 < self.clip_factor <= 1:
@@ -56,23 +69,23 @@ class EntropyConfig:
 class EntropyFloor:
     """Entropy floor controller: ``observe(entropy_mean)`` once per optimizer step (after the step's loss).
 
-    ``bonus`` and ``clip_scale()`` then apply to the next step. The bonus is ``level x coef_delta`` (capped at
-    ``coef_max``) with an integer ``level``, so its values are exact multiples of ``coef_delta``.
+    ``bonus`` and ``clip_scale()`` then apply to the next step.
     """
 
     def __init__(self, config: EntropyConfig | None = None) -> None:
         self.config = config or EntropyConfig()
         c = self.config
-        self._max_level = math.ceil(c.coef_max / c.coef_delta - 1e-9)
         self._window: deque[float] = deque(maxlen=c.window)
         self._baseline_values: list[float] = []
         self.baseline: float | None = None
         self.floor: float | None = None
         self.active = False
-        self.level = 0
+        self.coef = 0.0
+        self.integral = 0.0
         self.steps = 0  # finite observations
         self.nan_count = 0
         self.activations = 0
+        self.at_cap = 0  # steps with the bonus at coef_max while below the floor
         self.warnings = 0
         self.warning: str | None = None  # the warning of the last observe() call, else None
         self._check_ref = math.nan  # window mean at the start of the current falling check
@@ -80,8 +93,8 @@ class EntropyFloor:
 
     @property
     def bonus(self) -> float:
-        """Entropy bonus coefficient for TRL's ``entropy_coef`` (0 when inactive and fully ramped down)."""
-        return min(self.level * self.config.coef_delta, self.config.coef_max)
+        """Entropy bonus coefficient for TRL's ``entropy_coef`` (0 until the floor first turns on)."""
+        return self.coef
 
     def window_mean(self) -> float:
         return sum(self._window) / len(self._window) if self._window else math.nan
@@ -116,8 +129,13 @@ class EntropyFloor:
             self._check_ref, self._check_steps = mean, 0
         elif self.active and (mean > self.floor * c.hysteresis or not c.enabled):
             self.active = False
+        if self.active or self.integral > 0:  # runs from the first activation until the integral is back at 0
+            gap = (self.floor - mean) / self.floor if self.floor > 0 else 0.0
+            self.integral = min(max(self.integral + c.ki * gap, 0.0), c.coef_max) if c.enabled else 0.0
+            self.coef = min(max(self.integral + c.kp * gap, 0.0), c.coef_max) if c.enabled else 0.0
+            if self.coef >= c.coef_max and mean < self.floor:
+                self.at_cap += 1
         if self.active:
-            self.level = min(self.level + 1, self._max_level)
             if not activated:  # the falling check: every `window` steps after activation
                 self._check_steps += 1
                 if self._check_steps >= c.window:
@@ -126,13 +144,11 @@ class EntropyFloor:
                         self.warning = (
                             f"entropy floor active and the window entropy still fell over {c.window} steps "
                             f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, bonus {self.bonus:.4g}): "
-                            "the bonus is not holding it; set a smaller guards.quatro.kl.target (e.g. halve it) to "
-                            "pull the policy back to the reference, or raise guards.quatro.entropy.coef_max "
+                            "the bonus is not holding it yet; raise guards.quatro.entropy.ki (faster) or coef_max "
+                            "(if the bonus sits at it), or raise trainer.beta to pull the policy back to the reference "
                             '(docs/DESIGN.md, "QUATRO: entropy floor")'
                         )
                     self._check_ref, self._check_steps = mean, 0
-        else:
-            self.level = max(self.level - 1, 0)
         return self.warning
 
     def metrics(self) -> dict[str, float]:
@@ -146,13 +162,15 @@ class EntropyFloor:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 1,
+            "version": 2,
             "window": list(self._window),
             "baseline_values": list(self._baseline_values),
             "baseline": self.baseline,
             "floor": self.floor,
             "active": self.active,
-            "level": self.level,
+            "coef": self.coef,
+            "integral": self.integral,
+            "at_cap": self.at_cap,
             "steps": self.steps,
             "nan_count": self.nan_count,
             "activations": self.activations,
@@ -167,7 +185,11 @@ class EntropyFloor:
         self.baseline = None if state["baseline"] is None else float(state["baseline"])
         self.floor = None if state["floor"] is None else float(state["floor"])
         self.active = bool(state["active"])
-        self.level = min(int(state["level"]), self._max_level)
+        if "coef" in state:
+            self.coef, self.integral, self.at_cap = float(state["coef"]), float(state["integral"]), int(state["at_cap"])
+        else:  # version 1: an integer ramp level of 0.001 per step (the old default ramp)
+            self.coef = self.integral = min(int(state["level"]) * 0.001, self.config.coef_max)
+            self.at_cap = 0
         self.steps = int(state["steps"])
         self.nan_count = int(state["nan_count"])
         self.activations = int(state["activations"])

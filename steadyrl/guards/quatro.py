@@ -11,12 +11,12 @@ defaults:
    bounds the controller's own beta only, so the effective value can leave [beta_min, beta_max] by GRADE's factor
    (<= 2).
 2. ``EntropyFloor``: baseline = mean token entropy of the first ``baseline_steps`` (10) optimizer steps,
-   floor = ``floor_ratio`` (0.8) x baseline, compared with the mean of a rolling ``window`` (20 steps). Below the
-   floor the floor turns active; it releases when the window mean is above floor x ``hysteresis``. While active the
-   entropy bonus coefficient ramps up by ``coef_delta`` per step to ``coef_max`` and ``clip_scale()`` is
-   ``clip_factor`` (0.5; the trainer multiplies PPO's epsilon by it); inactive, the bonus ramps down to 0 and the
-   clip scale is 1. If the window mean still fell over ``window`` active steps, ``observe`` returns a warning that
-   suggests a smaller KL target.
+   floor = ``floor_ratio`` (0.8) x baseline, compared with the mean of a rolling ``window`` (5 steps). Below the
+   floor the floor turns active; it releases when the window mean is above floor x ``hysteresis``. While active
+   ``clip_scale()`` is ``clip_factor`` (0.5; the trainer multiplies PPO's epsilon by it), else 1. The entropy bonus
+   coefficient is an integral controller: from the first activation, ``bonus += gain x (floor - mean) / floor``
+   each step, kept in ``[0, coef_max]``. If the window mean still fell over ``window`` active steps, ``observe``
+   returns a warning.
 3. ``RolloutFilter``: drops rollouts before advantages (reward z-score, length, parrot, repetition, near-duplicate,
    zero-variance group), see ``FILTER_REASONS``; ``masked_group_advantages`` computes advantages without them.
 4. ``ReplayBuffer``: keeps the rows with a learning signal of the last ``capacity`` (8) scored micro-batches, and

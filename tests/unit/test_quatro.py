@@ -176,27 +176,27 @@ def test_kl_beta_stays_in_bounds(values):
 
 
 def test_entropy_floor_by_hand():
-    cfg = EntropyConfig(baseline_steps=2, floor_ratio=0.8, window=2, coef_delta=0.001, coef_max=0.0025, hysteresis=1.1)
+    cfg = EntropyConfig(baseline_steps=2, floor_ratio=0.8, window=2, ki=0.1, kp=0.0, coef_max=0.03, hysteresis=1.1)
     f = EntropyFloor(cfg)
     assert isinstance(f, Stateful)
     f.observe(1.0)
     assert math.isnan(f.metrics()["quatro/entropy_floor"]) and f.baseline is None
     f.observe(1.0)
     assert (f.baseline, f.floor) == (1.0, 0.8)
-    expected = [  # (entropy, window mean, active, bonus)
-        (0.6, 0.8, False, 0.0),  # mean == floor: not below it
-        (0.6, 0.6, True, 0.001),  # below the floor: on, the bonus ramps up
-        (0.7, 0.65, True, 0.002),
-        (0.9, 0.8, True, 0.0025),  # above the floor but not above floor x 1.1: still on; bonus capped
-        (0.95, 0.925, False, 0.002),  # above 0.88: off, the bonus ramps down
-        (1.0, 0.975, False, 0.001),
-        (1.0, 1.0, False, 0.0),
-        (1.0, 1.0, False, 0.0),
+    expected = [  # (entropy, window mean, active, bonus, at_cap)
+        (0.6, 0.8, False, 0.0, 0),  # mean == floor: not below it; the integral has not started
+        (0.6, 0.6, True, 0.025, 0),  # below: on; gap (0.8 - 0.6) / 0.8 = 0.25 -> 0.1 x 0.25
+        (0.7, 0.65, True, 0.03, 1),  # + 0.1 x 0.1875 = 0.04375 -> capped at 0.03, still below: counted
+        (0.9, 0.8, True, 0.03, 1),  # at the floor: gap 0, the bonus holds; not above floor x 1.1: still on
+        (0.95, 0.925, False, 0.014375, 1),  # above 0.88: off; gap -0.15625 -> the bonus gives back 0.015625
+        (1.0, 0.975, False, 0.0, 1),  # gap -0.21875: back to 0 (not below)
+        (1.0, 1.0, False, 0.0, 1),  # off and at 0: the integral rests
     ]
-    for value, mean, active, bonus in expected:
+    for value, mean, active, bonus, at_cap in expected:
         assert f.observe(value) is None
         assert f.window_mean() == pytest.approx(mean, abs=1e-12)
-        assert (f.active, f.bonus, f.clip_scale()) == (active, bonus, 0.5 if active else 1.0)
+        assert (f.active, f.clip_scale(), f.at_cap) == (active, 0.5 if active else 1.0, at_cap)
+        assert f.bonus == pytest.approx(bonus, abs=1e-12)
     assert f.metrics() == {
         "quatro/entropy": 1.0,
         "quatro/entropy_floor": 0.8,
@@ -206,6 +206,26 @@ def test_entropy_floor_by_hand():
     assert f.activations == 1
 
 
+def test_entropy_bonus_grows_until_it_holds_then_gives_back():
+    """A toy collapse: each step entropy falls by 0.05 and the bonus raises it by 2 x bonus. The default PI
+    controller settles where the bonus cancels the pressure (0.025) with entropy at the floor, without the
+    oscillation of an integral alone; once the pressure stops, the bonus goes back to 0."""
+    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1))  # ki 0.05, kp 0.2
+    entropy = 1.0
+    f.observe(entropy)  # floor 0.8
+    trace = []
+    for _ in range(300):
+        entropy = entropy - 0.05 + 2 * f.bonus
+        f.observe(entropy)
+        trace.append(entropy)
+    assert min(trace) > 0.7 and max(abs(h - 0.8) for h in trace[100:]) < 0.01
+    assert f.bonus == pytest.approx(0.025, abs=1e-3)
+    for _ in range(200):  # the pressure ends: entropy rises with the bonus, the bonus shrinks back to 0
+        entropy = entropy + 2 * f.bonus
+        f.observe(entropy)
+    assert f.bonus == 0.0 and not f.active and entropy < 1.2
+
+
 def test_entropy_still_falling_while_active_warns_to_lower_the_kl_target():
     f = EntropyFloor(EntropyConfig(baseline_steps=1, window=2))
     f.observe(1.0)  # baseline 1, floor 0.8
@@ -213,7 +233,7 @@ def test_entropy_still_falling_while_active_warns_to_lower_the_kl_target():
     assert f.observe(0.4) is None  # 1 step after activation
     warning = f.observe(0.3)  # 2 steps: window mean 0.35 < 0.75
     assert warning is not None and f.warning == warning and f.warnings == 1
-    assert "guards.quatro.kl.target" in warning and "0.75 -> 0.35" in warning
+    assert "guards.quatro.entropy.ki" in warning and "0.75 -> 0.35" in warning
     assert f.observe(0.6) is None and f.warning is None  # the next check compares with 0.35
     assert f.observe(0.6) is None and f.active  # 0.6 > 0.35: recovering, no warning; 0.6 < 0.84: still on
 
@@ -245,12 +265,12 @@ def test_entropy_state_round_trip():
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(finite_or_nan, max_size=80))
-def test_entropy_bonus_bounded_and_a_multiple_of_delta(values):
-    cfg = EntropyConfig(baseline_steps=3, window=5, coef_delta=0.002, coef_max=0.01)
+def test_entropy_bonus_stays_within_its_bounds(values):
+    cfg = EntropyConfig(baseline_steps=3, window=5, ki=0.2, kp=0.5, coef_max=0.01)
     f = EntropyFloor(cfg)
     for value in values:
         f.observe(value)
-        assert 0.0 <= f.bonus <= 0.01 and f.bonus == f.level * 0.002
+        assert 0.0 <= f.bonus <= 0.01 and math.isfinite(f.bonus)
         assert f.clip_scale() == (0.5 if f.active else 1.0)
 
 
