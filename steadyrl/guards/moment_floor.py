@@ -75,8 +75,12 @@ def consistency_bound(beta1: float, beta2: float) -> float:
 
 
 def _inconsistent(v: torch.Tensor, m: torch.Tensor, bound: float, eps: float) -> torch.Tensor:
-    """Entries whose Adam step |m| / (sqrt(v) + eps) exceeds ``bound``: v too small for m (NaN/inf v: False)."""
-    return m.abs() > bound * (v.clamp(min=0).sqrt() + eps)
+    """Entries whose Adam step |m| / (sqrt(v) + eps) exceeds ``bound``: v too small for m (NaN/inf v: False).
+
+    ``|m| > bound (sqrt(v) + eps)`` is ``v < t^2`` with ``t = |m| / bound - eps > 0``; one temporary, in place."""
+    t = m.abs()
+    t.div_(bound).sub_(eps).clamp_(min=0).square_()
+    return v < t
 
 
 class SecondMomentFloor:
