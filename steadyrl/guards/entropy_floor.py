@@ -12,7 +12,8 @@ entropy there, whatever the strength of the pressure that collapses it; above th
 on a forced collapse (docs/entropy_floor.md): 20x more entropy than plain TRL at the end, but the bonus reaches its
 cap and the loop oscillates, so entropy is not held at the floor yet. The fixed ramp it replaces (to a cap of
 0.01) ended exactly like plain TRL. The proportional term damps the loop: entropy integrates the bonus's effect
-step after step, and an integral alone on such a plant oscillates (it still does, more slowly). ``EntropyFloor.bonus`` is a coefficient in TRL's
+step after step, and an integral alone on such a plant oscillates (it still does, more slowly).
+``EntropyFloor.bonus`` is a coefficient in TRL's
 ``entropy_coef`` units (loss - coef x mean token entropy; GRPO's advantages are of order 1, so coefficients of
 0.05-0.5 are what counter a collapse, measured in docs/entropy_floor.md). A bonus at ``coef_max`` while entropy
 stays below the floor is counted (``at_cap``) and reported by ``steadyrl doctor``.
