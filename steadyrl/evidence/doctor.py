@@ -394,7 +394,7 @@ CHANGE_FLOOR = (
     "QUATRO: entropy floor)"
 )
 CHANGE_FLOOR_ON = (
-    "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.5) or gain, or "
+    "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01) or gain, or "
     "lower floor_ratio if the falling entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
 )
 CHANGE_KL = (

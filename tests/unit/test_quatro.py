@@ -210,7 +210,7 @@ def test_entropy_bonus_grows_until_it_holds_then_gives_back():
     """A toy collapse: each step entropy falls by 0.05 and the bonus raises it by 2 x bonus. The default PI
     controller settles where the bonus cancels the pressure (0.025) with entropy at the floor, without the
     oscillation of an integral alone; once the pressure stops, the bonus goes back to 0."""
-    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1))  # ki 0.05, kp 0.2
+    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1, coef_max=0.5))  # ki 0.05, kp 0.2
     entropy = 1.0
     f.observe(entropy)  # floor 0.8
     trace = []
@@ -272,6 +272,11 @@ def test_entropy_bonus_stays_within_its_bounds(values):
         f.observe(value)
         assert 0.0 <= f.bonus <= 0.01 and math.isfinite(f.bonus)
         assert f.clip_scale() == (0.5 if f.active else 1.0)
+
+
+def test_entropy_defaults():
+    c = EntropyConfig()
+    assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp, c.coef_max) == (10, 0.8, 5, 0.05, 0.2, 0.01)
 
 
 def test_entropy_config_validation():
