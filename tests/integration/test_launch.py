@@ -168,13 +168,16 @@ def test_nan_on_one_rank_makes_every_rank_skip(tiny_model_dir, tmp_path, acceler
     assert lrs[0] == lrs[1] and lrs[0][1] == lrs[0][2] and lrs[0][2] > lrs[0][3]
 
 
-def test_zero2_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_path):
-    """A finite gradient spike (x1e6 on rank 1 in step 3, i.e. while global_step == 2) under ZeRO-2: DeepSpeed
-    alone would apply it (it only skips non-finite norms); the spike guard inside the engine's step vetoes it on
-    both ranks, leaving every rank's weights and its partition of the Adam moments bit-identical."""
-    pytest.importorskip("deepspeed")
+@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
+def test_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_path, accelerate_config):
+    """A finite gradient spike (x1e6 on rank 1 in step 3, i.e. while global_step == 2). DDP: the all-reduced
+    gradient carries it to both ranks and the step guard, deciding on the global pre-clip norm, vetoes the step on
+    both. ZeRO-2: DeepSpeed alone would apply it (it only skips non-finite norms); the spike guard inside the
+    engine's step vetoes it on both ranks. Either way every rank's weights and Adam moments stay bit-identical."""
+    if accelerate_config == "zero2.yaml":
+        pytest.importorskip("deepspeed")
     dumps, proc = launch(
-        "zero2.yaml",
+        accelerate_config,
         tiny_model_dir,
         tmp_path / "spike",
         "trainer.max_steps=4",
