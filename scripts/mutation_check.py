@@ -210,8 +210,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/quatro_runtime.py",
-                'if self.filter.config.dropped_rows != "exclude":\n            return\n',
-                "",
+                'if self.filter.config.dropped_rows != "exclude":',
+                "if False:",
             ),
         ),
         (f"{IT}/test_quatro.py::test_repetition_filter_drops_and_counts_exactly",),
