@@ -13,8 +13,14 @@ among the entries above ``tiny`` (should be 10 % +- 0.12 points, 1 sigma).
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,6 +39,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--zero-frac", type=float, default=0.02, help="fraction of exp_avg_sq entries set to 0")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--results", default=None, help="write the timings here (shared RESULTS.md format)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -79,6 +86,21 @@ def main() -> None:
         f" (metric floor_raised_frac {metrics['opefo/floor_raised_frac/0']:.4f}); floor sits at the "
         f"{100 * rank:.2f}th percentile of the entries above tiny (target 10, 1 sigma 0.12)"
     )
+    if args.results:
+        repo = Path(__file__).resolve().parents[1]
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+        cells = [
+            {"scenario": name, "variant": "opefo_floor", "seeds": [0], "died": [False], "accuracy": [None],
+             "metrics": {"scan_ms_median": [statistics.median(v)], "scan_ms_min": [min(v)], "scan_ms_max": [max(v)]},
+             "note": f"{n_params / 1e6:.2f}M fp32 AdamW entries, one CPU thread; an absolute time on this machine"}
+            for name, v in (("triggered", triggered), ("not_triggered", quiet))
+        ]  # fmt: skip
+        doc = {"benchmark": "opefo_floor_scan", "command": "python scripts/bench_opefo_floor.py " + " ".join(sys.argv[1:]),
+               "commit": commit, "date": datetime.date.today().isoformat(),
+               "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+               "model": "4 x Linear(5000, 5000)", "steps": 1, "cells": cells}  # fmt: skip
+        Path(args.results).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.results}")
 
 
 if __name__ == "__main__":
