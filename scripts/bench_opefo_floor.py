@@ -95,7 +95,8 @@ def main() -> None:
              "note": f"{n_params / 1e6:.2f}M fp32 AdamW entries, one CPU thread; an absolute time on this machine"}
             for name, v in (("triggered", triggered), ("not_triggered", quiet))
         ]  # fmt: skip
-        doc = {"benchmark": "opefo_floor_scan", "command": "python scripts/bench_opefo_floor.py " + " ".join(sys.argv[1:]),
+        command = "python scripts/bench_opefo_floor.py " + " ".join(sys.argv[1:])
+        doc = {"benchmark": "opefo_floor_scan", "command": command,
                "commit": commit, "date": datetime.date.today().isoformat(),
                "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
                "model": "4 x Linear(5000, 5000)", "steps": 1, "cells": cells}  # fmt: skip
