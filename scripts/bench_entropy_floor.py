@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from steadyrl.callbacks.periodic_eval import preserved_rng  # noqa: E402
+from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import repetition_reward  # noqa: E402
 from steadyrl.tasks.arithmetic import arithmetic_splits  # noqa: E402
@@ -202,13 +203,11 @@ def run(cmd: list[str], out: Path, timeout_s: float) -> tuple[int, float]:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     start = time.time()
-    try:
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s)
-        returncode, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode, log = -1, f"timeout after {timeout_s} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    code, log = run_with_progress(cmd, out.name, log=out / "log.txt", env=_env(), timeout=timeout_s)
+    returncode = -1 if code is None else code
     wall = time.time() - start
-    (out / "log.txt").write_text(log if isinstance(log, str) else str(log))
+    if code is None:
+        (out / "log.txt").write_text(f"timeout after {timeout_s} s\n{log}")
     (out / "command.txt").write_text(_shown(cmd) + "\n")
     (out / "run.json").write_text(json.dumps({"returncode": returncode, "wall_s": wall}))
     return returncode, wall

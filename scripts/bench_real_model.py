@@ -41,6 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -107,8 +108,7 @@ def train(
     for stale in ("metrics.jsonl", "faults.jsonl"):  # both append
         (out / stale).unlink(missing_ok=True)
     start = time.perf_counter()
-    with open(out / "bench.log", "w") as log:
-        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    code, _ = run_with_progress(cmd, out.name, log=out / "bench.log", env=env, cwd=REPO)
     wall = time.perf_counter() - start
     row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": wall, "died": code != 0}
     eval_file = out / "eval_results.json"

@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from steadyrl import metrics as M  # noqa: E402
+from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -289,12 +290,10 @@ def run_one(cmd: list[str], extra_env: dict[str, str], out: Path, timeout_s: flo
         shutil.rmtree(out)  # metrics.jsonl and faults.jsonl append: a rerun must not read the last run's rows
     out.mkdir(parents=True)
     start = time.time()
-    try:
-        proc = subprocess.run(cmd, env=_env(extra_env), capture_output=True, text=True, timeout=timeout_s)
-        returncode, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode, log = -1, f"timeout after {timeout_s} s\n{exc.stdout or ''}{exc.stderr or ''}"
-    (out / "log.txt").write_text(log if isinstance(log, str) else str(log))
+    code, log = run_with_progress(cmd, out.name, log=out / "log.txt", env=_env(extra_env), timeout=timeout_s)
+    returncode = -1 if code is None else code
+    if code is None:
+        (out / "log.txt").write_text(f"timeout after {timeout_s} s\n{log}")
     (out / "command.txt").write_text(shlex.join(f"{k}={v}" for k, v in extra_env.items()) + " " + shlex.join(cmd))
     wall_s = time.time() - start
     (out / "run.json").write_text(json.dumps({"returncode": returncode, "wall_s": wall_s}))

@@ -249,6 +249,30 @@ MUTANTS: tuple[Mutant, ...] = (
         (("steadyrl/callbacks/preemption.py", "control.should_save = True\n", "pass\n"),),
         (f"{IT}/test_preemption.py::test_sigterm_checkpoints_exits_75_and_resumes_exactly",),
     ),
+    Mutant(
+        "micro_batch_drop_keeps_the_gradient",
+        "granularity micro_batch: a dropped micro-batch's gradient stays in the accumulated one",
+        (("steadyrl/trainers/micro_batch_gate.py", "            p.grad = before  # back to", "            pass  # "),),
+        (
+            "tests/unit/test_micro_batch_gate.py::test_the_micro_batch_decision_drops_it_and_trains_on_the_mean_of_the_rest",
+            f"{IT}/test_micro_batch_spike.py::test_one_spiking_micro_batch_is_diluted_per_step_and_dropped_per_micro_batch",
+        ),
+    ),
+    Mutant(
+        "micro_batch_not_all_reduced",
+        "granularity micro_batch under DDP: the kept micro-batches are not averaged over ranks",
+        (
+            (
+                "steadyrl/trainers/micro_batch_gate.py",
+                "            buffer = self.ctx.reduce_sum(torch.cat([flat * float(seen), counts]))",
+                "            buffer = torch.cat([flat * float(seen), counts])",
+            ),
+        ),
+        (
+            "tests/unit/test_micro_batch_gate.py::test_two_ranks_average_every_kept_micro_batch",
+            f"{IT}/test_launch.py::test_micro_batch_spike_on_one_rank_is_dropped_and_ranks_stay_equal",
+        ),
+    ),
 )
 
 

@@ -8,7 +8,7 @@ setup_log=${TMPDIR:-/tmp}/steadyrl-vllm-setup.$$.log
 bash scripts/test_vllm_cpu.sh --setup > "$setup_log" 2>&1 &
 setup=$!
 status=0
-.venv/bin/python -m pytest tests -q -p no:cacheprovider || status=$?
+.venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25 || status=$?
 if ! wait "$setup"; then
   echo "building .venv-vllm failed; the end of its log ($setup_log):" >&2
   tail -30 "$setup_log" >&2

@@ -11,7 +11,7 @@ mode=${1:-all}
 quiet() { grep -v "^WARNING: Location" || true; }
 if [ "$mode" = "--tests" ]; then
   . .venv-vllm/bin/activate
-  exec python -m pytest tests/vllm_cpu -q -p no:cacheprovider
+  exec python -m pytest tests/vllm_cpu -q -p no:cacheprovider --durations=10
 fi
 python3 -m venv .venv-vllm
 . .venv-vllm/bin/activate

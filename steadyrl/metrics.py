@@ -53,6 +53,9 @@ GEPO_ZERO_GRAD_STEPS = "gepo/zero_grad_steps"  # cumulative: no-signal steps kep
 GEPO_SPIKE_REBASES = "gepo/spike_rebases"  # cumulative: spike streaks taken as a level shift
 GEPO_SPIKE_EMA = "gepo/spike_ema"  # the spike guard's grad-norm baseline
 GEPO_SKIPPED_PREFIX = "gepo/skipped_"  # gepo/skipped_<reason>, cumulative per reason (spike, nonfinite)
+# guards.gepo.spike.granularity: micro_batch (steadyrl/trainers/micro_batch_gate.py)
+GEPO_DROPPED_MICRO_BATCHES = "gepo/dropped_micro_batches"  # cumulative, every rank: micro-batches left out of a step
+GEPO_MICRO_SPIKE_EMA = "gepo/micro_spike_ema"  # the micro-batch guard's own-gradient-norm baseline (rank 0's)
 
 
 def gepo_skipped(reason: str) -> str:
@@ -63,6 +66,7 @@ def gepo_skipped(reason: str) -> str:
 # observe mode (guards.gepo.mode: observe): what GEPO would have done; nothing of it is applied
 GEPO_WOULD_SKIP = "gepo/would_skip"  # cumulative optimizer steps the step guards would have skipped
 GEPO_WOULD_SKIP_PREFIX = "gepo/would_skip_"  # gepo/would_skip_<reason>, cumulative per reason
+GEPO_WOULD_DROP_MICRO_BATCHES = "gepo/would_drop_micro_batches"  # cumulative, every rank (granularity: micro_batch)
 GEPO_WOULD_STOP = "gepo/would_stop"  # cumulative: would-skips past max_consecutive_skips (act mode stops the run)
 GEPO_WOULD_CLAMP_LOGPROBS = "gepo/would_clamp_logprobs"  # per-token log-probs below logprob_min, per step
 GEPO_WOULD_CLIP_ROWS = "gepo/would_clip_rows"  # rows whose median/MAD z-score the tanh clip shrinks by > 10 %
@@ -187,6 +191,7 @@ def eval_reward(name: str) -> str:
 # ----------------------------------------------------------------------------------- events (MetricsLog.event)
 
 EVENT_SKIP = "skip"
+EVENT_MICRO_BATCH_DROP = "micro_batch_drop"
 EVENT_ROLLBACK = "rollback"
 EVENT_ENTROPY_FLOOR_WARNING = "entropy_floor_warning"
 EVENT_FILTER_WARNING = "filter_warning"

@@ -90,3 +90,59 @@ class ProgressLine(TrainerCallback):
             if self.latest.get(key, 0) > before.get(key, 0):
                 line += f" | {flag}"
         print(line, file=self.stream, flush=True)
+
+
+def run_with_progress(
+    cmd: list[str],
+    label: str,
+    *,
+    log: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+    stream: TextIO | None = None,
+) -> tuple[int | None, str]:
+    """Run a child (``steadyrl train ...``, a benchmark cell) and keep its whole output; show its progress.
+
+    Returns (exit status or None after ``timeout`` seconds, when the child is killed; everything it printed, stdout
+    and stderr together). ``log``: also written there as it comes. When ``progress_wanted(stream)`` (a terminal, or
+    ``STEADYRL_PROGRESS=1``), the child gets ``STEADYRL_PROGRESS=1`` and each of its status lines (``step N...``) goes
+    to ``stream`` as ``   <label>: step N/M ...``, so a benchmark of many runs shows where it is; otherwise the child
+    runs quietly, exactly as under ``subprocess.run(..., capture_output=True)``.
+    """
+    import subprocess
+    import threading
+
+    stream = stream or sys.stderr
+    show = progress_wanted(stream)
+    child_env = dict(os.environ if env is None else env)
+    if show:
+        child_env["STEADYRL_PROGRESS"] = "1"
+    chunks: list[str] = []
+    sink = open(log, "w") if log is not None else None
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            chunks.append(line)
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+            if show and line.startswith("step "):
+                print(f"   {label}: {line.rstrip()}", file=stream, flush=True)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    reader.join()
+    if sink is not None:
+        sink.close()
+    return code, "".join(chunks)

@@ -157,6 +157,19 @@ def _check_guards(cfg: RunConfig) -> None:
             )
     _check_quatro(cfg)
     _check_what_guards_cannot_protect(cfg)
+    if gepo.enabled and gepo.spike.granularity == "micro_batch":
+        if _deepspeed_config(cfg) is not None or _deepspeed_launch():
+            raise ConfigError(
+                "guards.gepo.spike.granularity=micro_batch judges each micro-batch's own gradient between backward "
+                "passes, but DeepSpeed ZeRO reduces every micro-batch into its gradient partitions inside the "
+                "backward pass, where no micro-batch can be taken out again. Use granularity=step under DeepSpeed "
+                "(with many accumulation steps, lower guards.gepo.spike.spike_factor: docs/DESIGN.md, GEPO: spike skip)"
+            )
+        if t.get("fp16"):
+            raise ConfigError(
+                "guards.gepo.spike.granularity=micro_batch would drop fp16's overflowing micro-batches before the "
+                "loss scaler sees them, so the scale would never come down; use bf16, or granularity=step with fp16"
+            )
     if gepo.enabled or cfg.guards.opefo.enabled:
         if _deepspeed_launch():
             stage = _deepspeed_zero_stage()

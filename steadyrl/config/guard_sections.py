@@ -18,7 +18,7 @@ from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig,
 from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
 from steadyrl.guards.reward_scaler import GradeConfig
 from steadyrl.guards.robust_advantage import AdvantageConfig
-from steadyrl.guards.spike import SpikeConfig
+from steadyrl.guards.spike import GRANULARITIES, SpikeConfig
 
 # ``guards.<layer>.mode``: ``act`` intervenes; ``observe`` computes and logs every decision the layer would take
 # without changing training (docs/DESIGN.md, "Observe mode").
@@ -50,9 +50,16 @@ class GepoAdvantageSection(AdvantageConfig, GuardSection):
 @dataclass
 class GepoSpikeSection(SpikeConfig, GuardSection):
     """Grad-norm EMA spike detector: skip a poisoned optimizer step. ``enabled: false`` turns off the spike test
-    only: with ``gepo.enabled`` a non-finite gradient norm always skips the step (finite checks)."""
+    only: with ``gepo.enabled`` a non-finite gradient norm always skips the step (finite checks).
+    ``granularity: micro_batch`` also judges every micro-batch on its own gradient (docs/DESIGN.md)."""
 
     enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise FieldValueError(
+                "granularity", f"unknown granularity {self.granularity!r}; valid: {list(GRANULARITIES)}"
+            )
 
 
 @dataclass

@@ -36,6 +36,9 @@ from steadyrl.metrics import GEPO_SPIKE_EMA, GEPO_SPIKE_REBASES, GEPO_ZERO_GRAD_
 logger = logging.getLogger(__name__)
 
 
+GRANULARITIES = ("step", "micro_batch")  # SpikeConfig.granularity
+
+
 @dataclass
 class SpikeConfig:
     ema_decay: float = 0.98
@@ -45,6 +48,9 @@ class SpikeConfig:
     max_consecutive_skips: int = 20
     zero_norm: float = 1e-10  # a finite norm at most this is a no-signal step: kept out of the EMA
     rebase_after: int = 4  # this many spike decisions in a row re-anchor the EMA (0 = never)
+    # step: one decision per optimizer step on the global norm; micro_batch: also one per micro-batch on its own
+    # gradient, dropping the spiking ones (steadyrl/trainers/micro_batch_gate.py)
+    granularity: str = "step"
 
 
 class SpikeSkipError(RuntimeError):

@@ -16,6 +16,8 @@ is a short delegation (docs/ARCHITECTURE.md has the hook order):
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard, Stepping
+from steadyrl.guards.spike import SpikeGuard
 from steadyrl.metrics import (
     GEPO_NONFINITE_LOGPROBS,
     GEPO_NONFINITE_LOSS,
@@ -50,6 +53,7 @@ from steadyrl.trainers.checkpoints import (  # noqa: F401  (re-exported: the che
     rotate_complete_checkpoints,
 )
 from steadyrl.trainers.context import RuntimeContext
+from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
 from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime
 from steadyrl.trainers.scratch import HookScratch
@@ -84,6 +88,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
         observe_step_guards: step guards whose vetoes are counted (``gepo/would_skip``), never applied.
         observe_logprob_min: count per-token log-probs below this floor (``gepo/would_clamp_logprobs``) without
             clamping them.
+
+    Per micro-batch (``guards.gepo.spike.granularity: micro_batch``, ``MicroBatchGate``):
+        micro_batch_guard: a ``SpikeGuard`` judging each micro-batch's own gradient; spiking ones are dropped.
+        observe_micro_batch_guard: the same, counting would-drops only.
     """
 
     pipeline_class: type[AdvantagePipeline] = AdvantagePipeline
@@ -104,6 +112,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         observe_advantage_fn: AdvantageFunction | None = None,
         observe_step_guards: list[StepGuard] | None = None,
         observe_logprob_min: float | None = None,
+        micro_batch_guard: SpikeGuard | None = None,
+        observe_micro_batch_guard: SpikeGuard | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -137,12 +147,15 @@ class SteadyGRPOTrainer(GRPOTrainer):
             observe_advantage_fn=observe_advantage_fn,
         )
         self.gate = StepGate(self.step_guards, self.ctx, feedback=opefo, observers=self.observe_step_guards)
+        self._micro_params: list[torch.nn.Parameter] | None = None
+        self.micro_gate = self._micro_batch_gate(micro_batch_guard, observe_micro_batch_guard)
         self.lr_scale = trl_state.LearningRateScale()
         layers = [("reward_processor", reward_processor), ("advantage_fn", advantage_fn)]
         layers += [(f"step_guard_{i}", g) for i, g in enumerate(self.step_guards)]
         layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(self.observe_step_guards)]
         layers += [("opefo", opefo), ("quatro", quatro)]
-        self.guard_state = GuardState.register(layers, stateful, self.gate.counters, per_rank={"opefo": opefo})
+        per_rank = {"opefo": opefo, "micro_batch_gate": self.micro_gate}
+        self.guard_state = GuardState.register(layers, stateful, self.gate.counters, per_rank=per_rank)
         if kl_compensation is not None or quatro is not None:  # factors of beta set between steps: checkpointed
             self.guard_state.stateful.setdefault("beta_factors", trl_state.BetaFactors(self))
         self._epsilon0: tuple[float, float] | None = None
@@ -151,6 +164,25 @@ class SteadyGRPOTrainer(GRPOTrainer):
             self.apply_quatro()
         # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
         self.callback_handler.callbacks.insert(0, _GuardClock(self))
+
+    def _micro_batch_gate(self, act: SpikeGuard | None, observe: SpikeGuard | None) -> MicroBatchGate | None:
+        guard = act or observe
+        if guard is None:
+            return None
+        if act is not None and observe is not None:
+            raise ValueError("micro_batch_guard and observe_micro_batch_guard are exclusive")
+        if self.is_deepspeed_enabled:
+            raise ValueError("guards.gepo.spike.granularity=micro_batch does not work under DeepSpeed; use step")
+        if self.args.max_grad_norm <= 0:  # _clip_grad_norm, where the kept micro-batches are averaged, never runs
+            raise ValueError("guards.gepo.spike.granularity=micro_batch needs max_grad_norm > 0")
+        # consecutive drops count in micro-batches: max_consecutive_skips steps' worth of them stops the run
+        accumulation = max(1, int(self.args.gradient_accumulation_steps))
+        limit = guard.config.max_consecutive_skips * accumulation
+        guard.config = dataclasses.replace(guard.config, max_consecutive_skips=limit)
+        distributed = self.accelerator.num_processes > 1  # the backward passes run no_sync; finish all-reduces
+        return MicroBatchGate(
+            guard, self.ctx, observe=observe is not None, distributed=distributed, accumulation=accumulation
+        )
 
     def apply_quatro(self, controls: QuatroControls | None = None) -> None:
         """Write QUATRO's controls (default: its current ones) into TRL's beta, entropy_coef and clip range."""
@@ -297,7 +329,32 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ 3: optimizer-step decision
 
+    def training_step(self, model, inputs, num_items_in_batch):
+        """Per-micro-batch decision (``MicroBatchGate``) around TRL's step; otherwise TRL's step unchanged."""
+        if self.micro_gate is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self._micro_params is None:
+            self._micro_params = [p for p in model.parameters() if p.requires_grad]
+        self.micro_gate.before_backward(self._micro_params)
+        # Under DDP every micro-batch's backward stays local; MicroBatchGate.finish all-reduces the kept ones.
+        sync = self.accelerator.no_sync(model) if self.accelerator.num_processes > 1 else contextlib.nullcontext()
+        with sync:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        with self.ctx.timer():
+            self.micro_gate.after_backward(self._micro_params)
+        return loss
+
     def _clip_grad_norm(self, model):
+        if self.micro_gate is not None and self._micro_params is not None:
+            with self.ctx.timer():
+                every_one_dropped = self.micro_gate.finish(self._micro_params)
+            if every_one_dropped:  # nothing left to train on: the step is skipped like a vetoed one
+                self.gate.veto("micro_batches")
+                model.zero_grad(set_to_none=True)
+                self.scratch.vetoed_step = True
+                if hasattr(self.optimizer, "_is_overflow"):
+                    self.optimizer._is_overflow = True
+                return torch.zeros((), device=self.accelerator.device)
         if not (self.step_guards or self.observe_step_guards) or self.is_deepspeed_enabled:
             # Under DeepSpeed the step already happened inside ``accelerator.backward`` and was decided by the
             # gate installed on the ZeRO optimizer (``StepGate.install_deepspeed``); this returns the engine's norm.

@@ -12,6 +12,11 @@ How each is overridden (never by copying the body):
   buffered micro-batches with QUATRO's replay mix and return the mixed counterpart of the one it returned.
 - ``_clip_grad_norm``: under fp16's GradScaler unscale first (as the parent's clipping does), compute the global
   pre-clip norm, ask the step guards, then clip or skip.
+- ``training_step`` (only with ``guards.gepo.spike.granularity: micro_batch``): copy the accumulated gradients,
+  call the parent (under DDP inside ``no_sync``), judge the micro-batch's own gradient and drop it on a veto
+  (``MicroBatchGate``); ``_clip_grad_norm`` then averages the kept ones (all-reduced under DDP) before deciding.
+  Relied on: the Trainer calls ``_clip_grad_norm`` once per optimizer step, after the last backward pass, whenever
+  ``max_grad_norm > 0``.
 - ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
   count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
 - ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance
@@ -63,6 +68,7 @@ HOOKED_METHODS: dict[str, str] = {
         "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) -> dict[str, torch.Tensor | typing.Any]"
     ),
     "_clip_grad_norm": "(self, model)",
+    "training_step": "(self, model, inputs, num_items_in_batch)",
     "_get_per_token_logps_and_entropies": (
         "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
         "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "

@@ -54,6 +54,8 @@ def gepo_layer(section: GepoSection) -> dict[str, Any]:
     if not section.spike.enabled:  # finite checks stay: a non-finite gradient norm still skips the step
         spike = dataclasses.replace(spike, spike_factor=math.inf)
     out.update({f"{observe}logprob_min": section.logprob_min, f"{observe}step_guards": [SpikeGuard(spike)]})
+    if spike.granularity == "micro_batch":  # a second guard, own EMA, on each micro-batch's own gradient
+        out[f"{observe}micro_batch_guard"] = SpikeGuard(spike)
     out["finite_checks"] = True  # counting only, in either mode
     if section.observing:
         logger.info(

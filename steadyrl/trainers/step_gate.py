@@ -85,23 +85,34 @@ class StepGate:
                 guard.on_skip(gradients, decision, step)
             if self.feedback is not None:
                 self.feedback.on_skip(gradients)
-            self.counters["skipped_steps"] += 1
-            # numbered like the log rows: the step being decided ends with global_step == step + 1
-            self.ctx.emit_event(EVENT_SKIP, step=step + 1, reason=decision.reason, grad_norm=float(norm))
-            for reason in decision.reason.split(","):
-                self.counters[f"skipped_{reason}"] += 1
-            logger.warning(
-                "step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, decision.reason, float(norm)
-            )
-        self.ctx.log_metric(GEPO_SKIPPED_STEPS, self.counters["skipped_steps"])
-        for key, value in self.counters.items():
-            if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
-                self.ctx.log_metric(gepo_skipped(key.removeprefix("skipped_")), value)
+            self._count_skip(decision.reason, float(norm), step)
+        self._log_counters()
         for guard in self.guards:  # a guard's own counters (the spike guard's baseline, rebases, ...)
             metrics = getattr(guard, "metrics", None)
             if metrics is not None:
                 self.ctx.log_metrics(metrics())
         return decision
+
+    def veto(self, reason: str) -> StepDecision:
+        """Skip this step without asking the guards (every micro-batch was dropped: no gradient is left to judge,
+        keep or feed back); counted like any skip (``gepo/skipped_<reason>``)."""
+        self._count_skip(reason, 0.0, self.ctx.global_step())
+        self._log_counters()
+        return StepDecision(True, reason)
+
+    def _count_skip(self, reason: str, norm: float, step: int) -> None:
+        self.counters["skipped_steps"] += 1
+        # numbered like the log rows: the step being decided ends with global_step == step + 1
+        self.ctx.emit_event(EVENT_SKIP, step=step + 1, reason=reason, grad_norm=norm)
+        for one in reason.split(","):
+            self.counters[f"skipped_{one}"] += 1
+        logger.warning("step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, reason, norm)
+
+    def _log_counters(self) -> None:
+        self.ctx.log_metric(GEPO_SKIPPED_STEPS, self.counters["skipped_steps"])
+        for key, value in self.counters.items():
+            if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
+                self.ctx.log_metric(gepo_skipped(key.removeprefix("skipped_")), value)
 
     def _observe(self, norm: torch.Tensor, step: int) -> None:
         """The observing guards' decision on this step: counted, never applied."""

@@ -87,6 +87,23 @@ class SpikeGradOnRank1(TrainerCallback):
         param.register_hook(lambda g: g * 1e6 if state.global_step == 2 else g)
 
 
+class MicroSpikeOnRank1(TrainerCallback):
+    """Multiplies one parameter's gradient by 1e6 on rank 1 only, in one micro-batch: the 11th backward pass (the
+    third micro-batch of step 3 with 4 accumulation steps)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if int(os.environ.get("RANK", "0")) != 1:
+            return
+        param = next(p for p in getattr(model, "module", model).parameters() if p.requires_grad)
+        calls = {"n": 0}
+
+        def hook(grad):
+            calls["n"] += 1
+            return grad * 1e6 if calls["n"] == 11 else grad
+
+        param.register_hook(hook)
+
+
 class NanMomentOnRank1(CorruptOptimizerState):
     """NaN written into rank 1's exp_avg_sq (its ZeRO partition, or its DDP replica) at the end of step 2."""
 

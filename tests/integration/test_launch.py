@@ -197,6 +197,32 @@ def test_spike_on_one_rank_is_skipped_bit_identically(tiny_model_dir, tmp_path, 
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
 
 
+def test_micro_batch_spike_on_one_rank_is_dropped_and_ranks_stay_equal(tiny_model_dir, tmp_path):
+    """granularity: micro_batch under DDP: each backward stays local, rank 1 drops its spiking micro-batch (x1e6),
+    the step all-reduces the 7 kept micro-batches of both ranks and is taken; both ranks end with equal weights."""
+    dumps, proc = launch(
+        "multi_cpu.yaml",
+        tiny_model_dir,
+        tmp_path / "micro",
+        "trainer.max_steps=4",
+        "trainer.save_steps=4",
+        "trainer.per_device_train_batch_size=1",
+        "trainer.gradient_accumulation_steps=4",
+        "trainer.max_grad_norm=1.0",
+        "guards.gepo.enabled=true",
+        "guards.gepo.spike.warmup_steps=2",
+        "guards.gepo.spike.granularity=micro_batch",
+        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:MicroSpikeOnRank1]",
+    )
+    assert proc.stderr.count("step 3: micro-batch 3 dropped (spike") == 1, proc.stderr[-3000:]
+    assert "optimizer step skipped" not in proc.stderr
+    for d in dumps:
+        assert all(torch.isfinite(v).all() for v in d["weights"].values())
+        before, after = d["per_step"][1], d["per_step"][2]  # the step with the dropped micro-batch was taken
+        assert any(not torch.equal(v, after["weights"][k]) for k, v in before["weights"].items())
+    assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
+
+
 @pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
 def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, tmp_path, accelerate_config):
     """NaN in rank 1's Adam state only (after step 2): rank 1's step-3 update is NaN, the all-reduced check finds

@@ -466,3 +466,27 @@ def test_a_child_list_replaces_the_parents_origins(tmp_path: Path) -> None:
     assert origins["rewards[0].weight"] == str(child)
     assert "rewards[1]" not in origins and "rewards[1].fn" not in origins  # the parent's second entry is gone
     assert str(parent) not in {origins[k] for k in origins if k.startswith("rewards")}
+
+
+def test_micro_batch_granularity_is_refused_where_it_cannot_work(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed reduces each micro-batch inside backward; fp16's scaler must see the overflowing micro-batches."""
+    from steadyrl.config import checks
+
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    micro = ["guards.gepo.enabled=true", "guards.gepo.spike.granularity=micro_batch"]
+    assert load_config(base, micro).guards.gepo.spike.granularity == "micro_batch"
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    with pytest.raises(ConfigError, match=r"granularity=micro_batch .* DeepSpeed ZeRO reduces every micro-batch"):
+        load_config(base, [*micro, f"trainer.deepspeed={ds}"])
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ConfigError, match=r"Use granularity=step under DeepSpeed"):
+        load_config(base, micro)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setattr(checks, "_cuda", lambda: True)
+    with pytest.raises(ConfigError, match=r"drop fp16's overflowing micro-batches.*granularity=step with fp16"):
+        load_config(base, [*micro, "trainer.fp16=true"])
+    assert load_config(base, ["guards.gepo.enabled=true", "trainer.fp16=true"]).trainer["fp16"]
