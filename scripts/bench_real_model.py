@@ -147,7 +147,7 @@ def cell(variant: str, seed: int, row: dict[str, Any], scenario: str = "clean") 
     out = {"scenario": scenario, "variant": variant, "seeds": [seed], "died": [bool(row.get("died", False))],
            "accuracy": [row.get("accuracy")], "metrics": metrics}  # fmt: skip
     if "command" in row:
-        out["note"] = f"python -m {row['command']}"
+        out["note"] = f"python {row['command']}"  # row["command"] starts with "-m steadyrl train"
     return out
 
 

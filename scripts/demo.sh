@@ -25,7 +25,7 @@ stage sft runs/sft.log sft configs/tiny/sft.yaml
 stage grpo runs/grpo.log train configs/tiny/grpo-guarded.yaml
 mv runs/sft.log runs/tiny-sft/train.log && mv runs/grpo.log runs/tiny-grpo/train.log
 echo "== fault demo: one NaN micro-batch at step 12 of 60, plain TRL against steadyrl"
-STEADYRL_PROGRESS=0 python scripts/fault_demo.py --config configs/tiny/grpo-guarded.yaml --out runs/fault-demo \
+python scripts/fault_demo.py --config configs/tiny/grpo-guarded.yaml --out runs/fault-demo \
   eval.max_samples=100 eval.every=0 || echo "(fault demo: unexpected outcome, see runs/fault-demo/*/fault_demo.log)"
 echo "wall time $(( $(date +%s) - start )) s; logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log, runs/fault-demo/"
 steadyrl report runs/tiny-grpo > /dev/null && echo "plots: runs/tiny-grpo/report/report.md"

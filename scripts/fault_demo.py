@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from steadyrl import metrics as M  # noqa: E402
+from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, read_fault_log  # noqa: E402
 
@@ -51,9 +51,8 @@ def run(name: str, config: str, overrides: list[str], out: Path, steps: int, ste
            f"trainer.max_steps={steps}", "trainer.resume_from_checkpoint=null", 'trainer.save_strategy="no"',
            "callbacks=['steadyrl.faults:NanLossAtStep']"]  # fmt: skip
     env = {**os.environ, FAULT_STEP_ENV: str(step)}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    log = proc.stdout + proc.stderr
-    (out / "fault_demo.log").write_text(log)
+    code, log = run_with_progress(cmd, name, log=out / "fault_demo.log", env=env, timeout=3600)
+    returncode = -1 if code is None else code
     try:
         history = load_history(out)
     except HistoryNotFoundError:
@@ -63,12 +62,12 @@ def run(name: str, config: str, overrides: list[str], out: Path, steps: int, ste
     eval_file = out / "eval_results.json"
     return {
         "name": name,
-        "returncode": proc.returncode,
+        "returncode": returncode,
         "last_step": history.last_step if history is not None else 0,
         "fired_at": fired[0] if fired else None,
         "skips": [(e.get("step"), e.get("reason")) for e in skips],
         "accuracy": json.loads(eval_file.read_text())["accuracy"] if eval_file.is_file() else None,
-        "error": _error(log) if proc.returncode != 0 else None,
+        "error": _error(log) if returncode != 0 else None,
     }
 
 

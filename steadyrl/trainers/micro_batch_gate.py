@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from steadyrl.guards.spike import SpikeGuard
+from steadyrl.guards.base import StepDecision
+from steadyrl.guards.spike import SpikeGuard, SpikeSkipError
 from steadyrl.metrics import (
     EVENT_MICRO_BATCH_DROP,
     GEPO_DROPPED_MICRO_BATCHES,
@@ -87,7 +88,15 @@ class MicroBatchGate:
         norm = squares.sqrt() * self.accumulation  # on the step's scale
         step = self.ctx.global_step()
         self._seen += 1
-        decision = self.guard.decide(norm, step)
+        try:
+            decision = self.guard.decide(norm, step)
+        except SpikeSkipError as exc:
+            if not self.observe:
+                raise SpikeSkipError(
+                    f"{exc} (counted in micro-batches: guards.gepo.spike.granularity=micro_batch, max_consecutive_"
+                    "skips x the accumulation steps)"
+                ) from exc
+            decision = StepDecision(True, "spike" if math.isfinite(float(norm)) else "nonfinite")  # only counted
         if not decision.skip:
             return False
         self._dropped += 1

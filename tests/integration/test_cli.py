@@ -67,7 +67,7 @@ def test_missing_resume_path_is_a_clear_error(tmp_path):
     assert proc.returncode == 1 and "does not exist" in proc.stderr
 
 
-def test_compare_overlays_two_real_runs(tiny_model_dir, tmp_path):
+def test_compare_overlays_two_real_runs(tiny_model_dir, tmp_path, capsys):
     """Two tiny GRPO runs (plain, and GEPO on) compared: a PNG per logged metric and a table row per run."""
     common = [f"model.path={tiny_model_dir}", "trainer.max_steps=3", "trainer.logging_steps=1",
               "trainer.per_device_train_batch_size=8", "trainer.num_generations=4",
@@ -89,10 +89,13 @@ def test_compare_overlays_two_real_runs(tiny_model_dir, tmp_path):
     assert (out / "gepo_adv_std.png").is_file()  # logged by one run only: still drawn
     assert not (out / "quatro_kl_coef.png").exists()  # logged by neither
 
-    missing = steadyrl("compare", str(tmp_path / "plain"), str(tmp_path / "nope"))
-    assert missing.returncode == 2 and "no training logs in" in missing.stderr
-    one = steadyrl("compare", str(tmp_path / "plain"))
-    assert one.returncode == 2 and "at least two runs" in one.stderr
+    # the refusals, in process (the CLI path itself ran above)
+    from steadyrl.cli import main
+
+    assert main(["compare", str(tmp_path / "plain"), str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "no training logs in" in capsys.readouterr().err
+    assert main(["compare", str(tmp_path / "plain"), "--out", str(out)]) == 2
+    assert "at least two runs" in capsys.readouterr().err
 
 
 def test_progress_line_on_a_terminal_and_none_when_piped(tiny_model_dir, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steadyrl.guards.spike import SpikeConfig, SpikeGuard
+from steadyrl.guards.spike import SpikeConfig, SpikeGuard, SpikeSkipError
 from steadyrl.metrics import GEPO_DROPPED_MICRO_BATCHES, GEPO_WOULD_DROP_MICRO_BATCHES
 from steadyrl.trainers.context import RuntimeContext
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
@@ -147,3 +147,15 @@ def test_an_unknown_granularity_is_a_config_error(value):
 
     with pytest.raises(ConfigError, match=r"guards.gepo.spike.granularity.*valid: \['step', 'micro_batch'\]"):
         load_config(REPO / "configs/tiny/grpo-guarded.yaml", [f"guards.gepo.spike.granularity={value}"])
+
+
+def test_a_run_of_nothing_but_nan_micro_batches_stops_in_act_mode_and_is_only_counted_in_observe_mode():
+    nan = [g * math.nan for g in _micro_grads(1)[0]]
+    act = MicroBatchGate(SpikeGuard(SpikeConfig(max_consecutive_skips=3)), RuntimeContext(), accumulation=A)
+    param = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(SpikeSkipError, match=r"3 optimizer steps in a row.*counted in micro-batches"):
+        _run(act, nan, param)
+    ctx, seen = _logged()
+    observe = MicroBatchGate(SpikeGuard(SpikeConfig(max_consecutive_skips=3)), ctx, observe=True, accumulation=A)
+    assert _run(observe, nan, param) is False  # nothing dropped: the NaN reaches the step, as in plain TRL
+    assert seen[GEPO_WOULD_DROP_MICRO_BATCHES] == float(A)

@@ -59,6 +59,10 @@ def gaps(rows: list[dict]) -> list[float]:
 
 
 def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir, tmp_path):
+    """Every guard layer on (what configs/base/grpo.yaml ships): with vLLM, QUATRO's replay mixes stored rows (their
+    own vLLM sampling log-probs and importance ratios) into fresh ones, OPEFO checks the state every step, and the
+    gap stays at float noise. Then the same GRPO with the sync swallowed after step 1: the gap grows and GEPO's
+    monitor warns."""
     # the random tiny model moves ~0.07 nats/token in 5 steps at lr 1e-3; the threshold (default 0.1) is set below
     monitor = [
         "guards.gepo.enabled=true",
@@ -66,12 +70,22 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
         "guards.gepo.monitor.window=3",
         "guards.gepo.monitor.logp_gap_max=0.02",
     ]
-    proc, rows = train("grpo.yaml", tiny_model_dir, tmp_path / "synced", "trainer.max_steps=6", *monitor)
+    every_layer = [
+        "trainer.beta=0.02", "guards.grade.enabled=true", "guards.grade.warmup=8",
+        "guards.opefo.enabled=true", "guards.opefo.rollback.check_interval=1",
+        "guards.quatro.enabled=true", "guards.quatro.replay.enabled=true",
+    ]  # fmt: skip
+    proc, rows = train("grpo.yaml", tiny_model_dir, tmp_path / "synced", "trainer.max_steps=6", *monitor, *every_layer)
     synced = gaps(rows)
     assert len(synced) == 6 and max(synced) < SYNCED, synced
     assert "vLLM runs on CPU: weight prepacking is off" in proc.stderr
     assert "EARLY WARNING: vLLM" not in proc.stderr
     assert (tmp_path / "synced" / "final" / "model.safetensors").is_file()
+    assert max(r["quatro/replay_frac"] for r in rows if "quatro/replay_frac" in r) > 0
+    assert [r["opefo/rollbacks"] for r in rows if "opefo/rollbacks" in r] == [0] * 6
+    assert [r["gepo/skipped_steps"] for r in rows if "gepo/skipped_steps" in r] == [0] * 6
+    assert len(losses := [r["loss"] for r in rows if "loss" in r]) == 6 and all(map(math.isfinite, losses))
+    assert any("grade/scaled_std" in r for r in rows)
 
     # the same run with every sync after step 1 swallowed: vLLM samples from the step-1 policy from then on
     stale_out = tmp_path / "stale"
@@ -86,36 +100,6 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
     from steadyrl.faults import read_fault_log
 
     assert read_fault_log(stale_out)[-1]["swallowed_syncs"] == 5  # steps 2..6 each asked for a sync
-
-
-def test_every_guard_layer_with_vllm_rollouts(tiny_model_dir, tmp_path):
-    """configs/base/grpo.yaml turns all four layers on; with vLLM, QUATRO's replay mixes stored rows (their own
-    vLLM sampling log-probs and importance ratios) into fresh ones, and OPEFO checks the state every step."""
-    _, rows = train(
-        "grpo.yaml", tiny_model_dir, tmp_path / "all", "trainer.max_steps=5", "trainer.beta=0.02",
-        "guards.gepo.enabled=true", "guards.grade.enabled=true", "guards.grade.warmup=8",
-        "guards.opefo.enabled=true", "guards.opefo.rollback.check_interval=1",
-        "guards.quatro.enabled=true", "guards.quatro.replay.enabled=true",
-    )  # fmt: skip
-    assert max(gaps(rows)) < SYNCED, gaps(rows)
-    assert max(r["quatro/replay_frac"] for r in rows if "quatro/replay_frac" in r) > 0
-    assert [r["opefo/rollbacks"] for r in rows if "opefo/rollbacks" in r] == [0] * 5
-    assert [r["gepo/skipped_steps"] for r in rows if "gepo/skipped_steps" in r] == [0] * 5
-    assert len(losses := [r["loss"] for r in rows if "loss" in r]) == 5 and all(map(math.isfinite, losses))
-    assert any("grade/scaled_std" in r for r in rows)
-
-
-def test_ppo_generates_with_vllm_from_the_bare_policy(tiny_model_dir, tmp_path):
-    out = tmp_path / "ppo"
-    proc, rows = train(
-        "ppo.yaml", tiny_model_dir, out, "trainer.num_iterations=1", "trainer.beta=0.04", "ppo.critic_lr=3.0e-3"
-    )
-    assert max(gaps(rows)) < SYNCED, gaps(rows)
-    value_loss = [r["ppo/value_loss"] for r in rows if "ppo/value_loss" in r]
-    assert len(value_loss) == 4 and all(math.isfinite(v) for v in value_loss)
-    assert all(math.isfinite(r["ppo/kl"]) for r in rows if "ppo/kl" in r)
-    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "critic").is_dir()
-    assert "eval byte_mean after PPO" in proc.stdout
 
 
 def test_lora_ppo_merges_adapters_into_vllm(tiny_model_dir, tmp_path):
@@ -143,8 +127,9 @@ def test_lora_ppo_merges_adapters_into_vllm(tiny_model_dir, tmp_path):
 
 
 def test_ppo_under_two_process_zero2_with_vllm_on_each_rank(tiny_model_dir, tmp_path, monkeypatch):
-    """Colocate mode under a real 2-process DeepSpeed ZeRO-2 launch: one vLLM engine per rank, each synced from that
-    rank's copy of the policy; ranks end with identical policy and critic weights."""
+    """PPO with vLLM rollouts generated from the bare policy (not the policy-and-value wrapper), in colocate mode under
+    a real 2-process DeepSpeed ZeRO-2 launch: one vLLM engine per rank, each synced from that rank's copy of the
+    policy; ranks end with identical policy and critic weights."""
     from tests.integration.helpers import assert_same_weights
     from tests.integration.test_launch import launch
 
@@ -162,6 +147,11 @@ def test_ppo_under_two_process_zero2_with_vllm_on_each_rank(tiny_model_dir, tmp_
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(gaps(rows)) == 3 and max(gaps(rows)) < SYNCED, gaps(rows)
     assert "Traceback" not in proc.stderr  # vLLM shut down before the process group went away
+    # PPO's own numbers and files (this launch is also the full-weight PPO + vLLM test)
+    value_loss = [r["ppo/value_loss"] for r in rows if "ppo/value_loss" in r]
+    assert len(value_loss) == 3 and all(math.isfinite(v) for v in value_loss)
+    assert all(math.isfinite(r["ppo/kl"]) for r in rows if "ppo/kl" in r)
+    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "critic").is_dir()
 
 
 def test_moe_or_packed_layers_on_cpu_are_refused_with_the_reason():
