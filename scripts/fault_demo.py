@@ -76,7 +76,8 @@ def line(r: dict[str, Any], steps: int) -> str:
     if r["fired_at"] is None:
         return f"{label} the fault did not fire (exit {r['returncode']})"
     if r["returncode"] != 0:
-        return f"{label} died at step {r['last_step'] or r['fired_at']}: {r['error']}"
+        # the fault step itself completes (plain TRL applies the NaN update); metrics.jsonl may log less often
+        return f"{label} died at step {max(r['last_step'] or 0, r['fired_at'])}: {r['error']}"
     skipped = ", ".join(f"step {s} skipped ({why})" for s, why in r["skips"]) or "nothing skipped"
     acc = f", accuracy {r['accuracy']:.2f}" if r["accuracy"] is not None else ""
     return f"{label} finished {r['last_step']}/{steps} steps, {skipped}{acc}"

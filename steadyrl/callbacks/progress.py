@@ -11,6 +11,7 @@ Logs still go to files (``metrics.jsonl``, the Python log); this only adds the t
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -19,6 +20,10 @@ from typing import Any, TextIO
 from transformers import TrainerCallback
 
 from steadyrl import metrics as M
+
+# cumulative counters: TRL averages them over the logging interval, so the interval's last count is the mean
+# rounded up (0.9 when the skip came at step 12 of steps 11-20)
+COUNTS = (M.GEPO_SKIPPED_STEPS, M.OPEFO_ROLLBACKS)
 
 
 def progress_wanted(stream: TextIO | None = None) -> bool:
@@ -52,7 +57,8 @@ def status_line(step: int, max_steps: int, seconds_per_step: float | None, lates
         (M.QUATRO_FILTERED_SHARE, "filtered", "{:.0%}"),
     ):
         if key in latest:
-            parts.append(f"{label} {fmt.format(latest[key])}")
+            value = math.ceil(latest[key]) if key in COUNTS else latest[key]
+            parts.append(f"{label} {fmt.format(value)}")
     return " | ".join(parts)
 
 
@@ -87,7 +93,7 @@ class ProgressLine(TrainerCallback):
         per_step = (time.monotonic() - self._start) / done if done > 0 else None
         line = status_line(state.global_step, state.max_steps, per_step, self.latest)
         for key, flag in ((M.GEPO_SKIPPED_STEPS, "SKIPPED"), (M.OPEFO_ROLLBACKS, "ROLLED BACK")):
-            if self.latest.get(key, 0) > before.get(key, 0):
+            if math.ceil(self.latest.get(key, 0)) > math.ceil(before.get(key, 0)):
                 line += f" | {flag}"
         print(line, file=self.stream, flush=True)
 

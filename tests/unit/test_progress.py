@@ -63,6 +63,21 @@ def test_flags_new_skips_and_rollbacks_and_keeps_the_last_eval() -> None:
     assert len(out.getvalue().splitlines()) == 3  # other ranks stay quiet
 
 
+def test_a_skip_inside_a_logging_interval_is_flagged_once_with_its_count() -> None:
+    """TRL averages the cumulative count over logging_steps=10: a skip at step 12 logs 0.9 at step 20, then 1.0 at
+    step 30. The line says "skipped 1 | SKIPPED" at 20 and "skipped 1" without the flag at 30."""
+    out = io.StringIO()
+    cb = ProgressLine(out)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0, max_steps=30)
+    cb.on_train_begin(None, state, None)
+    for step, mean in ((10, 0.0), (20, 0.9), (30, 1.0)):
+        state.global_step = step
+        cb.on_log(None, state, None, logs={"gepo/skipped_steps": mean, "opefo/rollbacks": 0.0})
+    lines = out.getvalue().splitlines()
+    assert ["SKIPPED" in line for line in lines] == [False, True, False]
+    assert "skipped 1 |" in lines[1] and "skipped 1 |" in lines[2] and "skipped 0 |" in lines[0]
+
+
 CHILD = (
     "import os, sys, time\n"
     "print('loading model', flush=True)\n"
