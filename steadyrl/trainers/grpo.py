@@ -335,7 +335,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         if self._micro_params is None:
             self._micro_params = [p for p in model.parameters() if p.requires_grad]
-        self.micro_gate.before_backward(self._micro_params)
+        with self.ctx.timer():  # the gradient copy is guard cost too
+            self.micro_gate.before_backward(self._micro_params)
         # Under DDP every micro-batch's backward stays local; MicroBatchGate.finish all-reduces the kept ones.
         sync = self.accelerator.no_sync(model) if self.accelerator.num_processes > 1 else contextlib.nullcontext()
         with sync:
