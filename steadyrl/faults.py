@@ -146,6 +146,50 @@ def exact_match_nonfinite_burst(
     return scores
 
 
+def artefact_offsets(n: int, rate: float, low: float, high: float, seed: int, step: int) -> np.ndarray:
+    """Reward-model artefacts for one batch of ``n`` rows: each row, with probability ``rate``, gets an offset of
+    magnitude uniform in ``[low, high]`` and a random sign; the others 0. Seeded by (seed, step) only, so every
+    variant of a benchmark sees the same artefacts at the same rows of the same step. Shape (n,)."""
+    rng = np.random.default_rng([seed, step, 4])
+    hit = rng.random(n) < rate
+    magnitude = rng.uniform(low, high, n)
+    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    return np.where(hit, sign * magnitude, 0.0)
+
+
+def reward_model_artefacts(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    path: str | None = None,
+    rate: float = 0.0,
+    low: float = 5.0,
+    high: float = 20.0,
+    seed: int = 0,
+    log: str | None = None,
+    trainer_state: Any = None,
+    **_: Any,
+) -> list[float | None]:
+    """A trained reward model's normalised score plus occasional large artefacts (``artefact_offsets``): the
+    long-tailed learned RM of docs/DESIGN.md "GRADE: reward scaler" (seed 004 §2.3: extreme scores are RM
+    artefacts, not extreme answers). ``rate=0`` is the reward model alone.
+
+    ``log``: a JSONL file that gets one line per training call, ``{"step", "prompts", "rewards", "artefacts"}``
+    (calls without ``trainer_state``, e.g. a final eval, are not logged), for offline figures such as the reward
+    variance the tail carries.
+    """
+    from steadyrl.trainers.reward_model import reward_model_score
+
+    scores = reward_model_score(prompts, completions, path=path)
+    step = int(getattr(trainer_state, "global_step", 0) or 0)
+    offsets = artefact_offsets(len(scores), rate, low, high, seed, step) if rate > 0 else np.zeros(len(scores))
+    out = [s + float(o) if s is not None else None for s, o in zip(scores, offsets, strict=True)]
+    if log is not None and trainer_state is not None:
+        row = {"step": step, "prompts": [str(p) for p in prompts], "rewards": out, "artefacts": offsets.tolist()}
+        with open(log, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+    return out
+
+
 def repetition_reward(completions: Sequence[Any], **_: Any) -> list[float]:
     """Pays for repetition (forced entropy collapse): the share of the completion taken by its most common
     character, when that character occurs at least twice; else 0.0.

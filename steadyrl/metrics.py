@@ -171,6 +171,9 @@ PPO_BETA = "ppo/beta"
 PPO_KL = "ppo/kl"
 PPO_VALUE_LOSS = "ppo/value_loss"
 PPO_CLIPFRAC_VALUE = "ppo/clipfrac_value"
+# L2 norms of the policy's and the critic's gradients as the backward passes left them (before any guard or clip)
+PPO_POLICY_GRAD_NORM = "ppo/policy_grad_norm"
+PPO_CRITIC_GRAD_NORM = "ppo/critic_grad_norm"
 
 # ----------------------------------------------------------------------------------- steadyrl, periodic eval
 

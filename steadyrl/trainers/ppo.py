@@ -61,8 +61,10 @@ from steadyrl.config.schema import PPOSection
 from steadyrl.metrics import (
     PPO_BETA,
     PPO_CLIPFRAC_VALUE,
+    PPO_CRITIC_GRAD_NORM,
     PPO_EXPLAINED_VARIANCE,
     PPO_KL,
+    PPO_POLICY_GRAD_NORM,
     PPO_RETURNS_MEAN,
     PPO_VALUE_LOSS,
     PPO_VALUES_MEAN,
@@ -197,6 +199,21 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
             raise FileNotFoundError(f"{resume_from_checkpoint} has no {CRITIC_FILE}: not a steadyrl PPO checkpoint")
         wrapper.critic.load_state_dict(load_file(str(path), device=str(self.accelerator.device)))
 
+    def _clip_grad_norm(self, model):
+        """Log the policy's and the critic's gradient norms apart (``ppo/policy_grad_norm``, ``ppo/critic_grad_norm``),
+        then the parent's step decision and clipping. TRL's ``grad_norm`` is the norm of both together, and the
+        critic's part can dominate it, so the policy gradient's own variance needs its own figure.
+
+        They are read before any guard or clip touches the gradients (under DDP after the all-reduce; under the
+        micro-batch spike gate, the sum of the kept micro-batches before their mean is taken). Under DeepSpeed the
+        gradients live in the engine's partitions and only the engine's total norm is logged.
+        """
+        if not self.is_deepspeed_enabled:
+            wrapper = self.policy_and_value
+            self._guard_metric(PPO_POLICY_GRAD_NORM, _grad_norm(wrapper.policy.parameters()))
+            self._guard_metric(PPO_CRITIC_GRAD_NORM, _grad_norm(wrapper.critic.parameters()))
+        return super()._clip_grad_norm(model)
+
     # ------------------------------------------------------------------ rewards -> GAE advantages
 
     def _rewrites_advantages(self) -> bool:
@@ -307,3 +324,11 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
             yield
         finally:
             self.beta = self.beta_base * math.prod(self.beta_factors.values())
+
+
+def _grad_norm(parameters: Iterator[torch.nn.Parameter]) -> float:
+    """L2 norm of the gradients of ``parameters`` (those without one count as zero); NaN/inf propagate."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double()))

@@ -66,6 +66,12 @@ def test_ppo_run_trains_policy_and_critic(tiny_model_dir, tmp_path):
         values = per_step(history, key)
         assert len(values) == 4 and all(math.isfinite(v) for v in values), (key, values)
     assert per_step(history, "kl") == []  # TRL's loss-side KL term is off: PPO's KL is in the reward
+    # the policy's and the critic's gradient norms split TRL's total (pre-clip) norm exactly: p^2 + c^2 = total^2
+    policy_norm, critic_norm = per_step(history, "ppo/policy_grad_norm"), per_step(history, "ppo/critic_grad_norm")
+    total_norm = per_step(history, "grad_norm")
+    assert len(policy_norm) == len(critic_norm) == len(total_norm) == 4
+    for p, c, t in zip(policy_norm, critic_norm, total_norm, strict=True):
+        assert p > 0 and c > 0 and math.isclose(math.hypot(p, c), t, rel_tol=1e-4), (p, c, t)
     assert per_step(history, "ppo/kl")[0] == 0.0  # the first rollout's policy is the reference
     # values start at exactly 0, so the first explained variance is exactly 0 and the critic then learns
     assert per_step(history, "ppo/explained_variance")[0] == 0.0

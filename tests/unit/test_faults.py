@@ -17,10 +17,12 @@ from steadyrl.faults import (
     InfExpAvgSqAtStep,
     NanLossAtStep,
     _times_nan,
+    artefact_offsets,
     exact_match_cauchy,
     exact_match_nonfinite_burst,
     read_fault_log,
     repetition_reward,
+    reward_model_artefacts,
 )
 
 
@@ -37,6 +39,36 @@ def test_cauchy_reward_is_reproducible_per_seed_and_step():
 
 def test_zero_scale_is_exact_match():
     assert exact_match_cauchy(["5", "6"], ["5", "5"], scale=0.0) == [1.0, 0.0]
+
+
+def test_artefacts_hit_their_rate_with_magnitudes_in_range_and_repeat_per_seed_and_step():
+    offsets = artefact_offsets(20000, rate=0.05, low=5.0, high=20.0, seed=3, step=8)
+    hit = offsets[offsets != 0]
+    assert 0.045 < len(hit) / len(offsets) < 0.055
+    assert (abs(hit) >= 5.0).all() and (abs(hit) <= 20.0).all()
+    assert 0.45 < (hit > 0).mean() < 0.55  # both signs
+    assert (artefact_offsets(20000, 0.05, 5.0, 20.0, seed=3, step=8) == offsets).all()
+    assert not (artefact_offsets(20000, 0.05, 5.0, 20.0, seed=3, step=9) == offsets).all()
+    assert not (artefact_offsets(20000, 0.0, 5.0, 20.0, seed=3, step=8)).any()
+
+
+def test_reward_model_artefacts_adds_the_offsets_and_logs_training_calls_only(tmp_path, monkeypatch):
+    import json
+
+    import steadyrl.trainers.reward_model as rm
+
+    monkeypatch.setattr(rm, "reward_model_score", lambda prompts, completions, path: [1.0, None, -2.0, 0.5])
+    log = tmp_path / "rewards.jsonl"
+    state = SimpleNamespace(global_step=4)
+    args = (["p"] * 4, ["c"] * 4)
+    out = reward_model_artefacts(*args, path="rm", rate=0.5, seed=1, log=str(log), trainer_state=state)
+    offsets = artefact_offsets(4, 0.5, 5.0, 20.0, seed=1, step=4)
+    assert out[1] is None  # unscorable stays unscorable
+    assert [out[i] for i in (0, 2, 3)] == [1.0 + offsets[0], -2.0 + offsets[2], 0.5 + offsets[3]]
+    reward_model_artefacts(*args, path="rm", rate=0.5, seed=1, log=str(log))  # an eval call: not logged
+    (line,) = log.read_text().splitlines()
+    assert json.loads(line) == {"step": 4, "prompts": ["p"] * 4, "rewards": out, "artefacts": offsets.tolist()}
+    assert reward_model_artefacts(*args, path="rm") == [1.0, None, -2.0, 0.5]  # rate 0: the reward model alone
 
 
 # ------------------------------------------------------------------------------------- reward-side faults
