@@ -170,7 +170,7 @@ def reward_model_artefacts(
     **_: Any,
 ) -> list[float | None]:
     """A trained reward model's normalised score plus occasional large artefacts (``artefact_offsets``): the
-    long-tailed learned RM of docs/DESIGN.md "GRADE: reward scaler" (seed 004 §2.3: extreme scores are RM
+    long-tailed learned RM of docs/DESIGN.md "GRADE: reward scaler" (extreme scores are reward-model
     artefacts, not extreme answers). ``rate=0`` is the reward model alone.
 
     ``log``: a JSONL file that gets one line per training call, ``{"step", "prompts", "rewards", "artefacts"}``
