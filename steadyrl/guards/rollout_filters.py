@@ -3,15 +3,18 @@ length, parrot (copies the prompt), repetition, near-duplicate, zero-variance gr
 them (docs/DESIGN.md, "QUATRO: rollout filters").
 
 Filters work on token ids (tokenizer-agnostic), so n-gram sizes are in tokens. The caller passes rewards and ids
-gathered over all ranks, so every rank keeps the same rows.
+gathered over all ranks, so every rank keeps the same rows. The ids come as padded tensors (``TokenBatch``) and every
+filter is tensor code over the whole batch: each n-gram is one exact int64 code (``ngram_codes``), and sorts,
+``searchsorted`` and comparisons count repeats, prompt copies and shared n-grams (``repeat_shares``,
+``parrot_shares``, ``group_jaccard``). ``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -122,6 +125,11 @@ class FilterConfig:
             raise ValueError("invalid FilterConfig: " + "; ".join(problems))
 
 
+# ------------------------------------------------------------------ per-row measures (Python lists)
+# The reference the tensor measures below are tested against (tests/unit/test_rollout_filters_vectorised.py);
+# ``RolloutFilter`` itself no longer calls them.
+
+
 def ngrams(ids: Sequence[int], n: int) -> list[tuple[int, ...]]:
     """The n-grams of ``ids`` at every position (len(ids) - n + 1 of them; none when shorter than n)."""
     return [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
@@ -153,6 +161,283 @@ def jaccard(a: set[tuple[int, ...]], b: set[tuple[int, ...]]) -> float:
     return len(a & b) / union if union else 1.0
 
 
+# ------------------------------------------------------------------ token batches and n-gram codes (tensors)
+
+
+@dataclass(eq=False)  # tensors: no elementwise ==
+class TokenBatch:
+    """B rows of token ids, left-aligned in a padded tensor: row b is ``ids[b, :lengths[b]]``.
+
+    ids: (B, T) integer (stored as int64), anything past a row's length is padding; lengths: (B,) in [0, T].
+    """
+
+    ids: torch.Tensor
+    lengths: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.ndim != 2 or self.ids.is_floating_point() or self.ids.is_complex() or self.ids.dtype == torch.bool:
+            raise ValueError(f"ids must be a (B, T) integer tensor, got {self.ids.dtype} {tuple(self.ids.shape)}")
+        if self.lengths.shape != (self.ids.shape[0],):
+            raise ValueError(f"lengths must have shape ({self.ids.shape[0]},), got {tuple(self.lengths.shape)}")
+        self.ids = self.ids.long()
+        self.lengths = self.lengths.to(device=self.ids.device, dtype=torch.long)
+        if self.lengths.numel():
+            low, high = (int(v) for v in torch.aminmax(self.lengths))
+            if low < 0 or high > self.width:
+                raise ValueError(f"lengths must lie in [0, {self.width}] (the width of ids), got [{low}, {high}]")
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[int] | torch.Tensor]) -> TokenBatch:
+        """Unpadded rows (lists of ids, or 1-d tensors) -> one right-padded batch."""
+        lists = [r.tolist() if isinstance(r, torch.Tensor) else r for r in rows]
+        lengths = torch.tensor([len(r) for r in lists], dtype=torch.long)
+        width = int(lengths.max()) if lists else 0
+        ids = torch.zeros((len(lists), width), dtype=torch.long)
+        ids[torch.arange(width) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+        return cls(ids, lengths)
+
+    @classmethod
+    def from_mask(cls, ids: torch.Tensor, mask: torch.Tensor) -> TokenBatch:
+        """The ids where ``mask`` is set, in order, left-aligned: ``row[mask.bool()]`` of every row (so left, right
+        or any other padding)."""
+        keep = mask.bool()
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept positions first, in order
+        return cls(ids.gather(1, order), keep.sum(dim=1))
+
+    def valid(self) -> torch.Tensor:
+        """(B, T) bool: the positions inside each row."""
+        return torch.arange(self.width, device=self.ids.device) < self.lengths[:, None]
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return self if self.ids.device == torch.device(device) else TokenBatch(self.ids.to(device), self.lengths)
+
+    def to_lists(self) -> list[list[int]]:
+        return [row[:n] for row, n in zip(self.ids.tolist(), self.lengths.tolist(), strict=True)]
+
+
+NO_GRAM = torch.iinfo(torch.int64).max
+"""The code of a window that is no n-gram (it runs past its row's end): above every real code, so it sorts last."""
+
+_INT64_MAX = NO_GRAM
+
+
+def _windows(batch: TokenBatch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L, n) windows ``ids[b, j : j + n]`` (L = max(T - n + 1, 0)) and (B, L) bool: the window is an n-gram."""
+    rows, width = batch.ids.shape
+    count = max(width - n + 1, 0)
+    windows = batch.ids.unfold(1, n, 1) if count else batch.ids.new_zeros((rows, 0, n))
+    grams = torch.arange(count, device=batch.ids.device) < (batch.lengths - (n - 1))[:, None]
+    return windows, grams
+
+
+def _id_range(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """(min, max) over the tensors' values; None when they hold none."""
+    ranges = [torch.aminmax(t) for t in tensors if t.numel()]
+    if not ranges:
+        return None
+    return min(int(lo) for lo, _ in ranges), max(int(hi) for _, hi in ranges)
+
+
+def _pack(digits: torch.Tensor, base: int) -> torch.Tensor:
+    """(..., k) digits in [0, base) -> (...,) their base-``base`` numbers (the caller checks base**k < 2**63)."""
+    k = digits.shape[-1]
+    powers = torch.tensor([base ** (k - 1 - j) for j in range(k)], dtype=torch.long, device=digits.device)
+    return (digits * powers).sum(dim=-1)
+
+
+def ngram_codes(batches: Sequence[TokenBatch], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every n-gram of every row as one int64, in one code space for all ``batches``: equal codes <=> equal n-grams.
+
+    Returns per batch (codes, grams), both (B, L) with L = max(T - n + 1, 0): window j of row b is
+    ``ids[b, j : j + n]``, an n-gram where ``grams`` (j + n <= lengths[b]); ``codes`` is ``NO_GRAM`` elsewhere.
+
+    Exact, no hashing. With the ids shifted to [0, base) (base = max - min + 1 of the ids), an n-gram is the
+    base-``base`` number of its n ids when base**n < 2**63: up to 55108 distinct ids for n = 4, 2097151 for n = 3.
+    The range is first taken over the whole tensors (padding included: one reduction, and a wider range is still
+    exact), then, if that does not fit, over the rows' ids only. When even that does not fit, each n-gram packs into
+    several such words (one id per word when the ids span more than 2**63) and the codes are the dense ranks of the
+    word tuples over all n-grams of the call (``torch.unique(dim=0)``: exact lexicographic comparison; slower).
+    """
+    parts = [_windows(b, n) for b in batches]
+    span, outside = _id_range([b.ids for b in batches]), False
+    if span is not None and (span[1] - span[0] + 1) ** n > _INT64_MAX:
+        span, outside = _id_range([b.ids[b.valid()] for b in batches]), True  # padding may widen the range
+    if span is None:  # no ids at all, so no n-grams
+        return [(torch.full(g.shape, NO_GRAM, dtype=torch.long, device=g.device), g) for _, g in parts]
+    lo, base = span[0], span[1] - span[0] + 1
+    if base**n <= _INT64_MAX:
+        out = []
+        for windows, grams in parts:
+            digits = windows.clamp(*span) if outside else windows  # padding outside the range: masked below
+            code = _pack(digits - lo if lo else digits, base)
+            out.append((torch.where(grams, code, NO_GRAM), grams))
+        return out
+    per_word = 0
+    while base ** (per_word + 1) <= _INT64_MAX:
+        per_word += 1
+    grams_flat = torch.cat([w[g] for w, g in parts])  # (M, n): every n-gram of the call
+    if per_word == 0:
+        words = grams_flat  # ids spanning more than 2**63: compare the ids themselves
+    else:
+        digits = grams_flat - lo
+        words = torch.stack([_pack(digits[:, s : s + per_word], base) for s in range(0, n, per_word)], dim=1)
+    _, ranks = torch.unique(words, dim=0, return_inverse=True)
+    out, start = [], 0
+    for _, grams in parts:
+        codes = torch.full(grams.shape, NO_GRAM, dtype=torch.long, device=grams.device)
+        count = int(grams.sum())
+        codes[grams] = ranks[start : start + count]
+        start += count
+        out.append((codes, grams))
+    return out
+
+
+def _distinct(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) codes -> each row sorted (``NO_GRAM`` last) and (B, L) bool: the first of each distinct n-gram."""
+    ordered = codes.sort(dim=1).values
+    first = ordered != NO_GRAM
+    first[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    return ordered, first
+
+
+def _share(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """count / total in float64 (the correctly rounded quotient, as Python's int / int); 0 where total is 0."""
+    return (count.double() / total).nan_to_num_(nan=0.0)
+
+
+def repeat_shares(completions: TokenBatch, n: int) -> torch.Tensor:
+    """(B,) float64 ``repeat_share`` of every row: 1 - distinct / total n-grams; 0 without n-grams."""
+    ((codes, grams),) = ngram_codes([completions], n)
+    distinct = _distinct(codes)[1].sum(dim=1)
+    # 1 - distinct / total, rounded as the reference rounds it (repeated / total can differ in the last bit)
+    return (1.0 - distinct.double() / grams.sum(dim=1)).nan_to_num_(nan=0.0)
+
+
+def parrot_shares(prompts: TokenBatch, completions: TokenBatch, n: int) -> torch.Tensor:
+    """(B,) float64 ``parrot_share`` of every row: the share of the completion's n-gram positions whose n-gram
+    occurs in the prompt of the same row; 0 without completion n-grams."""
+    if prompts.rows != completions.rows:
+        raise ValueError(f"got {prompts.rows} prompts for {completions.rows} completions")
+    (prompt_codes, _), (codes, grams) = ngram_codes([prompts, completions], n)
+    if prompt_codes.shape[1] and codes.shape[1] and codes.shape[0]:
+        ordered = prompt_codes.sort(dim=1).values
+        at = torch.searchsorted(ordered, codes).clamp_(max=ordered.shape[1] - 1)
+        hits = ((ordered.gather(1, at) == codes) & grams).sum(dim=1)
+    else:
+        hits = torch.zeros(completions.rows, dtype=torch.long, device=completions.ids.device)
+    return _share(hits, grams.sum(dim=1))
+
+
+def group_jaccard(completions: TokenBatch, n: int, num_generations: int) -> torch.Tensor:
+    """(P, G, G) float64: the Jaccard similarity of the n-gram sets (``_gram_set``) of every two rows of a group.
+
+    A row shorter than n is one gram, itself: it matches only an identical row (1.0), nothing else (0.0). One sort
+    per group ranks the n-grams of all its rows; the (n-gram, row) incidence matrix M then gives every |A & B| at
+    once as M^T M (exact: 0/1 entries, integer sums far below 2**24), and |A| on its diagonal.
+    """
+    rows, group = completions.rows, num_generations
+    if group < 1 or rows % group:
+        raise ValueError(f"num_generations={num_generations} does not divide the batch of {rows}")
+    ((codes, _),) = ngram_codes([completions], n)
+    groups, width = rows // group, codes.shape[1]
+    if width and rows:
+        ordered, order = codes.view(groups, group * width).sort(dim=1)
+        starts = torch.ones_like(ordered, dtype=torch.bool)
+        starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        rank = starts.cumsum(dim=1) - 1  # the n-gram's id within its group; NO_GRAM windows share the last one
+        dtype = torch.float32 if group * width < 2**24 else torch.float64
+        incidence = torch.zeros((groups, group * width, group), dtype=dtype)
+        # NO_GRAM's id gets 0s only, a real n-gram's 1s only (a row's repeats write the same 1)
+        incidence.view(groups, -1).scatter_(1, rank * group + order // width, (ordered != NO_GRAM).to(dtype))
+        inter = torch.bmm(incidence.transpose(1, 2), incidence).double()
+    else:
+        inter = torch.zeros((groups, group, group), dtype=torch.float64)
+    # short rows (< n ids, so all inside the first n - 1 columns): one shared gram when the rows are identical
+    head = min(n - 1, completions.width)
+    ids = completions.ids[:, :head].masked_fill(~completions.valid()[:, :head], 0).view(groups, group, head)
+    lengths, short = completions.lengths.view(groups, group), (completions.lengths < n).view(groups, group)
+    same = (ids[:, :, None] == ids[:, None]).all(dim=-1) & (lengths[:, :, None] == lengths[:, None])
+    inter += same & short[:, :, None] & short[:, None]
+    size = inter.diagonal(dim1=1, dim2=2)  # |A|: distinct n-grams, or 1 for a short row
+    return inter / (size[:, :, None] + size[:, None] - inter)  # the union is >= 1: every gram set has a gram
+
+
+def near_duplicate_hits(
+    completions: TokenBatch, alive: torch.Tensor, n: int, max_jaccard: float, num_generations: int
+) -> torch.Tensor:
+    """(B,) bool: rows of ``alive`` (B,) whose ``group_jaccard`` with an earlier alive, not-hit row of their group
+    (a representative) is above ``max_jaccard``; the first of each cluster stays. The greedy pass is sequential by
+    nature: it runs in Python over the (P, G, G) similarity flags, O(B G) steps."""
+    similar = (group_jaccard(completions, n, num_generations) > max_jaccard).tolist()
+    alive_rows = alive.tolist()
+    hits = [False] * len(alive_rows)
+    for g, flags in enumerate(similar):
+        representatives: list[int] = []
+        for k, row in enumerate(flags):
+            i = g * num_generations + k
+            if not alive_rows[i]:
+                continue
+            if any(row[j] for j in representatives):
+                hits[i] = True
+            else:
+                representatives.append(k)
+    return torch.tensor(hits, dtype=torch.bool)
+
+
+def no_signal_groups(rewards: torch.Tensor, kept: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(P,) bool: groups whose kept rows have fewer than 2 finite rewards, or all-equal ones. rewards, kept: (N,)."""
+    shape = (rewards.numel() // num_generations, num_generations)
+    values = rewards.view(shape)
+    members = kept.view(shape) & torch.isfinite(values)
+    high = torch.where(members, values, -math.inf).amax(dim=1)
+    low = torch.where(members, values, math.inf).amin(dim=1)
+    return (members.sum(dim=1) < 2) | (high == low)
+
+
+class LengthHistory:
+    """The last ``capacity`` completion lengths, oldest first, in a float64 ring buffer (exact below 2**53): a batch
+    of lengths goes in with two slice copies, and ``values`` hands them to ``torch.quantile`` without a list."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buffer = torch.zeros(capacity, dtype=torch.float64)
+        self._count = 0
+        self._next = 0  # where the next length goes; the oldest one sits here once the buffer is full
+
+    def __len__(self) -> int:
+        return self._count
+
+    def extend(self, lengths: torch.Tensor) -> None:
+        """Append (k,) lengths; the oldest ones fall out past ``capacity``."""
+        lengths = lengths.reshape(-1)[-self.capacity :].to(torch.float64)
+        k = lengths.numel()
+        head = min(k, self.capacity - self._next)
+        self._buffer[self._next : self._next + head] = lengths[:head]
+        self._buffer[: k - head] = lengths[head:]
+        self._next = (self._next + k) % self.capacity
+        self._count = min(self._count + k, self.capacity)
+
+    def values(self) -> torch.Tensor:
+        """The remembered lengths in buffer order (not oldest first: for order-free statistics)."""
+        return self._buffer[: self._count]
+
+    def tolist(self) -> list[int]:
+        """The remembered lengths, oldest first."""
+        if self._count < self.capacity:
+            ordered = self._buffer[: self._count]
+        else:
+            ordered = torch.cat([self._buffer[self._next :], self._buffer[: self._next]])
+        return [int(v) for v in ordered.tolist()]
+
+
 @dataclass
 class FilterResult:
     keep: torch.Tensor  # (N,) bool, on the rewards' device
@@ -171,9 +456,13 @@ class FilterResult:
 class RolloutFilter:
     """Rollout quality filters: ``filt(rewards, prompt_ids, completion_ids, num_generations) -> FilterResult``.
 
-    Inputs cover the whole generation batch, gathered over ranks: rewards (N,) with NaN = unscorable, and N token-id
-    lists without padding; groups are consecutive runs of ``num_generations`` rows. The filters run in the order of
-    ``FILTER_REASONS``; the first four judge each row on its own, the last two look at the rows still kept:
+    Inputs cover the whole generation batch, gathered over ranks: rewards (N,) with NaN = unscorable, and the token
+    ids of N prompts and N completions, each a ``TokenBatch`` (padded (N, T) ids with lengths) or N unpadded id
+    lists; groups are consecutive runs of ``num_generations`` rows. The work is tensor code over the whole batch on
+    the CPU (``repeat_shares``, ``parrot_shares``, ``near_duplicate_hits``, ...);
+    ``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version it is tested against. The filters
+    run in the order of ``FILTER_REASONS``; the first four judge each row on its own, the last two look at the rows
+    still kept:
 
     - zscore: |r - mean| / std > ``max_abs_z`` over the finite rewards of the batch (unbiased std; skipped when
       std == 0, fewer than 2 or fewer than ``min_distinct`` distinct finite values). NaN rewards never drop.
@@ -196,7 +485,7 @@ class RolloutFilter:
 
     def __init__(self, config: FilterConfig | None = None) -> None:
         self.config = config or FilterConfig()
-        self._lengths: deque[int] = deque(maxlen=self.config.length.history)
+        self._lengths = LengthHistory(self.config.length.history)
         self.calls = 0
         self.dropped = dict.fromkeys(FILTER_REASONS, 0)  # totals over all calls
 
@@ -205,7 +494,7 @@ class RolloutFilter:
         ln = self.config.length
         if not ln.rolling or len(self._lengths) < ln.min_history:
             return None
-        history = torch.tensor(list(self._lengths), dtype=torch.float64)
+        history = self._lengths.values()
         q = torch.tensor([ln.percentile_low / 100.0, ln.percentile_high / 100.0], dtype=torch.float64)
         low, high = torch.quantile(history, q, interpolation="linear").tolist()
         return low, high
@@ -213,69 +502,53 @@ class RolloutFilter:
     def __call__(
         self,
         rewards: torch.Tensor,
-        prompt_ids: Sequence[Sequence[int]],
-        completion_ids: Sequence[Sequence[int]],
+        prompt_ids: TokenBatch | Sequence[Sequence[int]],
+        completion_ids: TokenBatch | Sequence[Sequence[int]],
         num_generations: int,
     ) -> FilterResult:
         if rewards.ndim != 1:
             raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
         n_rows = rewards.shape[0]
-        if len(prompt_ids) != n_rows or len(completion_ids) != n_rows:
+        prompts, completions = _token_batch(prompt_ids), _token_batch(completion_ids)
+        if prompts.rows != n_rows or completions.rows != n_rows:
             raise ValueError(
-                f"got {len(prompt_ids)} prompts and {len(completion_ids)} completions for {n_rows} rewards; "
+                f"got {prompts.rows} prompts and {completions.rows} completions for {n_rows} rewards; "
                 "need one of each per row"
             )
         if num_generations < 1 or n_rows % num_generations:
             raise ValueError(f"num_generations={num_generations} does not divide the batch of {n_rows}")
         cfg = self.config
-        prompts = [_as_list(p) for p in prompt_ids]
-        completions = [_as_list(c) for c in completion_ids]
         r = rewards.detach().to(device="cpu", dtype=torch.float64)
-        finite = torch.isfinite(r)
-        reason: list[str | None] = [None] * n_rows
-
-        def mark(hits: Sequence[bool], name: str) -> None:
-            for i, hit in enumerate(hits):
-                if hit and reason[i] is None:
-                    reason[i] = name
-
+        # reason: 0 kept, k dropped by FILTER_REASONS[k - 1], the first filter (in that order) that drops the row
+        reason = torch.zeros(n_rows, dtype=torch.long)
+        own: list[tuple[str, torch.Tensor]] = []  # the filters that judge each row on its own
         if cfg.zscore.enabled:
-            mark(self._zscore_hits(r, finite), "zscore")
-        lengths = [len(c) for c in completions]
+            own.append(("zscore", self._zscore_hits(r)))
+        lengths = completions.lengths
         if cfg.length.enabled:
-            ln = cfg.length
-            bounds = self.length_range()
-            mark(
-                [
-                    n < ln.min_tokens
-                    or (ln.max_tokens is not None and n > ln.max_tokens)
-                    or (bounds is not None and not bounds[0] <= n <= bounds[1])
-                    for n in lengths
-                ],
-                "length",
-            )
+            own.append(("length", self._length_hits(lengths)))
         if cfg.parrot.enabled:
-            p = cfg.parrot
-            mark([parrot_share(a, b, p.n) > p.max_overlap for a, b in zip(prompts, completions, strict=True)], "parrot")
+            own.append(("parrot", parrot_shares(prompts, completions, cfg.parrot.n) > cfg.parrot.max_overlap))
         if cfg.repetition.enabled:
-            rep = cfg.repetition
-            mark([repeat_share(c, rep.n) > rep.max_repeat_share for c in completions], "repetition")
-        if cfg.near_duplicate.enabled:
-            mark(self._near_duplicate_hits(completions, reason, num_generations), "near_duplicate")
+            repeats = repeat_shares(completions, cfg.repetition.n) > cfg.repetition.max_repeat_share
+            own.append(("repetition", repeats))
+        for name, hits in reversed(own):  # the last write wins: the earliest filter's
+            reason.masked_fill_(hits, FILTER_REASONS.index(name) + 1)
 
-        values = r.tolist()
-        num_groups = n_rows // num_generations
-        no_signal = [False] * num_groups
-        for g in range(num_groups):
-            rows = range(g * num_generations, (g + 1) * num_generations)
-            kept = [values[i] for i in rows if reason[i] is None and math.isfinite(values[i])]
-            no_signal[g] = len(kept) < 2 or max(kept) == min(kept)
+        def mark(hits: torch.Tensor, name: str) -> None:
+            reason.masked_fill_((reason == 0) & hits, FILTER_REASONS.index(name) + 1)
+
+        if cfg.near_duplicate.enabled:
+            nd = cfg.near_duplicate
+            mark(near_duplicate_hits(completions, reason == 0, nd.n, nd.max_jaccard, num_generations), "near_duplicate")
+        no_signal = no_signal_groups(r, reason == 0, num_generations)
         if cfg.zero_variance.enabled:
-            mark([no_signal[i // num_generations] for i in range(n_rows)], "zero_variance")
+            mark(no_signal.repeat_interleave(num_generations), "zero_variance")
 
         self._lengths.extend(lengths)
         self.calls += 1
-        counts = {name: sum(x == name for x in reason) for name in FILTER_REASONS}
+        per_reason = torch.bincount(reason, minlength=len(FILTER_REASONS) + 1).tolist()[1:]
+        counts = dict(zip(FILTER_REASONS, per_reason, strict=True))
         for name, count in counts.items():
             self.dropped[name] += count
         n_dropped = sum(counts.values())
@@ -287,49 +560,44 @@ class RolloutFilter:
                 f"guards.quatro.filters.max_drop_share={cfg.max_drop_share}): {detail}. Check the rewards and the "
                 "filter thresholds (guards.quatro.filters.<filter>), or turn the busiest filter off"
             )
-        keep = torch.tensor([x is None for x in reason], dtype=torch.bool, device=rewards.device)
-        groups = torch.tensor(no_signal, dtype=torch.bool, device=rewards.device)
-        return FilterResult(keep, counts, groups, warning)
+        keep = (reason == 0).to(rewards.device)
+        return FilterResult(keep, counts, no_signal.to(rewards.device), warning)
 
-    def _zscore_hits(self, r: torch.Tensor, finite: torch.Tensor) -> list[bool]:
+    def _zscore_hits(self, r: torch.Tensor) -> torch.Tensor:
         zc = self.config.zscore
+        finite = torch.isfinite(r)
         values = r[finite]
         if values.numel() < 2 or torch.unique(values).numel() < zc.min_distinct:
-            return [False] * r.numel()
+            return torch.zeros_like(finite)
         std = values.std().item()
         if not std > 0:
-            return [False] * r.numel()
+            return torch.zeros_like(finite)
         z = (r - values.mean()) / std
-        return (finite & (z.abs() > zc.max_abs_z)).tolist()
+        return finite & (z.abs() > zc.max_abs_z)
 
-    def _near_duplicate_hits(
-        self, completions: list[list[int]], reason: list[str | None], num_generations: int
-    ) -> list[bool]:
-        nd = self.config.near_duplicate
-        hits = [False] * len(completions)
-        for start in range(0, len(completions), num_generations):
-            representatives: list[set[tuple[int, ...]]] = []
-            for i in range(start, start + num_generations):
-                if reason[i] is not None:
-                    continue
-                grams = _gram_set(completions[i], nd.n)
-                if any(jaccard(grams, rep) > nd.max_jaccard for rep in representatives):
-                    hits[i] = True
-                else:
-                    representatives.append(grams)
+    def _length_hits(self, lengths: torch.Tensor) -> torch.Tensor:
+        ln = self.config.length
+        n = lengths.double()  # exact; comparing int64 with a float would round both to float32
+        hits = n < ln.min_tokens
+        if ln.max_tokens is not None:
+            hits |= n > ln.max_tokens
+        bounds = self.length_range()
+        if bounds is not None:
+            hits |= ~((n >= bounds[0]) & (n <= bounds[1]))
         return hits
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "lengths": list(self._lengths), "calls": self.calls, "dropped": dict(self.dropped)}
+        return {"version": 1, "lengths": self._lengths.tolist(), "calls": self.calls, "dropped": dict(self.dropped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._lengths = deque((int(v) for v in state["lengths"]), maxlen=self.config.length.history)
+        self._lengths = LengthHistory(self.config.length.history)
+        self._lengths.extend(torch.tensor([int(v) for v in state["lengths"]], dtype=torch.long))
         self.calls = int(state["calls"])
         self.dropped = {name: int(state["dropped"].get(name, 0)) for name in FILTER_REASONS}
 
 
-def _as_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
-    return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+def _token_batch(ids: TokenBatch | Sequence[Sequence[int]]) -> TokenBatch:
+    return (ids if isinstance(ids, TokenBatch) else TokenBatch.from_lists(ids)).to("cpu")
 
 
 def masked_group_advantages(

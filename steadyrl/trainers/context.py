@@ -45,14 +45,28 @@ class RuntimeContext:
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seconds: float = 0.0  # wall time spent inside ``timer()`` blocks (the guard overhead figure)
+    _timer_depth: int = 0
 
     @contextlib.contextmanager
     def timer(self) -> Iterator[None]:
-        """Adds the wall time of the block to ``seconds`` (the overhead figure of bench_overhead.py)."""
+        """Adds the wall time of the block to ``seconds`` (the overhead figure of bench_overhead.py).
+
+        Blocks may nest (a timed hook that calls a timed runtime): only the outermost one counts, so no second
+        is counted twice.
+        """
+        if self._timer_depth:
+            self._timer_depth += 1
+            try:
+                yield
+            finally:
+                self._timer_depth -= 1
+            return
+        self._timer_depth = 1
         start = time.perf_counter()
         try:
             yield
         finally:
+            self._timer_depth = 0
             self.seconds += time.perf_counter() - start
 
     def log_metrics(self, metrics: dict[str, float]) -> None:

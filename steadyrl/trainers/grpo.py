@@ -225,7 +225,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             with self.ctx.timer():
                 self.scratch.scores = (rewards_per_func, gather_object(list(prompts)))
                 if self.quatro is not None and self.quatro.filters_on:
-                    self.scratch.completion_ids = [list(ids) for ids in completion_ids_list]  # unpadded, this rank
+                    lengths = [len(ids) for ids in completion_ids_list]  # this rank's, unpadded
+                    self.scratch.completion_lengths = torch.tensor(lengths, dtype=torch.long)
         return rewards_per_func
 
     def _prepare_inputs(self, generation_batch):
@@ -253,10 +254,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
         start, local = self.accelerator.process_index * len(inputs), len(inputs)
         keep = None
         with self.ctx.timer():
-            completion_ids, self.scratch.completion_ids = self.scratch.completion_ids, None
-            if completion_ids is not None and training:
+            completion_lengths, self.scratch.completion_lengths = self.scratch.completion_lengths, None
+            if completion_lengths is not None and training:
                 rewards = weighted_rewards(rewards_per_func, self.reward_weights)
-                keep = self.quatro.filter_generation(output, rewards, completion_ids, num_generations)
+                keep = self.quatro.filter_generation(output, rewards, completion_lengths, num_generations)
             advantages = self.compute_advantages(rewards_per_func, prompts, num_generations, keep=keep)
             output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
             if keep is not None:
@@ -285,6 +286,11 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        with self.ctx.timer():  # the checks and the floor on every log-prob forward are guard cost too
+            return self._guard_logps(logps), entropies, aux_loss
+
+    def _guard_logps(self, logps: torch.Tensor) -> torch.Tensor:
+        """Finite counts, observe mode's would-clamp count, the log-prob floor, and the loss's ratio check."""
         if self.finite_checks:
             self._guard_metric(GEPO_NONFINITE_LOGPROBS, float((~torch.isfinite(logps)).sum()))
         if self.observe_logprob_min is not None:
@@ -300,7 +306,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 log_ratio = logps.detach() - (logps.detach() if old is None else old)
                 bad = ~torch.isfinite(torch.exp(log_ratio)) & inputs["completion_mask"].bool()
                 self._guard_metric(GEPO_NONFINITE_RATIOS, float(bad.sum()))
-        return logps, entropies, aux_loss
+        return logps
 
     def _compute_loss(self, model, inputs):
         if not self.finite_checks and self.quatro is None:
@@ -313,6 +319,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
         finally:
             self.scratch.loss_inputs = None
         logps, self.scratch.loss_logps = self.scratch.loss_logps, None
+        with self.ctx.timer():  # QUATRO's per-micro-batch measurements and the finite check of the loss
+            return self._after_loss(loss, inputs, logps, replay)
+
+    def _after_loss(self, loss: torch.Tensor, inputs: dict[str, Any], logps: Any, replay: bool) -> torch.Tensor:
         if self.quatro is not None and self.model.training:
             # TRL's kl / entropy of this micro-batch, for the controllers
             self.quatro.record_micro_batch(inputs, *trl_state.logged_kl_and_entropy(self))
@@ -442,8 +452,9 @@ class _GuardClock(TrainerCallback):
                     metrics[QUATRO_BETA] = t.beta  # the effective coefficient, every factor included
                 t.ctx.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
         if t.step_guards or t.observe_step_guards or t._rewrites_advantages() or t.quatro is not None:
-            # seconds spent in steadyrl's guard code during this optimizer step (its whole overhead but the
-            # checks in the log-prob hook, which are a few elementwise ops)
+            # seconds spent in steadyrl's guard code during this optimizer step: every hook's guard work (rewards
+            # for the processor, advantages, filters, the log-prob checks and floor, the per-micro-batch
+            # measurements, the step decision, controllers, OPEFO); scripts/bench_overhead.py checks the remainder
             t._guard_metric(GUARD_SECONDS, t.ctx.seconds - self._last_guard_seconds)
         self._last_guard_seconds = t.ctx.seconds
 

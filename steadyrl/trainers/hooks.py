@@ -32,6 +32,7 @@ How each is overridden (never by copying the body):
   PPO), then replace ``advantages`` with (B, T) GAE advantages and add ``old_values`` / ``returns``.
 - ``_compute_loss``: call the parent with ``self.beta`` set to 0 (no KL term in the loss) inside
   ``PolicyAndValue.computing_values``, then add the clipped value loss.
+- ``_clip_grad_norm``: log the policy's and the critic's gradient norms apart, then call the parent.
 - ``create_optimizer``: call the parent, move the critic's parameters into their own groups (``ppo.critic_lr``).
 - ``_save`` / ``_load_from_checkpoint``: call the parent on the bare policy, then save / load ``critic.safetensors``.
 PPO relies on these TRL details (``ppo_internals_problems`` checks them): ``_compute_loss`` unsqueezes only 1-D
@@ -85,6 +86,7 @@ HOOKED_METHODS: dict[str, str] = {
 PPO_HOOKED_METHODS: dict[str, str] = {
     "_generate_and_score_completions": HOOKED_METHODS["_generate_and_score_completions"],
     "_compute_loss": HOOKED_METHODS["_compute_loss"],
+    "_clip_grad_norm": HOOKED_METHODS["_clip_grad_norm"],
     "create_optimizer": "(self, model=None) -> torch.optim.optimizer.Optimizer",
     "_save": "(self, output_dir: str | None = None, state_dict: dict | None = None) -> None",
     "_load_from_checkpoint": (

@@ -210,8 +210,9 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         """
         if not self.is_deepspeed_enabled:
             wrapper = self.policy_and_value
-            self._guard_metric(PPO_POLICY_GRAD_NORM, _grad_norm(wrapper.policy.parameters()))
-            self._guard_metric(PPO_CRITIC_GRAD_NORM, _grad_norm(wrapper.critic.parameters()))
+            with self.ctx.timer():  # steadyrl's cost (plain TRL has no such figure)
+                self._guard_metric(PPO_POLICY_GRAD_NORM, _grad_norm(wrapper.policy.parameters()))
+                self._guard_metric(PPO_CRITIC_GRAD_NORM, _grad_norm(wrapper.critic.parameters()))
         return super()._clip_grad_norm(model)
 
     # ------------------------------------------------------------------ rewards -> GAE advantages

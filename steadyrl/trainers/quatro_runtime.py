@@ -92,7 +92,7 @@ from steadyrl.guards.entropy_floor import EntropyFloor
 from steadyrl.guards.kl_controller import AdaptiveKL
 from steadyrl.guards.quatro import QuatroConfig
 from steadyrl.guards.replay import ReplayBuffer, replay_importance_ratio_sum
-from steadyrl.guards.rollout_filters import FILTER_REASONS, FilterResult, RolloutFilter
+from steadyrl.guards.rollout_filters import FILTER_REASONS, FilterResult, RolloutFilter, TokenBatch
 from steadyrl.metrics import (
     EVENT_ENTROPY_FLOOR_WARNING,
     EVENT_FILTER_WARNING,
@@ -304,8 +304,8 @@ class QuatroRuntime:
     def filter_rows(
         self,
         rewards: torch.Tensor,
-        prompt_ids: Sequence[Sequence[int]],
-        completion_ids: Sequence[Sequence[int]],
+        prompt_ids: TokenBatch | Sequence[Sequence[int]],
+        completion_ids: TokenBatch | Sequence[Sequence[int]],
         num_generations: int,
     ) -> FilterResult:
         """Gathered generation batch -> which rows to keep; logs ``quatro/filtered/<reason>`` and the warning."""
@@ -323,17 +323,20 @@ class QuatroRuntime:
         return result
 
     def filter_generation(
-        self, output: dict[str, Any], rewards: torch.Tensor, completion_ids: list[Any], num_generations: int
+        self, output: dict[str, Any], rewards: torch.Tensor, completion_lengths: torch.Tensor, num_generations: int
     ) -> torch.Tensor | None:
         """QUATRO's rollout filters over the whole generation batch: (N,) bool keep mask, identical on all ranks;
         None in observe mode (the mask was computed and logged; every row trains).
 
-        ``output``: TRL's scored batch of this rank (its prompt ids); ``rewards``: (N,) weighted rewards, gathered;
-        ``completion_ids``: this rank's unpadded completions (gathered here).
+        ``output``: TRL's scored batch of this rank (its padded prompt ids and mask, its right-padded completion
+        ids); ``rewards``: (N,) weighted rewards, gathered; ``completion_lengths``: (rows,) this rank's completion
+        lengths, so that row i's completion is ``output["completion_ids"][i, :completion_lengths[i]]`` (TRL's
+        unpadded ids: its ``completion_mask`` can be zeroed by ``mask_truncated_completions``). The ids are gathered
+        here, as tensors (``gather_token_batches``).
         """
-        rows = zip(output["prompt_ids"], output["prompt_mask"], strict=True)
-        prompt_ids = [row[mask.bool()].tolist() for row, mask in rows]
-        prompts, completions = self.ctx.gather_object(prompt_ids), self.ctx.gather_object(completion_ids)
+        prompts, completions = gather_token_batches(
+            self.ctx, output["prompt_ids"], output["prompt_mask"], output["completion_ids"], completion_lengths
+        )
         keep = self.filter_rows(rewards, prompts, completions, num_generations).keep
         return None if self.observe else keep
 
@@ -439,6 +442,41 @@ class QuatroRuntime:
             self.replay.load_state_dict(saved)
         elif self.replay is not None:
             logger.warning("the checkpoint has no QUATRO replay buffer for this rank: it starts empty")
+
+
+def gather_token_batches(
+    ctx: RuntimeContext,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_lengths: torch.Tensor,
+) -> tuple[TokenBatch, TokenBatch]:
+    """This rank's prompts ((rows, P) ids with their mask, any padding side) and completions ((rows, C) right-padded
+    ids with their lengths) -> the whole generation batch's, on the CPU, rows in rank order (``ctx.gather``'s, the
+    order of the gathered rewards), so every rank filters the same rows.
+
+    Two collectives, no Python lists: the ranks' widths, then one flat tensor of every rank's rows padded to the
+    widest ([completion length, prompt mask, prompt ids, completion ids] per row).
+    """
+    device = completion_ids.device
+    widths = torch.tensor([prompt_ids.shape[1], completion_ids.shape[1]], dtype=torch.long, device=device)
+    prompt_width, completion_width = ctx.gather(widths).view(-1, 2).amax(dim=0).tolist()
+
+    def widen(t: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t.to(device=device, dtype=torch.long), (0, width - t.shape[1]))
+
+    rows = torch.cat(
+        [
+            completion_lengths.to(device=device, dtype=torch.long)[:, None],
+            widen(prompt_mask, prompt_width),
+            widen(prompt_ids, prompt_width),
+            widen(completion_ids, completion_width),
+        ],
+        dim=1,
+    )
+    gathered = ctx.gather(rows.reshape(-1)).view(-1, rows.shape[1]).cpu()
+    lengths, mask, prompts, completions = gathered.split([1, prompt_width, prompt_width, completion_width], dim=1)
+    return TokenBatch.from_mask(prompts, mask), TokenBatch(completions, lengths[:, 0])
 
 
 def _would_filter_metrics(result: FilterResult) -> dict[str, float]:

@@ -21,9 +21,10 @@ class HookScratch:
     """(gathered reward matrix (N, num_funcs), gathered prompts (N,)). Written by ``_calculate_rewards`` when
     steadyrl rewrites advantages; read and cleared by ``_generate_and_score_completions`` (its caller)."""
 
-    completion_ids: list[list[int]] | None = None
-    """This rank's unpadded completion ids. Written by ``_calculate_rewards`` when QUATRO's filters are on; read
-    and cleared by ``_generate_and_score_completions``."""
+    completion_lengths: torch.Tensor | None = None
+    """(rows,) this rank's unpadded completion lengths (TRL's ``completion_ids_list``; row i of the padded
+    ``completion_ids`` holds them in its first ``completion_lengths[i]`` columns). Written by ``_calculate_rewards``
+    when QUATRO's filters are on; read and cleared by ``_generate_and_score_completions``."""
 
     loss_inputs: dict[str, Any] | None = None
     """The micro-batch of the loss being computed. Written by ``_compute_loss`` before it calls TRL's loss; read and

@@ -191,10 +191,11 @@ class StepGate:
             norm = scaled.detach().float() / float(zero.loss_scale)
             if not bool(scaled >= 0):  # DeepSpeed reports an inf/NaN group norm as -1
                 norm = torch.full_like(norm, float("nan"))
-            grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
-            pending["skip"] = self.decide(norm, grads).skip
-            if not pending["skip"] and self.feedback is not None and self.feedback.feed_back(grads):
-                scaled = original_norm(*args, **kwargs)  # error feedback changed the partition: norm it again
+            with self.ctx.timer():
+                grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
+                pending["skip"] = self.decide(norm, grads).skip
+                if not pending["skip"] and self.feedback is not None and self.feedback.feed_back(grads):
+                    scaled = original_norm(*args, **kwargs)  # error feedback changed the partition: norm it again
             return scaled
 
         def update_scale(has_overflow: bool) -> None:

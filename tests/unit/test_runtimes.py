@@ -101,11 +101,11 @@ def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_r
     output = {
         "prompt_ids": torch.tensor([[0, 5, 6], [0, 5, 6]]),
         "prompt_mask": torch.tensor([[0, 1, 1], [0, 1, 1]]),
+        "completion_ids": torch.tensor([[1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]]),  # the second repeats its 3-grams
         "completion_mask": torch.ones(2, 6, dtype=torch.long),
         "num_items_in_batch": torch.tensor(12),
     }
-    completions = [[1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]]  # the second repeats its 3-grams
-    keep = quatro.filter_generation(output, torch.tensor([1.0, 0.0]), completions, num_generations=2)
+    keep = quatro.filter_generation(output, torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
     assert keep.tolist() == [True, False]
     assert ctx.last(quatro_filtered("repetition")) == 1.0
     quatro.mask_dropped_rows(output, keep)  # default zero_advantage: the row stays in the loss and normaliser
@@ -195,3 +195,20 @@ def test_opefo_refuses_an_optimizer_without_adam_moments(tmp_path) -> None:
     with pytest.raises(TypeError, match=r"the optimizer is torch.optim.sgd.SGD, whose state it cannot read"):
         opefo.attach(FakeContext(), torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters, str(tmp_path),
                      GuardState())  # fmt: skip
+
+
+def test_nested_timer_blocks_count_each_second_once(monkeypatch) -> None:
+    import steadyrl.trainers.context as context_module
+    from steadyrl.trainers.context import RuntimeContext
+
+    clock = iter([10.0, 13.0, 20.0, 20.5])  # outer 10 -> 13 (an inner block inside it), then 20 -> 20.5
+    monkeypatch.setattr(context_module.time, "perf_counter", lambda: next(clock))
+    ctx = RuntimeContext()
+    with ctx.timer():
+        with ctx.timer():  # a timed hook calling a timed runtime: no clock read, no second count
+            with ctx.timer():
+                pass
+    assert ctx.seconds == 3.0
+    with pytest.raises(RuntimeError), ctx.timer():  # an exception still stops the clock and resets the depth
+        raise RuntimeError("boom")
+    assert ctx.seconds == 3.5 and ctx._timer_depth == 0

@@ -1,0 +1,188 @@
+"""The per-row, pure-Python rollout filters that ``RolloutFilter`` replaced: the reference its tensor code is tested
+against (tests/unit/test_rollout_filters_vectorised.py). Trainers do not use this module.
+
+``ReferenceRolloutFilter`` is ``RolloutFilter`` with the old ``__call__``: token ids as Python lists, the n-gram
+measures of ``rollout_filters`` (``ngrams``, ``parrot_share``, ``repeat_share``, ``jaccard``) row by row. It shares
+the config, the length history and the state of ``RolloutFilter``, so two filters fed the same batches stay in step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from steadyrl.guards.rollout_filters import (
+    FILTER_REASONS,
+    FilterConfig,
+    FilterResult,
+    RolloutFilter,
+    TokenBatch,
+    _gram_set,
+    jaccard,
+    parrot_share,
+    repeat_share,
+)
+
+
+def _as_lists(ids: Sequence[Sequence[int]] | TokenBatch) -> list[list[int]]:
+    if isinstance(ids, TokenBatch):
+        return ids.to_lists()
+    return [i.tolist() if isinstance(i, torch.Tensor) else list(i) for i in ids]
+
+
+class ReferenceRolloutFilter(RolloutFilter):
+    """``RolloutFilter`` computed row by row in Python (the implementation before the tensor one), with its own
+    length history (a deque of ints) and its own ``length_range`` and state."""
+
+    def __init__(self, config: FilterConfig | None = None) -> None:
+        super().__init__(config)
+        self._ref_lengths: deque[int] = deque(maxlen=self.config.length.history)
+
+    def length_range(self) -> tuple[float, float] | None:
+        ln = self.config.length
+        if not ln.rolling or len(self._ref_lengths) < ln.min_history:
+            return None
+        history = torch.tensor(list(self._ref_lengths), dtype=torch.float64)
+        q = torch.tensor([ln.percentile_low / 100.0, ln.percentile_high / 100.0], dtype=torch.float64)
+        low, high = torch.quantile(history, q, interpolation="linear").tolist()
+        return low, high
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "lengths": list(self._ref_lengths), "calls": self.calls, "dropped": dict(self.dropped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ref_lengths = deque((int(v) for v in state["lengths"]), maxlen=self.config.length.history)
+        self.calls = int(state["calls"])
+        self.dropped = {name: int(state["dropped"].get(name, 0)) for name in FILTER_REASONS}
+
+    def __call__(
+        self,
+        rewards: torch.Tensor,
+        prompt_ids: Sequence[Sequence[int]] | TokenBatch,
+        completion_ids: Sequence[Sequence[int]] | TokenBatch,
+        num_generations: int,
+    ) -> FilterResult:
+        if rewards.ndim != 1:
+            raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
+        n_rows = rewards.shape[0]
+        prompts, completions = _as_lists(prompt_ids), _as_lists(completion_ids)
+        if len(prompts) != n_rows or len(completions) != n_rows:
+            raise ValueError(
+                f"got {len(prompts)} prompts and {len(completions)} completions for {n_rows} rewards; "
+                "need one of each per row"
+            )
+        if num_generations < 1 or n_rows % num_generations:
+            raise ValueError(f"num_generations={num_generations} does not divide the batch of {n_rows}")
+        cfg = self.config
+        r = rewards.detach().to(device="cpu", dtype=torch.float64)
+        finite = torch.isfinite(r)
+        reason: list[str | None] = [None] * n_rows
+
+        def mark(hits: Sequence[bool], name: str) -> None:
+            for i, hit in enumerate(hits):
+                if hit and reason[i] is None:
+                    reason[i] = name
+
+        if cfg.zscore.enabled:
+            mark(self._reference_zscore_hits(r, finite), "zscore")
+        lengths = [len(c) for c in completions]
+        if cfg.length.enabled:
+            ln = cfg.length
+            bounds = self.length_range()
+            mark(
+                [
+                    n < ln.min_tokens
+                    or (ln.max_tokens is not None and n > ln.max_tokens)
+                    or (bounds is not None and not bounds[0] <= n <= bounds[1])
+                    for n in lengths
+                ],
+                "length",
+            )
+        if cfg.parrot.enabled:
+            p = cfg.parrot
+            mark([parrot_share(a, b, p.n) > p.max_overlap for a, b in zip(prompts, completions, strict=True)], "parrot")
+        if cfg.repetition.enabled:
+            rep = cfg.repetition
+            mark([repeat_share(c, rep.n) > rep.max_repeat_share for c in completions], "repetition")
+        if cfg.near_duplicate.enabled:
+            mark(self._reference_near_duplicate_hits(completions, reason, num_generations), "near_duplicate")
+
+        values = r.tolist()
+        num_groups = n_rows // num_generations
+        no_signal = [False] * num_groups
+        for g in range(num_groups):
+            rows = range(g * num_generations, (g + 1) * num_generations)
+            kept = [values[i] for i in rows if reason[i] is None and math.isfinite(values[i])]
+            no_signal[g] = len(kept) < 2 or max(kept) == min(kept)
+        if cfg.zero_variance.enabled:
+            mark([no_signal[i // num_generations] for i in range(n_rows)], "zero_variance")
+
+        self._ref_lengths.extend(lengths)
+        self.calls += 1
+        counts = {name: sum(x == name for x in reason) for name in FILTER_REASONS}
+        for name, count in counts.items():
+            self.dropped[name] += count
+        n_dropped = sum(counts.values())
+        warning = None
+        if n_rows and n_dropped / n_rows > cfg.max_drop_share:
+            detail = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
+            warning = (
+                f"the rollout filters dropped {n_dropped} of {n_rows} rollouts ({n_dropped / n_rows:.0%} > "
+                f"guards.quatro.filters.max_drop_share={cfg.max_drop_share}): {detail}. Check the rewards and the "
+                "filter thresholds (guards.quatro.filters.<filter>), or turn the busiest filter off"
+            )
+        keep = torch.tensor([x is None for x in reason], dtype=torch.bool, device=rewards.device)
+        groups = torch.tensor(no_signal, dtype=torch.bool, device=rewards.device)
+        return FilterResult(keep, counts, groups, warning)
+
+    def _reference_zscore_hits(self, r: torch.Tensor, finite: torch.Tensor) -> list[bool]:
+        zc = self.config.zscore
+        values = r[finite]
+        if values.numel() < 2 or torch.unique(values).numel() < zc.min_distinct:
+            return [False] * r.numel()
+        std = values.std().item()
+        if not std > 0:
+            return [False] * r.numel()
+        z = (r - values.mean()) / std
+        return (finite & (z.abs() > zc.max_abs_z)).tolist()
+
+    def _reference_near_duplicate_hits(
+        self, completions: list[list[int]], reason: list[str | None], num_generations: int
+    ) -> list[bool]:
+        nd = self.config.near_duplicate
+        hits = [False] * len(completions)
+        for start in range(0, len(completions), num_generations):
+            representatives: list[set[tuple[int, ...]]] = []
+            for i in range(start, start + num_generations):
+                if reason[i] is not None:
+                    continue
+                grams = _gram_set(completions[i], nd.n)
+                if any(jaccard(grams, rep) > nd.max_jaccard for rep in representatives):
+                    hits[i] = True
+                else:
+                    representatives.append(grams)
+        return hits
+
+
+def reference_shares(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], parrot_n: int, repeat_n: int
+) -> tuple[list[float], list[float]]:
+    """Per-row ``parrot_share`` and ``repeat_share`` (the values the tensor ``parrot_shares`` / ``repeat_shares``
+    must equal)."""
+    parrot = [parrot_share(p, c, parrot_n) for p, c in zip(prompts, completions, strict=True)]
+    return parrot, [repeat_share(c, repeat_n) for c in completions]
+
+
+def reference_group_jaccard(
+    completions: Sequence[Sequence[int]], n: int, num_generations: int
+) -> list[list[list[float]]]:
+    """(P, G, G) nested lists: the Jaccard similarity of the ``_gram_set`` of every pair of rows of each group."""
+    out = []
+    for start in range(0, len(completions), num_generations):
+        sets = [_gram_set(c, n) for c in completions[start : start + num_generations]]
+        out.append([[jaccard(a, b) for b in sets] for a in sets])
+    return out

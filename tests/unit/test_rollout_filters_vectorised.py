@@ -1,0 +1,369 @@
+"""QUATRO's rollout filters as tensor code against the per-row Python reference (``reference_rollout_filters``):
+identical keep masks, reason counts, zero-variance groups, warnings, length history and shares, on random batches
+built to hit every filter, and on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from fake_context import FakeContext
+from reference_rollout_filters import (
+    ReferenceRolloutFilter,
+    reference_group_jaccard,
+    reference_shares,
+)
+
+from steadyrl.guards.rollout_filters import (
+    FILTER_REASONS,
+    NO_GRAM,
+    FilterConfig,
+    LengthConfig,
+    NearDuplicateConfig,
+    ParrotConfig,
+    RepetitionConfig,
+    RolloutFilter,
+    TokenBatch,
+    ZeroVarianceConfig,
+    ZScoreConfig,
+    group_jaccard,
+    near_duplicate_hits,
+    ngram_codes,
+    no_signal_groups,
+    parrot_shares,
+    repeat_shares,
+)
+from steadyrl.trainers.quatro_runtime import QuatroConfig, QuatroRuntime, QuatroSetup, gather_token_batches
+
+NAN = math.nan
+
+
+# ------------------------------------------------------------------------------------------- random batches
+
+
+def _completion(rng: random.Random, prompt: list[int], group: list[list[int]], vocab: int, width: int) -> list[int]:
+    kind = rng.choice(("random", "repeat", "parrot", "parrot_part", "duplicate", "near", "empty", "short", "mixed"))
+    length = rng.randint(0, width)
+    if kind == "repeat":  # a short pattern over and over
+        pattern = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+        return (pattern * (length // len(pattern) + 1))[:length]
+    if kind == "parrot" and prompt:
+        start = rng.randrange(len(prompt))
+        return prompt[start : start + length]
+    if kind == "parrot_part" and prompt:  # part copied, part new
+        start = rng.randrange(len(prompt))
+        return prompt[start : start + length // 2] + [rng.randrange(vocab) for _ in range(length - length // 2)]
+    if kind == "duplicate" and group:
+        return list(rng.choice(group))
+    if kind == "near" and group:  # an earlier row with one id changed, added or removed
+        row = list(rng.choice(group))
+        edit = rng.choice(("change", "add", "drop"))
+        if edit == "change" and row:
+            row[rng.randrange(len(row))] = rng.randrange(vocab)
+        elif edit == "add":
+            row.insert(rng.randint(0, len(row)), rng.randrange(vocab))
+        elif row:
+            row.pop(rng.randrange(len(row)))
+        return row
+    if kind == "empty":
+        return []
+    if kind == "short":  # shorter than most n
+        return [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+    if kind == "mixed" and group:
+        return list(rng.choice(group))[: length // 2] + [rng.randrange(vocab) for _ in range(length // 2)]
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def random_batch(
+    rng: random.Random, groups: int, group_size: int, vocab: int, prompt_width: int = 20, completion_width: int = 32
+) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+    prompts, completions = [], []
+    for _ in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, prompt_width))]
+        group: list[list[int]] = []
+        for _ in range(group_size):
+            group.append(_completion(rng, prompt, group, vocab, completion_width))
+        prompts += [prompt] * group_size
+        completions += group
+    kind = rng.choice(("continuous", "pass_fail", "few_values", "constant"))
+    rewards = []
+    for _ in range(groups * group_size):
+        if kind == "continuous":
+            value = rng.gauss(0.0, 1.0) * (25.0 if rng.random() < 0.03 else 1.0)  # a few outliers
+        elif kind == "pass_fail":
+            value = float(rng.random() < 0.3)
+        elif kind == "few_values":
+            value = rng.choice((0.0, 0.5, 1.0, 1.0))
+        else:
+            value = 1.0
+        roll = rng.random()
+        rewards.append(NAN if roll < 0.05 else math.inf if roll < 0.07 else -math.inf if roll < 0.08 else value)
+    return torch.tensor(rewards, dtype=torch.float32), prompts, completions
+
+
+def random_config(rng: random.Random) -> FilterConfig:
+    """Every filter on (near_duplicate too), thresholds on and around the shares' exact values."""
+    shares = (0.0, 0.25, 1 / 3, 0.5, 2 / 3, 0.75, 0.8, 0.9, 1.0, rng.random())
+    low = rng.choice((1.0, 10.0, 25.0))
+    return FilterConfig(
+        zscore=ZScoreConfig(max_abs_z=rng.choice((0.5, 1.0, 2.0, 3.5)), min_distinct=rng.randint(1, 4)),
+        length=LengthConfig(
+            min_tokens=rng.randint(0, 3),
+            max_tokens=rng.choice((None, 20, 30)),
+            rolling=rng.random() < 0.8,
+            percentile_low=low,
+            percentile_high=rng.choice((75.0, 90.0, 99.0, 99.99999999)),
+            history=rng.choice((64, 200)),
+            min_history=rng.choice((8, 40)),
+        ),
+        parrot=ParrotConfig(n=rng.randint(1, 5), max_overlap=rng.choice(shares)),
+        repetition=RepetitionConfig(n=rng.randint(1, 5), max_repeat_share=rng.choice(shares)),
+        near_duplicate=NearDuplicateConfig(enabled=True, n=rng.randint(1, 5), max_jaccard=rng.choice(shares)),
+        zero_variance=ZeroVarianceConfig(enabled=rng.random() < 0.8),
+        max_drop_share=rng.choice((0.0, 0.5, 1.0)),
+    )
+
+
+def padded(rows: list[list[int]], rng: random.Random, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) with garbage in the padding (negative, huge, in-vocabulary) and extra padding columns."""
+    width = max((len(r) for r in rows), default=0) + rng.randint(0, 3)
+    garbage = rng.choice(((0,), (0, 3), (-7, 0, 3, 2**40)))  # a pad id, in-range values, or a range that won't fit
+    ids = torch.tensor([[rng.choice(garbage) for _ in range(width)] for _ in rows], dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        cols = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, cols] = torch.tensor(row, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def assert_same(new, ref) -> None:
+    assert new.keep.tolist() == ref.keep.tolist()
+    assert new.keep.dtype == ref.keep.dtype == torch.bool and new.keep.device == ref.keep.device
+    assert new.reasons == ref.reasons and list(new.reasons) == list(FILTER_REASONS)
+    assert all(type(v) is int for v in new.reasons.values())
+    assert new.zero_variance_groups.tolist() == ref.zero_variance_groups.tolist()
+    assert new.warning == ref.warning
+    assert new.metrics() == ref.metrics()
+
+
+def assert_shares_equal(
+    prompts: list[list[int]], completions: list[list[int]], cfg: FilterConfig, group_size: int, batches
+) -> None:
+    prompt_batch, completion_batch = batches
+    parrot, repeat = reference_shares(prompts, completions, cfg.parrot.n, cfg.repetition.n)
+    new_parrot = parrot_shares(prompt_batch, completion_batch, cfg.parrot.n)
+    new_repeat = repeat_shares(completion_batch, cfg.repetition.n)
+    assert new_parrot.dtype == new_repeat.dtype == torch.float64
+    assert new_parrot.tolist() == parrot and new_repeat.tolist() == repeat  # bit for bit (so also to 1e-12)
+    similarity = group_jaccard(completion_batch, cfg.near_duplicate.n, group_size)
+    assert similarity.tolist() == reference_group_jaccard(completions, cfg.near_duplicate.n, group_size)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tensor_filters_match_the_reference_row_by_row(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    group_size = rng.choice((1, 2, 4, 8, 16))
+    new, ref = RolloutFilter(cfg), ReferenceRolloutFilter(cfg)
+    for _ in range(8):  # successive calls: the rolling length range comes into play, from each one's own history
+        groups = rng.choice((1, 3, 8, 16)) if group_size < 16 else rng.choice((1, 4, 8))
+        vocab = rng.choice((3, 6, 50, 50_000))
+        rewards, prompts, completions = random_batch(rng, groups, group_size, vocab)
+        p_ids, p_mask = padded(prompts, rng, left=True)
+        c_ids, c_mask = padded(completions, rng)
+        batches = (TokenBatch.from_mask(p_ids, p_mask), TokenBatch(c_ids, c_mask.sum(dim=1)))
+        assert batches[0].to_lists() == prompts and batches[1].to_lists() == completions
+        assert_shares_equal(prompts, completions, cfg, group_size, batches)
+        got, expected = new(rewards, *batches, group_size), ref(rewards, prompts, completions, group_size)
+        assert_same(got, expected)
+        assert new.state_dict() == ref.state_dict()
+        assert new.length_range() == ref.length_range()
+    restored = RolloutFilter(cfg)  # a resume: the reference's state in a fresh tensor filter
+    restored.load_state_dict(ref.state_dict())
+    assert restored.state_dict() == ref.state_dict() and restored.length_range() == ref.length_range()
+    rewards, prompts, completions = random_batch(rng, 2, group_size, 6)
+    assert_same(restored(rewards, prompts, completions, group_size), ref(rewards, prompts, completions, group_size))
+
+
+@pytest.mark.parametrize("vocab", [2**20, 2**40, 2**62])
+def test_tensor_filters_match_the_reference_when_ngrams_do_not_fit_one_int64(vocab: int) -> None:
+    """ids spread over a range whose n-th power passes 2**63 (and one whose range passes 2**63 itself): the codes
+    are dense ranks of packed words, still exact."""
+    rng = random.Random(vocab)
+    for n in (2, 3, 4, 5):
+        cfg = FilterConfig(
+            zscore=ZScoreConfig(min_distinct=1),
+            length=LengthConfig(rolling=False),
+            parrot=ParrotConfig(n=n, max_overlap=0.3),
+            repetition=RepetitionConfig(n=n, max_repeat_share=0.2),
+            near_duplicate=NearDuplicateConfig(enabled=True, n=n, max_jaccard=0.5),
+        )
+        # a few "tokens" far apart, plus their neighbours: a lossy packing would confuse them
+        alphabet = [0, 1, vocab - 1, vocab - 2, vocab // 2, vocab // 2 + 1]
+        if vocab == 2**62:
+            alphabet += [-(2**62), -(2**62) + 1]  # the ids span more than 2**63: one id per word
+        rewards, prompts, completions = random_batch(rng, 6, 4, len(alphabet))
+        prompts = [[alphabet[i] for i in row] for row in prompts]
+        completions = [[alphabet[i] for i in row] for row in completions]
+        batches = (TokenBatch.from_lists(prompts), TokenBatch.from_lists(completions))
+        assert_shares_equal(prompts, completions, cfg, 4, batches)
+        assert_same(
+            RolloutFilter(cfg)(rewards, *batches, 4), ReferenceRolloutFilter(cfg)(rewards, prompts, completions, 4)
+        )
+
+
+def test_list_and_tensor_inputs_give_the_same_result() -> None:
+    rng = random.Random(7)
+    cfg = random_config(rng)
+    rewards, prompts, completions = random_batch(rng, 4, 4, 10)
+    as_lists = RolloutFilter(cfg)(rewards, prompts, completions, 4)
+    as_tensors = RolloutFilter(cfg)(
+        rewards, [torch.tensor(p) for p in prompts], [torch.tensor(c) for c in completions], 4
+    )
+    batches = TokenBatch.from_lists(prompts), TokenBatch.from_lists(completions)
+    assert_same(as_lists, as_tensors)
+    assert_same(as_lists, RolloutFilter(cfg)(rewards, *batches, 4))
+    assert_same(as_lists, ReferenceRolloutFilter(cfg)(rewards, *batches, 4))
+
+
+def test_empty_batch_and_empty_rows() -> None:
+    cfg = random_config(random.Random(3))
+    empty = RolloutFilter(cfg)(torch.zeros(0), [], [], 4)
+    assert empty.keep.tolist() == [] and empty.zero_variance_groups.tolist() == [] and empty.warning is None
+    rewards = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    new = RolloutFilter(cfg)(rewards, [[]] * 4, [[]] * 4, 2)  # no ids at all: (4, 0) tensors
+    assert_same(new, ReferenceRolloutFilter(cfg)(rewards, [[]] * 4, [[]] * 4, 2))
+
+
+# ----------------------------------------------------------------------------------------- hand-computed cases
+
+
+def test_ngram_codes_pack_exactly_or_rank() -> None:
+    batch = TokenBatch(torch.tensor([[1, 2, 3, 99], [3, 1, 0, 0]]), torch.tensor([3, 2]))
+    ((codes, grams),) = ngram_codes([batch], 2)
+    # the range of the whole tensor, padding included, fits: base 100, (1 2) -> 1*100+2, (2 3) -> 203, (3 1) -> 301
+    assert grams.tolist() == [[True, True, False], [True, False, False]]
+    assert codes.tolist() == [[102, 203, NO_GRAM], [301, NO_GRAM, NO_GRAM]]
+    batch = TokenBatch(torch.tensor([[1, 2, 3, 2**62], [3, 1, -(2**62), 0]]), torch.tensor([3, 2]))
+    ((codes, grams),) = ngram_codes([batch], 2)
+    # the padding's range does not fit, the ids' does: ids 1..3, base 3, digits id - 1; (1 2) -> 0*3+1, (2 3) -> 5
+    assert codes.tolist() == [[1, 5, NO_GRAM], [6, NO_GRAM, NO_GRAM]]
+    big = 2**40  # base 2**40 + 1: two ids do not fit one int64, so the codes are ranks of packed words
+    batch = TokenBatch(torch.tensor([[big, 1, big, 1, 7]]), torch.tensor([4]))
+    ((codes, grams),) = ngram_codes([batch], 2)
+    a, b, c = codes[0].tolist()[:3]
+    assert a == c != b and codes[0, 3] == NO_GRAM and grams[0].tolist() == [True, True, True, False]
+    ((short, grams),) = ngram_codes([batch], 6)  # longer than the row: no n-grams
+    assert short.shape == (1, 0) and grams.shape == (1, 0)
+
+
+def test_repeat_and_parrot_shares_by_hand() -> None:
+    rows = [[7, 7, 7, 7, 7], [1, 2, 3, 1, 2, 3], [1, 2], []]
+    assert repeat_shares(TokenBatch.from_lists(rows), 3).tolist() == [1 - 1 / 3, 1 - 3 / 4, 0.0, 0.0]
+    assert repeat_shares(TokenBatch.from_lists(rows), 1).tolist() == [1 - 1 / 5, 1 - 3 / 6, 0.0, 0.0]
+    prompts = TokenBatch.from_lists([[1, 2, 3, 4, 5, 6]] * 3 + [[1, 2]])
+    completions = TokenBatch.from_lists([[2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 6], [1, 2], [1, 2, 1, 2, 1]])
+    # (2345) (3456) in the prompt, (4569) not; all; no 4-gram; a prompt shorter than n has none
+    assert parrot_shares(prompts, completions, 4).tolist() == [2 / 3, 1.0, 0.0, 0.0]
+    assert parrot_shares(prompts, completions, 2).tolist() == [4 / 5, 1.0, 1.0, 2 / 4]  # (1 2) in, (2 1) not
+
+
+def test_group_jaccard_and_near_duplicates_by_hand() -> None:
+    rows = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [9], [5], [5], [], []]
+    similarity = group_jaccard(TokenBatch.from_lists(rows), 2, 4)
+    # group 0: {12 23 34}, {12 23 35}, row 0 again, {(9,)}; group 1: (5,) twice and () twice
+    assert similarity[0].tolist() == [
+        [1.0, 2 / 4, 1.0, 0.0],
+        [2 / 4, 1.0, 2 / 4, 0.0],
+        [1.0, 2 / 4, 1.0, 0.0],
+        [0.0, 0.0, 0.0, 1.0],
+    ]
+    same_pair = [[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    assert similarity[1].tolist() == same_pair + [row[2:] + row[:2] for row in same_pair]
+    alive = torch.tensor([True] * 8)
+    hits = near_duplicate_hits(TokenBatch.from_lists(rows), alive, 2, 0.5, 4)
+    assert hits.tolist() == [False, False, True, False, False, True, False, True]
+    alive[0] = False  # row 0 gone: row 2 only resembles row 1 (2/4, not above 0.5) and stays
+    assert near_duplicate_hits(TokenBatch.from_lists(rows), alive, 2, 0.5, 4).tolist()[:4] == [False] * 4
+    # a chain: B resembles A (3/5) and is dropped, C resembles B (3/5) but not A (2/6): C stays, B represents nothing
+    chain = TokenBatch.from_lists([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 4, 6], [7]])
+    assert group_jaccard(chain, 2, 4)[0, 1:3, :3].tolist() == [[3 / 5, 1.0, 3 / 5], [2 / 6, 3 / 5, 1.0]]
+    assert near_duplicate_hits(chain, torch.tensor([True] * 4), 2, 0.5, 4).tolist() == [False, True, False, False]
+    # max_jaccard 1.0: nothing is above it, not even an exact copy
+    assert not near_duplicate_hits(TokenBatch.from_lists(rows), torch.tensor([True] * 8), 2, 1.0, 4).any()
+
+
+def test_zscore_length_and_no_signal_by_hand() -> None:
+    values = torch.tensor([1, 1, 0, 1, NAN, 1, 2, 2, 0, 5, 3, math.inf], dtype=torch.float64)
+    kept = torch.tensor([True] * 9 + [False, True, True])
+    # [1 1] equal; [0 1]; [NaN 1] one finite; [2 2] equal; [0 (5 dropped)] one left; [3 inf] one finite
+    assert no_signal_groups(values, kept, 2).tolist() == [True, False, True, True, True, True]
+
+    # the length range is a float a float32 comparison would round: 1 + 2 * 0.9999999999 = 2.9999999998
+    cfg = FilterConfig(
+        zscore=ZScoreConfig(enabled=False),
+        length=LengthConfig(percentile_low=0.0, percentile_high=99.99999999, history=8, min_history=2),
+        parrot=ParrotConfig(enabled=False),
+        repetition=RepetitionConfig(enabled=False),
+        zero_variance=ZeroVarianceConfig(enabled=False),
+    )
+    new, ref = RolloutFilter(cfg), ReferenceRolloutFilter(cfg)
+    first = [[1], [1, 1, 1]]
+    assert_same(new(torch.tensor([0.0, 1.0]), [[0]] * 2, first, 2), ref(torch.tensor([0.0, 1.0]), [[0]] * 2, first, 2))
+    low, high = new.length_range()
+    assert low == 1.0 and 2.9999999 < high < 3.0 and torch.tensor(high, dtype=torch.float32).item() == 3.0
+    second = [[1, 1, 1], [1, 1]]  # 3 tokens: above 2.9999999998, dropped
+    got = new(torch.tensor([0.0, 1.0]), [[0]] * 2, second, 2)
+    assert got.keep.tolist() == [False, True]
+    assert_same(got, ref(torch.tensor([0.0, 1.0]), [[0]] * 2, second, 2))
+
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.0] * 4 + [0.0, 1.0, 0.5, 40.0] + [NAN, 0.0, 1.0, 0.5])
+    n = rewards.numel()
+    only_z = FilterConfig(
+        length=LengthConfig(enabled=False),
+        parrot=ParrotConfig(enabled=False),
+        repetition=RepetitionConfig(enabled=False),
+        zero_variance=ZeroVarianceConfig(enabled=False),
+    )
+    result = RolloutFilter(only_z)(rewards, [[100]] * n, [[i] for i in range(n)], 4)
+    assert result.keep.tolist() == [i != 19 for i in range(n)] and result.reasons["zscore"] == 1
+
+
+def test_token_batch_from_mask_and_checks() -> None:
+    ids = torch.tensor([[0, 0, 5, 6], [7, 0, 8, 0], [1, 2, 3, 4]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 0, 1, 0], [0, 0, 0, 0]])
+    batch = TokenBatch.from_mask(ids, mask)
+    assert batch.to_lists() == [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    assert batch.to_lists() == [[5, 6], [7, 8], []]
+    with pytest.raises(ValueError, match="integer tensor"):
+        TokenBatch(torch.zeros(2, 3), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 3\]"):
+        TokenBatch(torch.zeros(2, 3, dtype=torch.long), torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match="one of each per row"):
+        RolloutFilter()(torch.tensor([1.0, 2.0]), TokenBatch.from_lists([[1]]), [[1], [2]], 1)
+
+
+# ------------------------------------------------------------------------------------ the runtime's gathering
+
+
+def test_runtime_gathers_padded_ids_over_ranks_and_filters_like_the_reference() -> None:
+    """Two ranks (the fake context repeats this rank's rows): the gathered batch is every rank's rows in rank
+    order, prompts left-padded with their mask, completions cut at TRL's lengths, not at ``completion_mask``."""
+    rng = random.Random(11)
+    cfg = random_config(rng)
+    rewards, prompts, completions = random_batch(rng, 2, 4, 8)
+    p_ids, p_mask = padded(prompts, rng, left=True)
+    c_ids, c_mask = padded(completions, rng)
+    lengths = c_mask.sum(dim=1)
+    output = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": 0 * c_mask}
+    ctx = FakeContext(world=2)
+    gathered = gather_token_batches(ctx, p_ids, p_mask, c_ids, lengths)
+    assert gathered[0].to_lists() == prompts * 2 and gathered[1].to_lists() == completions * 2
+    quatro = QuatroRuntime(QuatroConfig(filters=cfg))
+    quatro.bind(ctx, QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo"))
+    keep = quatro.filter_generation(output, rewards.repeat(2), lengths, num_generations=4)
+    expected = ReferenceRolloutFilter(cfg)(rewards.repeat(2), prompts * 2, completions * 2, 4)
+    assert keep.tolist() == expected.keep.tolist()
