@@ -217,6 +217,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_quatro.py::test_repetition_filter_drops_and_counts_exactly",),
     ),
     Mutant(
+        "parrot_counts_padding_windows",
+        "the tensor parrot filter counts n-gram windows past a completion's end as prompt copies",
+        (
+            (
+                "steadyrl/guards/rollout_filters.py",
+                "hits = ((ordered.gather(1, at) == codes) & grams).sum(dim=1)",
+                "hits = (ordered.gather(1, at) == codes).sum(dim=1)",
+            ),
+        ),
+        ("tests/unit/test_rollout_filters_vectorised.py",),
+    ),
+    Mutant(
         "floor_counts_tiny_entries",
         "the exp_avg_sq floor counts v <= tiny as underflow (the seed's rule): never-touched and tiny-but-healthy too",
         (
