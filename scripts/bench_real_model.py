@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
+from steadyrl.environment import package_versions  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -198,6 +199,7 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
         "model": "smollm2-135m-instruct",
         "config": args.config,
+        "packages": package_versions(),
         "steps": max((r.get("steps", 0) for r in rows.values()), default=0),
         "cells": [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
         "samples": {v: r.get("samples") for v, r in rows.items()},

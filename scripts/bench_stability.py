@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from steadyrl import metrics as M  # noqa: E402
 from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
+from steadyrl.environment import package_versions  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -199,6 +200,7 @@ def results_json(
         "date": time.strftime("%Y-%m-%d"),
         "machine": "2-core CPU, no GPU",
         "model": "tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)",
+        "packages": package_versions(),
         "steps": steps,
         "cells": cells,
     }

@@ -1,0 +1,64 @@
+"""What a run was computed with: the versions of the packages that decide its numbers, and steadyrl's commit.
+
+Every training run writes it to ``OUTPUT_DIR/environment.json`` next to ``resolved_config.yaml``, and every
+benchmark script puts it in its ``docs/results/*.json`` (key ``packages``). An upstream release can change a result
+while steadyrl's code stays the same (the tiny SFT checkpoint's exact match went from 0.39 on 2026-12-01 to 0.54 on
+2026-12-02 from the same command and commit), so a figure is reproducible only with the versions it came from.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+PACKAGES = (
+    "torch",
+    "transformers",
+    "trl",
+    "accelerate",
+    "peft",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "deepspeed",
+    "vllm",
+    "math-verify",
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def package_versions() -> dict[str, str | None]:
+    """``{distribution: version}`` for the packages in ``PACKAGES`` (None: not installed), plus python."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def source_commit() -> str | None:
+    """steadyrl's git commit, with ``+dirty`` when the tracked files differ from it; None outside a checkout."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("+dirty" if dirty else "") if sha else None
+
+
+def environment() -> dict[str, object]:
+    """``{"steadyrl_commit": ..., "packages": {...}}``: what ``environment.json`` holds."""
+    return {"steadyrl_commit": source_commit(), "packages": package_versions()}
