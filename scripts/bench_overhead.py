@@ -43,6 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from steadyrl.environment import package_versions, source_commit  # noqa: E402
 from steadyrl.evidence.history import load_history  # noqa: E402
 
 LAYER_NAMES = ("grade", "gepo", "opefo", "quatro")
@@ -92,9 +93,12 @@ def train(config: str, out: Path, steps: int, extra: list[str]) -> dict[str, Any
     steps_rows = [row for row in rows if "loss" in row and "train_runtime" not in row]
     guard = sum(float(row.get("steadyrl/guard_seconds") or 0.0) for row in rows)
     rss = json.loads((out / "peak_memory_rank0.json").read_text())["peak_rss_gib"] * 1024
+    parts_file = out / "guard_seconds.json"  # the same seconds, split by the layer whose code ran
+    parts = json.loads(parts_file.read_text())["by_part"] if parts_file.is_file() else {}
     return {
         "seconds": runtime / steps,
         "guard": guard / steps,
+        "parts": {name: value / runtime for name, value in parts.items()},  # share of the run's time
         "rss": rss,
         "losses": [float(row["loss"]) for row in steps_rows],
         "lengths": [float(row.get("completions/mean_length", "nan")) for row in steps_rows],
@@ -120,6 +124,7 @@ def measure(size: str, key: str, repeats: int, steps: int, out: Path) -> dict[st
                   flush=True)  # fmt: skip
     off, on = runs["off"], runs["on"]
     same = [a["losses"] == b["losses"] and a["lengths"] == b["lengths"] for a, b in zip(off, on, strict=True)]
+    part_names = sorted({name for b in on for name in b["parts"]})
     return {
         "scenario": size,
         "variant": key,
@@ -135,6 +140,7 @@ def measure(size: str, key: str, repeats: int, steps: int, out: Path) -> dict[st
             "seconds_per_step_off": [a["seconds"] for a in off],
             "seconds_per_step_on": [b["seconds"] for b in on],
             "guard_seconds_per_step": [b["guard"] for b in on],
+            **{f"guard_share/{name}": [b["parts"].get(name, 0.0) for b in on] for name in part_names},
         },
         "note": f"{steps} steps per run, off/on alternating over {repeats} repeats; seconds are this machine's",
     }
@@ -147,13 +153,6 @@ def row_text(cell: dict[str, Any]) -> str:
             f"{statistics.median(m['seconds_per_step_on']):.3f} | {spread(m['step_time_ratio'], unit='x')} | "
             f"{spread(m['guard_share'], '.2f', 100, '%')} | {statistics.median(m['peak_rss_delta_mib']):+.0f} | "
             f"{same} |")  # fmt: skip
-
-
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True, check=False).stdout.strip()  # fmt: skip
-    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def main() -> None:
@@ -172,13 +171,19 @@ def main() -> None:
         ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     if args.size == "tiny":
         SIZES["tiny"][1].append(f"model.path={args.sft}")
-    code_commit = commit()
+    code_commit = source_commit() or "unknown"
     cells = [measure(args.size, key, args.repeats, args.steps, Path(args.out)) for key in keys]
     print("| size | layers | s/step off | s/step on | ratio on/off (median, min-max) | guard-code share (median, "
           "min-max) | peak RSS on - off, MiB | same trajectory |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for cell in cells:
         print(row_text(cell))
+    print("\n| size | layers | guard-code share by part (median over repeats; the parts add up to the share) |")
+    print("|---|---|---|")
+    for cell in cells:
+        parts = {k.removeprefix("guard_share/"): v for k, v in cell["metrics"].items() if k.startswith("guard_share/")}
+        text = ", ".join(f"{name} {100 * statistics.median(v):.2f}%" for name, v in parts.items())
+        print(f"| {cell['scenario']} | {cell['label']} | {text or 'n/a'} |")
     path = REPO / args.results
     results = json.loads(path.read_text()) if path.is_file() else {"benchmark": "overhead", "cells": []}
     command = (
@@ -194,6 +199,7 @@ def main() -> None:
         commit=code_commit,
         date=datetime.date.today().isoformat(),
         machine=f"{os.cpu_count()}-core CPU, no GPU",
+        packages=package_versions(),
         model="per cell",
         steps="per cell",
     )

@@ -480,7 +480,9 @@ class RolloutFilter:
       signal (zero advantage for every row); its kept rows are dropped so they leave the loss normaliser too (DAPO
       dynamic sampling). ``zero_variance_groups`` flags these groups even when this filter is off.
 
-    Dropping more than ``max_drop_share`` of the batch still drops, with ``warning`` set.
+    Dropping more than ``max_drop_share`` of the batch still drops, with ``warning`` set. The share counts the rows
+    the first five filters drop; zero-variance rows count only with ``dropped_rows: exclude``, since with the
+    default (advantage 0) they train exactly as in plain GRPO, where a group without reward variance has advantage 0.
     """
 
     def __init__(self, config: FilterConfig | None = None) -> None:
@@ -551,10 +553,13 @@ class RolloutFilter:
         counts = dict(zip(FILTER_REASONS, per_reason, strict=True))
         for name, count in counts.items():
             self.dropped[name] += count
-        n_dropped = sum(counts.values())
+        # the share that changes training: zero-variance rows have advantage 0 in plain GRPO too, so they count
+        # only when dropping them shrinks the loss normaliser (dropped_rows: exclude)
+        counted = {k: v for k, v in counts.items() if k != "zero_variance" or cfg.dropped_rows == "exclude"}
+        n_dropped = sum(counted.values())
         warning = None
         if n_rows and n_dropped / n_rows > cfg.max_drop_share:
-            detail = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
+            detail = ", ".join(f"{name} {count}" for name, count in counted.items() if count)
             warning = (
                 f"the rollout filters dropped {n_dropped} of {n_rows} rollouts ({n_dropped / n_rows:.0%} > "
                 f"guards.quatro.filters.max_drop_share={cfg.max_drop_share}): {detail}. Check the rewards and the "

@@ -45,29 +45,30 @@ class RuntimeContext:
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seconds: float = 0.0  # wall time spent inside ``timer()`` blocks (the guard overhead figure)
-    _timer_depth: int = 0
+    seconds_by_part: dict[str, float] = field(default_factory=dict)  # the same seconds, split by ``timer(part)``
+    _timer_stack: list[float] = field(default_factory=list)  # per open block: seconds of the blocks inside it
 
     @contextlib.contextmanager
-    def timer(self) -> Iterator[None]:
-        """Adds the wall time of the block to ``seconds`` (the overhead figure of bench_overhead.py).
+    def timer(self, part: str = "other") -> Iterator[None]:
+        """Adds the wall time of the block to ``seconds`` (the overhead figure of bench_overhead.py) and its own
+        time to ``seconds_by_part[part]`` (``part``: the layer or mechanism whose code runs, e.g. ``"quatro"``).
 
-        Blocks may nest (a timed hook that calls a timed runtime): only the outermost one counts, so no second
-        is counted twice.
+        Blocks may nest (a timed hook that calls a timed runtime): ``seconds`` counts only the outermost block, so
+        no second is counted twice, and each part gets its block's time minus that of the blocks inside it, so the
+        parts always add up to ``seconds``.
         """
-        if self._timer_depth:
-            self._timer_depth += 1
-            try:
-                yield
-            finally:
-                self._timer_depth -= 1
-            return
-        self._timer_depth = 1
+        self._timer_stack.append(0.0)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._timer_depth = 0
-            self.seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            inner = self._timer_stack.pop()
+            self.seconds_by_part[part] = self.seconds_by_part.get(part, 0.0) + elapsed - inner
+            if self._timer_stack:
+                self._timer_stack[-1] += elapsed
+            else:
+                self.seconds += elapsed
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self._rewrites_advantages():
             # rewards_per_func is already gathered over processes; gather the prompts to match its rows.
-            with self.ctx.timer():
+            with self.ctx.timer("pipeline"):
                 self.scratch.scores = (rewards_per_func, gather_object(list(prompts)))
                 if self.quatro is not None and self.quatro.filters_on:
                     lengths = [len(ids) for ids in completion_ids_list]  # this rank's, unpadded
@@ -236,14 +237,14 @@ class SteadyGRPOTrainer(GRPOTrainer):
             return inputs  # no replay, or TRL served a micro-batch it had buffered (already mixed)
         # TRL just generated and split a generation batch: mix each of its micro-batches with replayed rows.
         fresh = self._buffered_inputs
-        with self.ctx.timer():
+        with self.ctx.timer("quatro/replay"):
             self._buffered_inputs = self.quatro.mix_generation(fresh, self.state.global_step)
         return self._buffered_inputs[next(i for i, batch in enumerate(fresh) if batch is inputs)]
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self._replay_on():
-            with self.ctx.timer():
+            with self.ctx.timer("quatro/replay"):
                 trl_state.ensure_sampling_logps(self, output)  # replayed rows need their sampling log-probs
         if not self._rewrites_advantages():
             return output
@@ -253,15 +254,17 @@ class SteadyGRPOTrainer(GRPOTrainer):
         num_generations = self.num_generations if training else self.num_generations_eval
         start, local = self.accelerator.process_index * len(inputs), len(inputs)
         keep = None
-        with self.ctx.timer():
+        with self.ctx.timer("pipeline"):
             completion_lengths, self.scratch.completion_lengths = self.scratch.completion_lengths, None
             if completion_lengths is not None and training:
-                rewards = weighted_rewards(rewards_per_func, self.reward_weights)
-                keep = self.quatro.filter_generation(output, rewards, completion_lengths, num_generations)
+                with self.ctx.timer("quatro/filters"):
+                    rewards = weighted_rewards(rewards_per_func, self.reward_weights)
+                    keep = self.quatro.filter_generation(output, rewards, completion_lengths, num_generations)
             advantages = self.compute_advantages(rewards_per_func, prompts, num_generations, keep=keep)
             output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
             if keep is not None:
-                self.quatro.mask_dropped_rows(output, keep[start : start + local])
+                with self.ctx.timer("quatro/filters"):
+                    self.quatro.mask_dropped_rows(output, keep[start : start + local])
         return output
 
     def compute_advantages(
@@ -273,20 +276,23 @@ class SteadyGRPOTrainer(GRPOTrainer):
         processor, leave their group's statistics and get advantage 0.
         """
         batch = RewardBatch(rewards_per_func, prompts, num_generations, self.reward_weights, keep)
-        scaled = self.pipeline.scale(batch)
-        self.ctx.log_metrics(scaled.metrics)
-        if scaled.kl_factor is not None:
-            trl_state.set_beta_factor(self, "grade", scaled.kl_factor)
-            self.ctx.log_metrics({GRADE_KL_FACTOR: scaled.kl_factor, GRADE_BETA: self.beta})
-        advantages, metrics = self.pipeline.advantages(scaled.rewards, keep, num_generations)
-        self.ctx.log_metrics(metrics)
+        with self.ctx.timer("grade" if self.reward_processor is not None else "pipeline"):
+            scaled = self.pipeline.scale(batch)
+            self.ctx.log_metrics(scaled.metrics)
+            if scaled.kl_factor is not None:
+                trl_state.set_beta_factor(self, "grade", scaled.kl_factor)
+                self.ctx.log_metrics({GRADE_KL_FACTOR: scaled.kl_factor, GRADE_BETA: self.beta})
+        gepo = self.advantage_fn is not None or self.observe_advantage_fn is not None
+        with self.ctx.timer("gepo/advantages" if gepo else "pipeline"):
+            advantages, metrics = self.pipeline.advantages(scaled.rewards, keep, num_generations)
+            self.ctx.log_metrics(metrics)
         return advantages
 
     # ------------------------------------------------------------------ loss: finite checks, QUATRO measurements
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        with self.ctx.timer():  # the checks and the floor on every log-prob forward are guard cost too
+        with self.ctx.timer("checks"):  # the checks and the floor on every log-prob forward are guard cost too
             return self._guard_logps(logps), entropies, aux_loss
 
     def _guard_logps(self, logps: torch.Tensor) -> torch.Tensor:
@@ -319,15 +325,17 @@ class SteadyGRPOTrainer(GRPOTrainer):
         finally:
             self.scratch.loss_inputs = None
         logps, self.scratch.loss_logps = self.scratch.loss_logps, None
-        with self.ctx.timer():  # QUATRO's per-micro-batch measurements and the finite check of the loss
+        with self.ctx.timer("checks"):  # QUATRO's per-micro-batch measurements and the loss's finite check
             return self._after_loss(loss, inputs, logps, replay)
 
     def _after_loss(self, loss: torch.Tensor, inputs: dict[str, Any], logps: Any, replay: bool) -> torch.Tensor:
         if self.quatro is not None and self.model.training:
-            # TRL's kl / entropy of this micro-batch, for the controllers
-            self.quatro.record_micro_batch(inputs, *trl_state.logged_kl_and_entropy(self))
+            with self.ctx.timer("quatro/measure"):
+                # TRL's kl / entropy of this micro-batch, for the controllers
+                self.quatro.record_micro_batch(inputs, *trl_state.logged_kl_and_entropy(self))
             if replay:
-                self.quatro.record_replay(inputs, logps)  # replay share, age and importance ratio
+                with self.ctx.timer("quatro/replay"):
+                    self.quatro.record_replay(inputs, logps)  # replay share, age and importance ratio
         if not self.finite_checks:
             return loss
         # A non-finite loss makes the gradient, hence the global norm, non-finite: the step guard skips that step.
@@ -345,19 +353,19 @@ class SteadyGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         if self._micro_params is None:
             self._micro_params = [p for p in model.parameters() if p.requires_grad]
-        with self.ctx.timer():  # the gradient copy is guard cost too
+        with self.ctx.timer("gepo/spike"):  # the gradient copy is guard cost too
             self.micro_gate.before_backward(self._micro_params)
         # Under DDP every micro-batch's backward stays local; MicroBatchGate.finish all-reduces the kept ones.
         sync = self.accelerator.no_sync(model) if self.accelerator.num_processes > 1 else contextlib.nullcontext()
         with sync:
             loss = super().training_step(model, inputs, num_items_in_batch)
-        with self.ctx.timer():
+        with self.ctx.timer("gepo/spike"):
             self.micro_gate.after_backward(self._micro_params)
         return loss
 
     def _clip_grad_norm(self, model):
         if self.micro_gate is not None and self._micro_params is not None:
-            with self.ctx.timer():
+            with self.ctx.timer("gepo/spike"):
                 every_one_dropped = self.micro_gate.finish(self._micro_params)
             if every_one_dropped:  # nothing left to train on: the step is skipped like a vetoed one
                 self.gate.veto("micro_batches")
@@ -439,13 +447,18 @@ class _GuardClock(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        with t.ctx.timer():
-            for obj in (t.reward_processor, t.advantage_fn, *t.step_guards, *t.observe_step_guards):
-                if isinstance(obj, Stepping) and callable(obj.step):
+        stepping = [(t.reward_processor, "grade"), (t.advantage_fn, "gepo/advantages")]
+        stepping += [(guard, "gepo/spike") for guard in (*t.step_guards, *t.observe_step_guards)]
+        for obj, part in stepping:
+            if isinstance(obj, Stepping) and callable(obj.step):
+                with t.ctx.timer(part):
                     obj.step()
-            if t.opefo is not None and (factor := t.opefo.on_step_end()) is not None:
-                trl_state.apply_lr_factor(t, t.lr_scale, factor)
-            if t.quatro is not None:
+        if t.opefo is not None:
+            with t.ctx.timer("opefo/state"):
+                if (factor := t.opefo.on_step_end()) is not None:
+                    trl_state.apply_lr_factor(t, t.lr_scale, factor)
+        if t.quatro is not None:
+            with t.ctx.timer("quatro/controllers"):
                 controls, metrics = t.quatro.on_step_end()
                 t.apply_quatro(controls)
                 if t.quatro.kl is not None:
@@ -457,6 +470,21 @@ class _GuardClock(TrainerCallback):
             # measurements, the step decision, controllers, OPEFO); scripts/bench_overhead.py checks the remainder
             t._guard_metric(GUARD_SECONDS, t.ctx.seconds - self._last_guard_seconds)
         self._last_guard_seconds = t.ctx.seconds
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        if t.accelerator.is_main_process and t.ctx.seconds_by_part:
+            write_guard_seconds(Path(args.output_dir), t.ctx, state.global_step)
+
+
+def write_guard_seconds(out: Path, ctx: Any, steps: int) -> None:
+    """``OUTPUT_DIR/guard_seconds.json``: this process's guard seconds over the run, in total and per part (the
+    layer whose code ran; ``pipeline``: the reward gather and advantage plumbing that GRADE, GEPO's advantages and
+    QUATRO's filters share). The parts add up to the total; scripts/bench_overhead.py divides them by step time."""
+    parts = {name: round(value, 6) for name, value in sorted(ctx.seconds_by_part.items())}
+    doc = {"steps": steps, "guard_seconds": round(ctx.seconds, 6), "by_part": parts}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "guard_seconds.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:

@@ -210,7 +210,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         """
         if not self.is_deepspeed_enabled:
             wrapper = self.policy_and_value
-            with self.ctx.timer():  # steadyrl's cost (plain TRL has no such figure)
+            with self.ctx.timer("ppo"):  # steadyrl's cost (plain TRL has no such figure)
                 self._guard_metric(PPO_POLICY_GRAD_NORM, _grad_norm(wrapper.policy.parameters()))
                 self._guard_metric(PPO_CRITIC_GRAD_NORM, _grad_norm(wrapper.critic.parameters()))
         return super()._clip_grad_norm(model)
@@ -234,7 +234,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return output
-        with self.ctx.timer():
+        with self.ctx.timer("ppo"):
             self._add_gae(output)
         return output
 

@@ -115,6 +115,7 @@ from steadyrl.metrics import (
 from steadyrl.trainers.context import RuntimeContext
 
 logger = logging.getLogger("steadyrl.quatro")
+FILTER_WARNING_EVERY = 50  # steps between two logged filter warnings (an event is an fsync'ed line)
 
 # TRL 1.16 ``_compute_loss``: the loss types whose ``epsilon_low/high`` are PPO's clip range (``torch.clamp(coef_1,
 # 1 - epsilon_low, 1 + epsilon_high)``); cispo uses epsilon_high as a truncation bound, sapo and vespo not at all.
@@ -163,6 +164,8 @@ class QuatroRuntime:
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
+        self._warned_at: int | None = None  # step of the last filter warning logged
+        self._unwarned = 0  # batches over max_drop_share since then, counted in the next warning
 
     @property
     def filters_on(self) -> bool:
@@ -318,9 +321,21 @@ class QuatroRuntime:
             return result
         self.ctx.log_metrics(result.metrics())
         if result.warning is not None:
-            logger.warning("step %d: %s", self.ctx.global_step(), result.warning)
-            self.ctx.emit_event(EVENT_FILTER_WARNING, message=result.warning)
+            self._warn(result.warning)
         return result
+
+    def _warn(self, warning: str) -> None:
+        """Log and record a filter warning: the first one, then at most one per ``FILTER_WARNING_EVERY`` steps with
+        the count of the batches in between that were over the share too (each step's share is in the metrics)."""
+        step = self.ctx.global_step()
+        if self._warned_at is not None and step - self._warned_at < FILTER_WARNING_EVERY:
+            self._unwarned += 1
+            return
+        if self._unwarned:
+            warning += f" ({self._unwarned} more batch(es) over the share since step {self._warned_at})"
+        self._warned_at, self._unwarned = step, 0
+        logger.warning("step %d: %s", step, warning)
+        self.ctx.emit_event(EVENT_FILTER_WARNING, message=warning)
 
     def filter_generation(
         self, output: dict[str, Any], rewards: torch.Tensor, completion_lengths: torch.Tensor, num_generations: int

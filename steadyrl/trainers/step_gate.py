@@ -149,13 +149,13 @@ class StepGate:
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
-        with self.ctx.timer():
+        with self.ctx.timer("gepo/spike"):
             decision = self.decide(norm, grads)
         if decision.skip:
             model.zero_grad(set_to_none=True)
             return norm, True
         if self.feedback is not None:
-            with self.ctx.timer():
+            with self.ctx.timer("opefo/feedback"):
                 if self.feedback.feed_back(grads):  # error feedback changed the gradients: norm them again
                     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if max_grad_norm > 0:
@@ -191,7 +191,7 @@ class StepGate:
             norm = scaled.detach().float() / float(zero.loss_scale)
             if not bool(scaled >= 0):  # DeepSpeed reports an inf/NaN group norm as -1
                 norm = torch.full_like(norm, float("nan"))
-            with self.ctx.timer():
+            with self.ctx.timer("gepo/spike"):
                 grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
                 pending["skip"] = self.decide(norm, grads).skip
                 if not pending["skip"] and self.feedback is not None and self.feedback.feed_back(grads):

@@ -126,10 +126,13 @@ class ReferenceRolloutFilter(RolloutFilter):
         counts = {name: sum(x == name for x in reason) for name in FILTER_REASONS}
         for name, count in counts.items():
             self.dropped[name] += count
-        n_dropped = sum(counts.values())
+        # the share that changes training: zero-variance rows have advantage 0 in plain GRPO too, so they count
+        # only when dropping them shrinks the loss normaliser (dropped_rows: exclude)
+        counted = {k: v for k, v in counts.items() if k != "zero_variance" or cfg.dropped_rows == "exclude"}
+        n_dropped = sum(counted.values())
         warning = None
         if n_rows and n_dropped / n_rows > cfg.max_drop_share:
-            detail = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
+            detail = ", ".join(f"{name} {count}" for name, count in counted.items() if count)
             warning = (
                 f"the rollout filters dropped {n_dropped} of {n_rows} rollouts ({n_dropped / n_rows:.0%} > "
                 f"guards.quatro.filters.max_drop_share={cfg.max_drop_share}): {detail}. Check the rewards and the "

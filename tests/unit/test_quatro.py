@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import statistics
@@ -405,6 +406,10 @@ def test_zero_variance_groups_after_the_other_filters():
     assert result.zero_variance_groups.tolist() == [True, False, True, True, True, True]
     assert result.keep.tolist() == [False, False, True, True] + [False] * 8
     assert result.reasons["length"] == 1 and result.reasons["zero_variance"] == 9
+    # zero-variance rows keep advantage 0, as in plain GRPO: only the length drop counts for the warning (1 of 12)
+    assert result.warning is None
+    excluded = dataclasses.replace(cfg, dropped_rows="exclude")  # now they leave the loss normaliser: they count
+    result = RolloutFilter(excluded)(rewards, [[0]] * 12, completions, 2)
     assert result.warning is not None and "dropped 10 of 12" in result.warning
     assert "guards.quatro.filters.max_drop_share=0.5" in result.warning and "zero_variance 9" in result.warning
     off = RolloutFilter(only())(rewards, [[0]] * 12, completions, 2)

@@ -31,7 +31,13 @@ from steadyrl.metrics import (
 )
 from steadyrl.trainers.checkpoints import GuardState
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
-from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY, QuatroControls, QuatroRuntime, QuatroSetup
+from steadyrl.trainers.quatro_runtime import (
+    FILTER_WARNING_EVERY,
+    REPLAY_STEP_KEY,
+    QuatroControls,
+    QuatroRuntime,
+    QuatroSetup,
+)
 from steadyrl.trainers.trl_state import LearningRateScale
 
 SETUP = QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo")
@@ -116,6 +122,26 @@ def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_r
     assert output["completion_mask"].sum(dim=1).tolist() == [6, 0] and int(output["num_items_in_batch"]) == 6
 
 
+def test_filter_warnings_are_rate_limited_and_count_the_batches_in_between() -> None:
+    ctx = FakeContext(step=1)
+    quatro = QuatroRuntime(QuatroConfig(filters=dataclasses.replace(_only_repetition(), max_drop_share=0.4)))
+    quatro.bind(ctx, SETUP)
+    output = {
+        "prompt_ids": torch.tensor([[5], [5]]),
+        "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+        "completion_ids": torch.tensor([[1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]]),  # one of two dropped: 50% > 40%
+        "completion_mask": torch.ones(2, 6, dtype=torch.long),
+    }
+    for step in (1, 2, 3, FILTER_WARNING_EVERY, FILTER_WARNING_EVERY + 1, FILTER_WARNING_EVERY + 2):
+        ctx.step = step
+        quatro.filter_generation(dict(output), torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
+        assert ctx.last(quatro_filtered("repetition")) == 1.0  # every batch's counts are logged
+    warnings = [(step, fields["message"]) for step, kind, fields in ctx.events if kind == "filter_warning"]
+    assert [step for step, _ in warnings] == [1, FILTER_WARNING_EVERY + 1]
+    assert "dropped 1 of 2" in warnings[0][1] and "more batch" not in warnings[0][1]
+    assert warnings[1][1].endswith("(3 more batch(es) over the share since step 1)")  # steps 2, 3 and 50
+
+
 def test_quatro_replay_metrics_sum_over_ranks() -> None:
     ctx = FakeContext(step=5, world=2)
     quatro = QuatroRuntime(QuatroConfig())
@@ -197,18 +223,22 @@ def test_opefo_refuses_an_optimizer_without_adam_moments(tmp_path) -> None:
                      GuardState())  # fmt: skip
 
 
-def test_nested_timer_blocks_count_each_second_once(monkeypatch) -> None:
+def test_nested_timer_blocks_count_each_second_once_and_split_by_part(monkeypatch) -> None:
     import steadyrl.trainers.context as context_module
     from steadyrl.trainers.context import RuntimeContext
 
-    clock = iter([10.0, 13.0, 20.0, 20.5])  # outer 10 -> 13 (an inner block inside it), then 20 -> 20.5
+    # outer 10 -> 13 holding a middle block 11 -> 12.5 that holds an inner block 11.5 -> 12; then 20 -> 20.5
+    clock = iter([10.0, 11.0, 11.5, 12.0, 12.5, 13.0, 20.0, 20.5])
     monkeypatch.setattr(context_module.time, "perf_counter", lambda: next(clock))
     ctx = RuntimeContext()
-    with ctx.timer():
-        with ctx.timer():  # a timed hook calling a timed runtime: no clock read, no second count
-            with ctx.timer():
+    with ctx.timer("pipeline"):
+        with ctx.timer("quatro"):  # a timed hook calling a timed runtime: counted once in seconds
+            with ctx.timer("gepo"):
                 pass
     assert ctx.seconds == 3.0
-    with pytest.raises(RuntimeError), ctx.timer():  # an exception still stops the clock and resets the depth
+    assert ctx.seconds_by_part == {"pipeline": 1.5, "quatro": 1.0, "gepo": 0.5}  # own time: 3 - 1.5, 1.5 - 0.5
+    with pytest.raises(RuntimeError), ctx.timer("quatro"):  # an exception still stops the clock and pops the block
         raise RuntimeError("boom")
-    assert ctx.seconds == 3.5 and ctx._timer_depth == 0
+    assert ctx.seconds == 3.5 and ctx._timer_stack == []
+    assert ctx.seconds_by_part["quatro"] == 1.5
+    assert sum(ctx.seconds_by_part.values()) == ctx.seconds  # the parts add up to the total
