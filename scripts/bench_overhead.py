@@ -16,7 +16,10 @@ the last two). Three figures per row:
 - **act-mode ratio** (other rows): the guards act, so the trajectories differ (filters drop rows, the KL
   controller moves beta, completions change length); this ratio is noisy for that reason, not only for load.
 
-Peak RSS is the process's ``ru_maxrss`` (``PeakMemory``). The median over repeats is reported with its min-max.
+Peak RSS is the process's ``ru_maxrss`` (``PeakMemory``). The median over repeats is reported with its min-max. It
+is the allocator's figure as much as steadyrl's (runs that train bit-identically differ by hundreds of MiB on the
+135M model), so each run also reports what the layers hold: ``guard_held_tensor_mib``, every tensor reachable from
+the guard objects at the end of training (``OUTPUT_DIR/guard_cost.json``, ``steadyrl.trainers.guard_memory``).
 
     OMP_NUM_THREADS=2 python scripts/bench_overhead.py --size tiny --repeats 5 --steps 30
     OMP_NUM_THREADS=2 python scripts/bench_overhead.py --size 50m --repeats 5 --steps 10 --layers observe,act
@@ -93,12 +96,14 @@ def train(config: str, out: Path, steps: int, extra: list[str]) -> dict[str, Any
     steps_rows = [row for row in rows if "loss" in row and "train_runtime" not in row]
     guard = sum(float(row.get("steadyrl/guard_seconds") or 0.0) for row in rows)
     rss = json.loads((out / "peak_memory_rank0.json").read_text())["peak_rss_gib"] * 1024
-    parts_file = out / "guard_seconds.json"  # the same seconds, split by the layer whose code ran
-    parts = json.loads(parts_file.read_text())["by_part"] if parts_file.is_file() else {}
+    cost_file = out / "guard_cost.json"  # the same seconds split by the layer whose code ran; the tensors it holds
+    cost = json.loads(cost_file.read_text()) if cost_file.is_file() else {}
+    parts, held = cost.get("seconds_by_part", {}), cost.get("held_mib_by_part", {})
     return {
         "seconds": runtime / steps,
         "guard": guard / steps,
         "parts": {name: value / runtime for name, value in parts.items()},  # share of the run's time
+        "held_mib": sum(held.values()),
         "rss": rss,
         "losses": [float(row["loss"]) for row in steps_rows],
         "lengths": [float(row.get("completions/mean_length", "nan")) for row in steps_rows],
@@ -141,6 +146,7 @@ def measure(size: str, key: str, repeats: int, steps: int, out: Path) -> dict[st
             "seconds_per_step_on": [b["seconds"] for b in on],
             "guard_seconds_per_step": [b["guard"] for b in on],
             **{f"guard_share/{name}": [b["parts"].get(name, 0.0) for b in on] for name in part_names},
+            "guard_held_tensor_mib": [b["held_mib"] for b in on],
         },
         "note": f"{steps} steps per run, off/on alternating over {repeats} repeats; seconds are this machine's",
     }
@@ -178,12 +184,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for cell in cells:
         print(row_text(cell))
-    print("\n| size | layers | guard-code share by part (median over repeats; the parts add up to the share) |")
-    print("|---|---|---|")
+    print("\n| size | layers | guard-code share by part (median over repeats; the parts add up to the share) | "
+          "tensors the layers hold at the end, MiB |")  # fmt: skip
+    print("|---|---|---|---|")
     for cell in cells:
-        parts = {k.removeprefix("guard_share/"): v for k, v in cell["metrics"].items() if k.startswith("guard_share/")}
+        m = cell["metrics"]
+        parts = {k.removeprefix("guard_share/"): v for k, v in m.items() if k.startswith("guard_share/")}
         text = ", ".join(f"{name} {100 * statistics.median(v):.2f}%" for name, v in parts.items())
-        print(f"| {cell['scenario']} | {cell['label']} | {text or 'n/a'} |")
+        held = statistics.median(m["guard_held_tensor_mib"])
+        print(f"| {cell['scenario']} | {cell['label']} | {text or 'n/a'} | {held:.1f} |")
     path = REPO / args.results
     results = json.loads(path.read_text()) if path.is_file() else {"benchmark": "overhead", "cells": []}
     command = (

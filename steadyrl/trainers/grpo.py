@@ -54,6 +54,7 @@ from steadyrl.trainers.checkpoints import (  # noqa: F401  (re-exported: the che
     rotate_complete_checkpoints,
 )
 from steadyrl.trainers.context import RuntimeContext
+from steadyrl.trainers.guard_memory import held_tensor_bytes
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
 from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime
@@ -473,18 +474,36 @@ class _GuardClock(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        if t.accelerator.is_main_process and t.ctx.seconds_by_part:
-            write_guard_seconds(Path(args.output_dir), t.ctx, state.global_step)
+        layers_on = t.step_guards or t.observe_step_guards or t._rewrites_advantages() or t.finite_checks
+        if t.accelerator.is_main_process and (layers_on or t.opefo is not None or t.quatro is not None):
+            write_guard_cost(Path(args.output_dir), t, state.global_step)
 
 
-def write_guard_seconds(out: Path, ctx: Any, steps: int) -> None:
-    """``OUTPUT_DIR/guard_seconds.json``: this process's guard seconds over the run, in total and per part (the
-    layer whose code ran; ``pipeline``: the reward gather and advantage plumbing that GRADE, GEPO's advantages and
-    QUATRO's filters share). The parts add up to the total; scripts/bench_overhead.py divides them by step time."""
-    parts = {name: round(value, 6) for name, value in sorted(ctx.seconds_by_part.items())}
-    doc = {"steps": steps, "guard_seconds": round(ctx.seconds, 6), "by_part": parts}
+def write_guard_cost(out: Path, trainer: SteadyGRPOTrainer, steps: int) -> None:
+    """``OUTPUT_DIR/guard_cost.json`` (main process, at the end of training): the guard layers' cost over the run.
+
+    ``guard_seconds`` and ``seconds_by_part``: time in guard code, split by the part that ran (``pipeline``: the
+    reward gather and advantage plumbing that GRADE, GEPO's advantages and QUATRO's filters share; ``checks``: the
+    finite checks GEPO and OPEFO share); the parts add up to the total. ``held_mib_by_part``: the tensors each
+    layer holds at the end (``guard_memory.held_tensor_bytes``). scripts/bench_overhead.py reads both.
+    """
+    t = trainer
+    roots = {
+        "grade": [t.reward_processor],
+        "gepo": [t.advantage_fn, t.observe_advantage_fn, *t.step_guards, *t.observe_step_guards, t.micro_gate],
+        "opefo": [t.opefo],
+        "quatro": [t.quatro],
+        "pipeline": [t.pipeline, t.gate, t.scratch],
+    }
+    held = held_tensor_bytes(roots, trainer=t)
+    doc = {
+        "steps": steps,
+        "guard_seconds": round(t.ctx.seconds, 6),
+        "seconds_by_part": {name: round(value, 6) for name, value in sorted(t.ctx.seconds_by_part.items())},
+        "held_mib_by_part": {name: round(value / 2**20, 3) for name, value in held.items()},
+    }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "guard_seconds.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "guard_cost.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:

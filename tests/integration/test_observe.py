@@ -3,6 +3,7 @@ And the observing run did log its would-decisions: the overhead figure is on an 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -86,6 +87,16 @@ def test_all_layers_observing_train_like_all_layers_off(tiny_model_dir, tmp_path
     assert per_step(log, GEPO_WOULD_ADV_DIFF_MEAN) and per_step(log, GRADE_SCALED_STD)
     overhead = per_step(log, GUARD_SECONDS)
     assert len(overhead) == STEPS and all(s > 0 for s in overhead)  # the exact overhead figure of observing
+    cost = json.loads((tmp_path / "observe" / "guard_cost.json").read_text())
+    assert cost["steps"] == STEPS and not (tmp_path / "off" / "guard_cost.json").exists()
+    assert sum(cost["seconds_by_part"].values()) == pytest.approx(cost["guard_seconds"], rel=1e-4)
+    assert cost["guard_seconds"] == pytest.approx(observing.ctx.seconds, abs=1e-6)
+    assert {"gepo/spike", "grade", "opefo/state", "quatro/filters", "quatro/controllers"} <= set(
+        cost["seconds_by_part"]
+    )
+    # every layer observing: the filters' length history is QUATRO's; OPEFO observing keeps no snapshot in memory
+    history_mib = observing.quatro.filter.config.length.history * 8 / 2**20
+    assert cost["held_mib_by_part"]["quatro"] == pytest.approx(history_mib, abs=1e-3)
 
     # the doctor's summary of the run says what each layer would have done
     text = format_observe_summary(History(rows=[r for r in log if "step" in r]), run_dir=None)

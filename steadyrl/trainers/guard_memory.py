@@ -1,0 +1,71 @@
+"""The memory the guard layers hold: bytes of every tensor reachable from a layer's objects, per layer.
+
+Peak RSS differences between two runs are a poor measure of what steadyrl costs in memory: on the 135M model two
+runs that train bit-identically (observe mode) differ by -93 to +956 MiB of peak RSS (docs/results/overhead.json),
+which is the allocator, not steadyrl. This counts what the layers keep instead: snapshots held in memory, error
+feedback residuals, the micro-batch gate's gradient buffers, replayed rollouts, length histories. Each tensor
+storage is counted once, for the first layer that reaches it. What belongs to the run itself is never counted:
+the model and its parameters, the optimizer and its state, the trainer, the runtime context, functions, and any
+object of another package (only steadyrl's own objects, containers and tensors are walked).
+"""
+
+from __future__ import annotations
+
+import types
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from steadyrl.trainers.checkpoints import GuardState
+from steadyrl.trainers.context import RuntimeContext
+
+_LEAVES = (str, bytes, int, float, bool, complex, type(None), types.ModuleType, type)
+# GuardState: the registry of every layer (OPEFO keeps it to restore them all), which would credit every layer's
+# tensors to whichever layer reaches it first
+_NOT_OURS = (torch.nn.Module, torch.optim.Optimizer, RuntimeContext, GuardState, types.FunctionType,
+             types.MethodType, types.BuiltinFunctionType, torch.device, torch.dtype)  # fmt: skip
+
+
+def _children(obj: Any) -> Iterable[Any]:
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, list | tuple | set | frozenset | deque):
+        return obj
+    if not type(obj).__module__.startswith("steadyrl."):
+        return ()  # only steadyrl's own objects are walked: a DeepSpeed engine, a tokenizer, ... are the run's
+    found: list[Any] = []
+    if hasattr(obj, "__dict__"):
+        found += vars(obj).values()
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            found.append(getattr(obj, name))
+    return found
+
+
+def held_tensor_bytes(parts: dict[str, Iterable[Any]], trainer: Any = None) -> dict[str, int]:
+    """``{part: bytes}`` of the tensor storages reachable from each part's objects, each storage counted once
+    (for the first part that reaches it). ``trainer``: never walked into (guards keep a reference to it)."""
+    seen_objects: set[int] = {id(trainer)} if trainer is not None else set()
+    seen_storages: set[tuple[str, int]] = set()
+    out: dict[str, int] = {}
+    for part, roots in parts.items():
+        total, stack = 0, [r for r in roots if r is not None]
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen_objects or isinstance(obj, _LEAVES) or isinstance(obj, _NOT_OURS):
+                continue
+            seen_objects.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                if isinstance(obj, torch.nn.Parameter) or obj.is_meta:
+                    continue  # the model's
+                storage = obj.untyped_storage()
+                key = (str(obj.device), storage.data_ptr())
+                if key not in seen_storages and storage.nbytes():
+                    seen_storages.add(key)
+                    total += storage.nbytes()
+                continue
+            stack.extend(_children(obj))
+        out[part] = total
+    return out
