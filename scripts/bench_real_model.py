@@ -152,6 +152,42 @@ def cell(variant: str, seed: int, row: dict[str, Any], scenario: str = "clean") 
     return out
 
 
+def merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """One (scenario, variant) cell with the seeds of both; a seed of ``new`` replaces the same seed of ``old``.
+    Every per-seed list stays aligned with ``seeds`` (None where one side has no such metric)."""
+    seeds = list(old["seeds"])
+    index = {seed: i for i, seed in enumerate(seeds)}
+    names = list(old["metrics"]) + [k for k in new["metrics"] if k not in old["metrics"]]
+    merged = {"died": list(old["died"]), "accuracy": list(old["accuracy"])}
+    metrics = {k: list(old["metrics"].get(k, [None] * len(seeds))) for k in names}
+    for j, seed in enumerate(new["seeds"]):
+        if seed not in index:
+            index[seed] = len(seeds)
+            seeds.append(seed)
+            for values in (merged["died"], merged["accuracy"], *metrics.values()):
+                values.append(None)
+        i = index[seed]
+        merged["died"][i], merged["accuracy"][i] = new["died"][j], new["accuracy"][j]
+        for k in names:
+            metrics[k][i] = new["metrics"][k][j] if k in new["metrics"] else None
+    notes = [n for n in (old.get("note"), new.get("note")) if n]
+    out = {**old, "seeds": seeds, **merged, "metrics": metrics}
+    if notes:
+        out["note"] = " | ".join(dict.fromkeys(notes))
+    return out
+
+
+def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s cells merged into ``old`` (``--merge``); the top-level fields describe the latest invocation."""
+    cells = {(c["scenario"], c["variant"]): c for c in old.get("cells", [])}
+    for c in new["cells"]:
+        key = (c["scenario"], c["variant"])
+        cells[key] = merge_cell(cells[key], c) if key in cells else c
+    commands = [x for x in (old.get("command"), new["command"]) if x]
+    return {**new, "command": " ; ".join(dict.fromkeys(commands)), "cells": list(cells.values()),
+            "samples": {**old.get("samples", {}), **new.get("samples", {})}}  # fmt: skip
+
+
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = ["| run | accuracy (math_answer) | concise_answer | mean length | steps | wall time | step time | "
              "guard share |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -175,6 +211,12 @@ def main() -> None:
     parser.add_argument("--results", default="docs/results/real_model.json")
     parser.add_argument("--fault", choices=sorted(FAULTS), default=None, help="inject one fault into every run")
     parser.add_argument("--fault-step", type=int, default=5)
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge this run's cells into --results by (scenario, variant), one entry per seed (a seed already "
+        "there is replaced), instead of overwriting the file; each cell records each seed's commit",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
     code_commit = commit()  # the code that runs (later edits to the tree do not change this record)
@@ -204,7 +246,11 @@ def main() -> None:
         "cells": [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
         "samples": {v: r.get("samples") for v, r in rows.items()},
     }
+    for c in results["cells"]:
+        c["metrics"]["commit"] = [code_commit]
     path = REPO / args.results
+    if args.merge and path.is_file():
+        results = merge_results(json.loads(path.read_text()), results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(table(rows))

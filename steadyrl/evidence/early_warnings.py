@@ -52,9 +52,18 @@ class MonitorConfig:
 
 
 def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tuple[int, float]]:
-    """The last ``window`` (step, value) pairs of ``key`` in a Trainer log history (None values skipped)."""
-    rows = [(int(r.get("step", i)), float(r[key])) for i, r in enumerate(history) if r.get(key) is not None]
-    return rows[-window:]
+    """The last ``window`` (step, value) pairs of ``key`` in a Trainer log history (None values skipped), oldest
+    first. Reads the history from its end and stops after ``window`` of them, so a monitor that asks every few steps
+    does not pay for the whole run each time."""
+    rows: list[tuple[int, float]] = []
+    for i in range(len(history) - 1, -1, -1):
+        if len(rows) >= window:
+            break
+        r = history[i]
+        if r.get(key) is not None:
+            rows.append((int(r.get("step", i)), float(r[key])))
+    rows.reverse()
+    return rows
 
 
 def logp_gap_allowance(top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,

@@ -100,3 +100,33 @@ def test_truncated_sampling_raises_the_bar_and_turns_the_rise_rule_off():
 def test_two_value_window_never_warns_on_one_step():
     key = "sampling/sampling_logp_difference/mean"
     assert early_warnings(history(key, [0.002, 0.3]), MonitorConfig(window=2)) == []
+
+
+def test_recent_reads_from_the_end_and_matches_a_full_scan():
+    rows = [{"step": s, "entropy": None if s % 3 == 0 else s / 10} for s in range(1, 40)] + [{"loss": 1.0}]
+    full = [(r["step"], r["entropy"]) for r in rows if r.get("entropy") is not None]
+    for window in (1, 2, 5, len(full), len(full) + 3):
+        assert recent(rows, "entropy", window) == full[-window:]
+
+
+def test_monitor_summary_reads_only_new_rows_and_restarts_on_a_new_history(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from steadyrl.callbacks.monitor import SignalMonitor
+
+    monitor = SignalMonitor(MonitorConfig(every=2))
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True, log_history=[])
+    args = SimpleNamespace()
+    with caplog.at_level(logging.INFO, logger="steadyrl.monitor"):
+        for step, reward in ((1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)):
+            state.global_step = step
+            state.log_history.append({"step": step, "reward": reward, **({"kl": 0.5} if step == 1 else {})})
+            monitor.on_log(args, state, None)
+        assert monitor._rows_read == 4
+        state.log_history, state.global_step = [{"step": 2, "reward": 0.9}], 2  # another train() call
+        monitor._last_step = -1
+        monitor.on_log(args, state, None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "steadyrl.monitor"]
+    assert lines[0] == "step 2: reward=0.2, kl=0.5" and lines[1] == "step 4: reward=0.4, kl=0.5"  # kl from step 1
+    assert lines[2] == "step 2: reward=0.9"
