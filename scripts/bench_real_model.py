@@ -155,6 +155,13 @@ def cell(variant: str, seed: int, row: dict[str, Any], scenario: str = "clean") 
 def merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """One (scenario, variant) cell with the seeds of both; a seed of ``new`` replaces the same seed of ``old``.
     Every per-seed list stays aligned with ``seeds`` (None where one side has no such metric)."""
+    mine = [o for o in new["metrics"].get("overrides", []) if o is not None]
+    theirs = [o for o in old["metrics"].get("overrides", []) if o is not None]
+    if mine and theirs and any(o != mine[0] for o in theirs):
+        raise SystemExit(
+            f"--merge: cell {old['scenario']}/{old['variant']} holds seeds run with overrides {theirs[0]}, this run "
+            f"used {mine[0]}: one accuracy list would mix two settings; use another --results file"
+        )
     seeds = list(old["seeds"])
     index = {seed: i for i, seed in enumerate(seeds)}
     names = list(old["metrics"]) + [k for k in new["metrics"] if k not in old["metrics"]]
@@ -179,6 +186,8 @@ def merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new``'s cells merged into ``old`` (``--merge``); the top-level fields describe the latest invocation."""
+    if old.get("config") not in (None, new.get("config")):
+        raise SystemExit(f"--merge: the results file is for {old['config']}, this run used {new.get('config')}")
     cells = {(c["scenario"], c["variant"]): c for c in old.get("cells", [])}
     for c in new["cells"]:
         key = (c["scenario"], c["variant"])
@@ -246,8 +255,8 @@ def main() -> None:
         "cells": [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
         "samples": {v: r.get("samples") for v, r in rows.items()},
     }
-    for c in results["cells"]:
-        c["metrics"]["commit"] = [code_commit]
+    for c in results["cells"]:  # per seed, so a merged cell keeps what each of its seeds was computed with
+        c["metrics"].update(commit=[code_commit], packages=[results["packages"]], overrides=[args.overrides])
     path = REPO / args.results
     if args.merge and path.is_file():
         results = merge_results(json.loads(path.read_text()), results)

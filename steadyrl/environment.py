@@ -8,12 +8,15 @@ while steadyrl's code stays the same (the tiny SFT checkpoint's exact match went
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 PACKAGES = (
+    "steadyrl",
     "torch",
     "transformers",
     "trl",
@@ -42,8 +45,14 @@ def package_versions() -> dict[str, str | None]:
 
 
 def source_commit() -> str | None:
-    """steadyrl's git commit, with ``+dirty`` when the tracked files differ from it; None outside a checkout."""
+    """steadyrl's git commit, with ``+dirty`` when the tracked files differ from it; None when steadyrl does not run
+    from its own checkout (an installed wheel inside some other repository reports None, not that repository's)."""
     try:
+        top = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        if not top or Path(top).resolve() != REPO.resolve() or not (REPO / "steadyrl" / "__init__.py").is_file():
+            return None
         sha = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
@@ -62,3 +71,24 @@ def source_commit() -> str | None:
 def environment() -> dict[str, object]:
     """``{"steadyrl_commit": ..., "packages": {...}}``: what ``environment.json`` holds."""
     return {"steadyrl_commit": source_commit(), "packages": package_versions()}
+
+
+def write_environment(out: Path) -> None:
+    """``out/environment.json``: this process's environment; when the file is already there (a resumed run) and
+    says otherwise, the earlier records are kept under ``"earlier"``, oldest first, so a run that was resumed under
+    other package versions says so."""
+    path = out / "environment.json"
+    record: dict[str, Any] = environment()
+    earlier: list[Any] = []
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            old = None  # a damaged file from a killed run: replaced
+        if isinstance(old, dict):
+            earlier = list(old.pop("earlier", []))
+            if old != record:
+                earlier.append(old)
+    if earlier:
+        record["earlier"] = earlier
+    path.write_text(json.dumps(record, indent=1) + "\n")

@@ -46,14 +46,16 @@ class SignalMonitor(TrainerCallback):
         self._last_step = -1
         self._latest: dict[str, Any] = {}  # the last logged value of each SUMMARY_KEYS metric
         self._rows_read = 0  # log_history rows already folded into _latest
+        self._history: list[dict[str, Any]] | None = None  # the list those rows came from
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
         if not state.is_world_process_zero or step % self.config.every or step == self._last_step:
             return  # (the Trainer logs twice at the last step: the step's metrics, then the run summary)
         self._last_step = step
-        if len(state.log_history) < self._rows_read:  # a new history (another train() call): read it again
-            self._latest, self._rows_read = {}, 0
+        if state.log_history is not self._history or len(state.log_history) < self._rows_read:
+            self._latest, self._rows_read = {}, 0  # a new history (another train() call, a resume): read it all
+            self._history = state.log_history
         for row in state.log_history[self._rows_read :]:  # only the rows logged since the last summary
             self._latest.update((k, v) for k, v in row.items() if k in SUMMARY_KEYS)
         self._rows_read = len(state.log_history)

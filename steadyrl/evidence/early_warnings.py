@@ -163,6 +163,8 @@ def logp_gap_verdict(
 
 def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig, allowance: float) -> list[str]:
     """The vLLM-policy log-prob gap: too large now, or grown far above where the run started."""
+    if not any(config.logp_gap_key in row for row in history[-config.window :]):
+        return []  # not logged lately (no vLLM): no late window to judge, and no need to scan the whole run
     points = recent(history, config.logp_gap_key, len(history))
     c = config
     verdict = logp_gap_verdict(points, c.window, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, allowance)

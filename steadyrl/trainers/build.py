@@ -14,7 +14,7 @@ import yaml
 from steadyrl.config import RunConfig
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import load_object, world_size_from_env
-from steadyrl.environment import environment
+from steadyrl.environment import write_environment
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
 from steadyrl.rewards.guarded import GuardedReward
 
@@ -179,7 +179,7 @@ def _write_resolved(cfg: RunConfig, state: Any) -> None:
         out = Path(cfg.trainer["output_dir"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "resolved_config.yaml").write_text(yaml.safe_dump(cfg.to_tree(), sort_keys=False))
-        (out / "environment.json").write_text(json.dumps(environment(), indent=1) + "\n")
+        write_environment(out)
 
 
 def checked_rows(

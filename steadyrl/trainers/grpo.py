@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,14 @@ from steadyrl.trainers.checkpoints import (  # noqa: F401  (re-exported: the che
     rotate_complete_checkpoints,
 )
 from steadyrl.trainers.context import RuntimeContext
-from steadyrl.trainers.guard_memory import held_tensor_bytes
+from steadyrl.trainers.guard_memory import held_tensor_bytes, run_storages
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
 from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime
 from steadyrl.trainers.scratch import HookScratch
 from steadyrl.trainers.step_gate import StepGate
+
+logger = logging.getLogger(__name__)
 
 
 class SteadyGRPOTrainer(GRPOTrainer):
@@ -476,7 +479,11 @@ class _GuardClock(TrainerCallback):
         t = self.trainer
         layers_on = t.step_guards or t.observe_step_guards or t._rewrites_advantages() or t.finite_checks
         if t.accelerator.is_main_process and (layers_on or t.opefo is not None or t.quatro is not None):
-            write_guard_cost(Path(args.output_dir), t, state.global_step)
+            try:  # a report: it must never cost the run its final save and eval, which come after train()
+                write_guard_cost(Path(args.output_dir), t, state.global_step)
+            except Exception as exc:
+                logger.warning("could not write %s/guard_cost.json (%s); the run and its model are unaffected",
+                               args.output_dir, exc)  # fmt: skip
 
 
 def write_guard_cost(out: Path, trainer: SteadyGRPOTrainer, steps: int) -> None:
@@ -484,8 +491,12 @@ def write_guard_cost(out: Path, trainer: SteadyGRPOTrainer, steps: int) -> None:
 
     ``guard_seconds`` and ``seconds_by_part``: time in guard code, split by the part that ran (``pipeline``: the
     reward gather and advantage plumbing that GRADE, GEPO's advantages and QUATRO's filters share; ``checks``: the
-    finite checks GEPO and OPEFO share); the parts add up to the total. ``held_mib_by_part``: the tensors each
-    layer holds at the end (``guard_memory.held_tensor_bytes``). scripts/bench_overhead.py reads both.
+    finite checks GEPO and OPEFO share; ``ppo``: PPO's GAE, which includes the critic's forward, and its gradient
+    norm split); the parts add up to the total. ``held_mib_by_part``: the tensors each layer holds at the end of
+    training (``guard_memory.held_tensor_bytes``; the model's and the optimizer's storages excluded).
+    ``transient_mib_by_part``: what a layer holds only for a while, one gradient copy of the trainable parameters
+    each: the micro-batch spike gate between a micro-batch's backward and the next, OPEFO's error feedback from a
+    skipped step until it is fed back. scripts/bench_overhead.py reads the file.
     """
     t = trainer
     roots = {
@@ -495,12 +506,16 @@ def write_guard_cost(out: Path, trainer: SteadyGRPOTrainer, steps: int) -> None:
         "quatro": [t.quatro],
         "pipeline": [t.pipeline, t.gate, t.scratch],
     }
-    held = held_tensor_bytes(roots, trainer=t)
+    held = held_tensor_bytes(roots, trainer=t, exclude=run_storages(t.model, t.optimizer))
+    gradient_mib = sum(p.numel() * p.element_size() for p in t.model.parameters() if p.requires_grad) / 2**20
+    transient = {"gepo": gradient_mib if t.micro_gate is not None else 0.0}
+    transient["opefo"] = gradient_mib if t.opefo is not None and t.gate.feedback is not None else 0.0
     doc = {
         "steps": steps,
         "guard_seconds": round(t.ctx.seconds, 6),
         "seconds_by_part": {name: round(value, 6) for name, value in sorted(t.ctx.seconds_by_part.items())},
         "held_mib_by_part": {name: round(value / 2**20, 3) for name, value in held.items()},
+        "transient_mib_by_part": {name: round(value, 3) for name, value in transient.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "guard_cost.json").write_text(json.dumps(doc, indent=1) + "\n")

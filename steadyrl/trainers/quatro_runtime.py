@@ -328,7 +328,7 @@ class QuatroRuntime:
         """Log and record a filter warning: the first one, then at most one per ``FILTER_WARNING_EVERY`` steps with
         the count of the batches in between that were over the share too (each step's share is in the metrics)."""
         step = self.ctx.global_step()
-        if self._warned_at is not None and step - self._warned_at < FILTER_WARNING_EVERY:
+        if self._warned_at is not None and 0 <= step - self._warned_at < FILTER_WARNING_EVERY:
             self._unwarned += 1
             return
         if self._unwarned:

@@ -84,7 +84,8 @@ class StepGate:
             for guard in self.guards:
                 guard.on_skip(gradients, decision, step)
             if self.feedback is not None:
-                self.feedback.on_skip(gradients)
+                with self.ctx.timer("opefo/feedback"):  # a copy of the skipped gradients
+                    self.feedback.on_skip(gradients)
             self._count_skip(decision.reason, float(norm), step)
         self._log_counters()
         for guard in self.guards:  # a guard's own counters (the spike guard's baseline, rebases, ...)
@@ -194,8 +195,10 @@ class StepGate:
             with self.ctx.timer("gepo/spike"):
                 grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
                 pending["skip"] = self.decide(norm, grads).skip
-                if not pending["skip"] and self.feedback is not None and self.feedback.feed_back(grads):
-                    scaled = original_norm(*args, **kwargs)  # error feedback changed the partition: norm it again
+            if not pending["skip"] and self.feedback is not None:
+                with self.ctx.timer("opefo/feedback"):
+                    if self.feedback.feed_back(grads):  # error feedback changed the partition: norm it again
+                        scaled = original_norm(*args, **kwargs)
             return scaled
 
         def update_scale(has_overflow: bool) -> None:
