@@ -164,8 +164,10 @@ class QuatroRuntime:
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
-        self._warned_at: int | None = None  # step of the last filter warning logged
-        self._unwarned = 0  # batches over max_drop_share since then, counted in the next warning
+        # per kind of filter warning ("filters", "no_signal"): step of the last one logged, and the batches over
+        # the share since then (counted in the next one)
+        self._warned_at: dict[str, int] = {}
+        self._unwarned: dict[str, int] = {}
 
     @property
     def filters_on(self) -> bool:
@@ -321,19 +323,31 @@ class QuatroRuntime:
             return result
         self.ctx.log_metrics(result.metrics())
         if result.warning is not None:
-            self._warn(result.warning)
+            self._warn("filters", result.warning)
+        n_rows, share = result.keep.numel(), self.filter.config.max_drop_share
+        grouped = rewards.detach().reshape(-1, num_generations)  # the rewards themselves, before any filter
+        silent = int((grouped == grouped[:, :1]).all(dim=1).sum()) * num_generations  # NaN: never equal
+        if n_rows and silent / n_rows > share:  # not a filter's doing: the reward gives these groups no signal
+            self._warn(
+                "no_signal",
+                f"{silent} of {n_rows} rollouts ({silent / n_rows:.0%} > {share:.0%}) are in groups whose rewards are "
+                "all equal: no learning signal (advantage 0, as in plain GRPO). Normal for prompts the policy always "
+                "or never solves; if it lasts, check the reward function and the prompts' difficulty",
+            )
         return result
 
-    def _warn(self, warning: str) -> None:
-        """Log and record a filter warning: the first one, then at most one per ``FILTER_WARNING_EVERY`` steps with
-        the count of the batches in between that were over the share too (each step's share is in the metrics)."""
+    def _warn(self, kind: str, warning: str) -> None:
+        """Log and record a filter warning: the first of its kind, then at most one per ``FILTER_WARNING_EVERY``
+        steps with the count of the batches in between that were over the share too (each step's counts are in the
+        metrics)."""
         step = self.ctx.global_step()
-        if self._warned_at is not None and 0 <= step - self._warned_at < FILTER_WARNING_EVERY:
-            self._unwarned += 1
+        last = self._warned_at.get(kind)
+        if last is not None and 0 <= step - last < FILTER_WARNING_EVERY:
+            self._unwarned[kind] = self._unwarned.get(kind, 0) + 1
             return
-        if self._unwarned:
-            warning += f" ({self._unwarned} more batch(es) over the share since step {self._warned_at})"
-        self._warned_at, self._unwarned = step, 0
+        if self._unwarned.get(kind):
+            warning += f" ({self._unwarned[kind]} more batch(es) over the share since step {last})"
+        self._warned_at[kind], self._unwarned[kind] = step, 0
         logger.warning("step %d: %s", step, warning)
         self.ctx.emit_event(EVENT_FILTER_WARNING, message=warning)
 

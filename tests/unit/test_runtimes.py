@@ -142,6 +142,23 @@ def test_filter_warnings_are_rate_limited_and_count_the_batches_in_between() -> 
     assert warnings[1][1].endswith("(3 more batch(es) over the share since step 1)")  # steps 2, 3 and 50
 
 
+def test_groups_without_reward_variance_get_their_own_warning_not_the_filters() -> None:
+    ctx = FakeContext(step=1)
+    quatro = QuatroRuntime(QuatroConfig(filters=FilterConfig()))  # defaults: zero_variance on, zero_advantage
+    quatro.bind(ctx, SETUP)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [1, 3, 5, 7], [2, 4, 6, 8]])
+    output = {"prompt_ids": torch.tensor([[9]] * 4), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+              "completion_ids": ids, "completion_mask": torch.ones(4, 4, dtype=torch.long)}  # fmt: skip
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])  # group 1 all equal (2 of 4 rows): 50%, not over 50%
+    quatro.filter_generation(dict(output), rewards, torch.tensor([4, 4, 4, 4]), num_generations=2)
+    assert ctx.events == []
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])  # both groups all equal: every row dropped as zero_variance
+    quatro.filter_generation(dict(output), rewards, torch.tensor([4, 4, 4, 4]), num_generations=2)
+    (event,) = ctx.events
+    assert event[2]["message"].startswith("4 of 4 rollouts (100% > 50%) are in groups whose rewards are all equal")
+    assert "check the reward function" in event[2]["message"]
+
+
 def test_quatro_replay_metrics_sum_over_ranks() -> None:
     ctx = FakeContext(step=5, world=2)
     quatro = QuatroRuntime(QuatroConfig())
