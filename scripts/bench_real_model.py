@@ -9,7 +9,7 @@ Three rows, one seed, on the same held-out problems, greedy decoding, scored by 
 
 Each training run is its own ``python -m steadyrl train`` process, one at a time, timed end to end (model load,
 training, final save and eval). Step time is the Trainer's ``train_runtime`` / steps; the guard share is the
-trainer's own ``steadyrl/guard_seconds`` summed over the run, over ``train_runtime``. Writes
+run's guard seconds (``guard_cost.json``) over ``train_runtime``. Writes
 ``docs/results/real_model.json`` (format: shared RESULTS.md) and prints a markdown table.
 
     OMP_NUM_THREADS=2 python scripts/bench_real_model.py                      # base, plain, all (about 1 hour)
@@ -128,7 +128,11 @@ def train(
     row["last_step"] = history.last_step
     runtime = next((r["train_runtime"] for r in history.rows if "train_runtime" in r), None)
     steps = max((r.get("step", 0) for r in history.rows), default=0)
-    guard = sum(float(r.get("steadyrl/guard_seconds") or 0.0) for r in history.rows)
+    cost_file = out / "guard_cost.json"  # the run's own total: the logged metric is a mean over each logging interval
+    if cost_file.is_file():
+        guard = float(json.loads(cost_file.read_text())["guard_seconds"])
+    else:  # every layer off (no file): the metric, summed, is exact only with logging_steps=1
+        guard = sum(float(r.get("steadyrl/guard_seconds") or 0.0) for r in history.rows)
     row.update(steps=steps, train_runtime_s=runtime, guard_seconds=guard)
     if runtime:
         row.update(step_time_s=runtime / max(steps, 1), guard_share=guard / runtime)
