@@ -178,6 +178,16 @@ PPO_CRITIC_GRAD_NORM = "ppo/critic_grad_norm"
 # ----------------------------------------------------------------------------------- steadyrl, periodic eval
 
 GUARD_SECONDS = "steadyrl/guard_seconds"
+# parts of the guard seconds (RuntimeContext.timer(part), OUTPUT_DIR/guard_cost.json "seconds_by_part"): the layer,
+# then the mechanism whose code ran; "grade", "pipeline", "checks" and "ppo" have no mechanism part
+GUARD_PART_GEPO_ADVANTAGES = "gepo/advantages"
+GUARD_PART_GEPO_SPIKE = "gepo/spike"
+GUARD_PART_OPEFO_STATE = "opefo/state"
+GUARD_PART_OPEFO_FEEDBACK = "opefo/feedback"
+GUARD_PART_QUATRO_REPLAY = "quatro/replay"
+GUARD_PART_QUATRO_MEASURE = "quatro/measure"
+GUARD_PART_QUATRO_FILTERS = "quatro/filters"
+GUARD_PART_QUATRO_CONTROLLERS = "quatro/controllers"
 EVAL_PREFIX = "eval/"
 EVAL_REWARD = "eval/reward"
 EVAL_ACCURACY = "eval/accuracy"

@@ -38,6 +38,13 @@ from steadyrl.metrics import (
     GEPO_WOULD_CLAMP_LOGPROBS,
     GRADE_BETA,
     GRADE_KL_FACTOR,
+    GUARD_PART_GEPO_ADVANTAGES,
+    GUARD_PART_GEPO_SPIKE,
+    GUARD_PART_OPEFO_STATE,
+    GUARD_PART_QUATRO_CONTROLLERS,
+    GUARD_PART_QUATRO_FILTERS,
+    GUARD_PART_QUATRO_MEASURE,
+    GUARD_PART_QUATRO_REPLAY,
     GUARD_SECONDS,
     QUATRO_BETA,
 )
@@ -241,14 +248,14 @@ class SteadyGRPOTrainer(GRPOTrainer):
             return inputs  # no replay, or TRL served a micro-batch it had buffered (already mixed)
         # TRL just generated and split a generation batch: mix each of its micro-batches with replayed rows.
         fresh = self._buffered_inputs
-        with self.ctx.timer("quatro/replay"):
+        with self.ctx.timer(GUARD_PART_QUATRO_REPLAY):
             self._buffered_inputs = self.quatro.mix_generation(fresh, self.state.global_step)
         return self._buffered_inputs[next(i for i, batch in enumerate(fresh) if batch is inputs)]
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self._replay_on():
-            with self.ctx.timer("quatro/replay"):
+            with self.ctx.timer(GUARD_PART_QUATRO_REPLAY):
                 trl_state.ensure_sampling_logps(self, output)  # replayed rows need their sampling log-probs
         if not self._rewrites_advantages():
             return output
@@ -261,13 +268,13 @@ class SteadyGRPOTrainer(GRPOTrainer):
         with self.ctx.timer("pipeline"):
             completion_lengths, self.scratch.completion_lengths = self.scratch.completion_lengths, None
             if completion_lengths is not None and training:
-                with self.ctx.timer("quatro/filters"):
+                with self.ctx.timer(GUARD_PART_QUATRO_FILTERS):
                     rewards = weighted_rewards(rewards_per_func, self.reward_weights)
                     keep = self.quatro.filter_generation(output, rewards, completion_lengths, num_generations)
             advantages = self.compute_advantages(rewards_per_func, prompts, num_generations, keep=keep)
             output["advantages"] = advantages[start : start + local].to(output["advantages"].device)
             if keep is not None:
-                with self.ctx.timer("quatro/filters"):
+                with self.ctx.timer(GUARD_PART_QUATRO_FILTERS):
                     self.quatro.mask_dropped_rows(output, keep[start : start + local])
         return output
 
@@ -287,7 +294,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 trl_state.set_beta_factor(self, "grade", scaled.kl_factor)
                 self.ctx.log_metrics({GRADE_KL_FACTOR: scaled.kl_factor, GRADE_BETA: self.beta})
         gepo = self.advantage_fn is not None or self.observe_advantage_fn is not None
-        with self.ctx.timer("gepo/advantages" if gepo else "pipeline"):
+        with self.ctx.timer(GUARD_PART_GEPO_ADVANTAGES if gepo else "pipeline"):
             advantages, metrics = self.pipeline.advantages(scaled.rewards, keep, num_generations)
             self.ctx.log_metrics(metrics)
         return advantages
@@ -334,11 +341,11 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
     def _after_loss(self, loss: torch.Tensor, inputs: dict[str, Any], logps: Any, replay: bool) -> torch.Tensor:
         if self.quatro is not None and self.model.training:
-            with self.ctx.timer("quatro/measure"):
+            with self.ctx.timer(GUARD_PART_QUATRO_MEASURE):
                 # TRL's kl / entropy of this micro-batch, for the controllers
                 self.quatro.record_micro_batch(inputs, *trl_state.logged_kl_and_entropy(self))
             if replay:
-                with self.ctx.timer("quatro/replay"):
+                with self.ctx.timer(GUARD_PART_QUATRO_REPLAY):
                     self.quatro.record_replay(inputs, logps)  # replay share, age and importance ratio
         if not self.finite_checks:
             return loss
@@ -357,19 +364,19 @@ class SteadyGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         if self._micro_params is None:
             self._micro_params = [p for p in model.parameters() if p.requires_grad]
-        with self.ctx.timer("gepo/spike"):  # the gradient copy is guard cost too
+        with self.ctx.timer(GUARD_PART_GEPO_SPIKE):  # the gradient copy is guard cost too
             self.micro_gate.before_backward(self._micro_params)
         # Under DDP every micro-batch's backward stays local; MicroBatchGate.finish all-reduces the kept ones.
         sync = self.accelerator.no_sync(model) if self.accelerator.num_processes > 1 else contextlib.nullcontext()
         with sync:
             loss = super().training_step(model, inputs, num_items_in_batch)
-        with self.ctx.timer("gepo/spike"):
+        with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
             self.micro_gate.after_backward(self._micro_params)
         return loss
 
     def _clip_grad_norm(self, model):
         if self.micro_gate is not None and self._micro_params is not None:
-            with self.ctx.timer("gepo/spike"):
+            with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
                 every_one_dropped = self.micro_gate.finish(self._micro_params)
             if every_one_dropped:  # nothing left to train on: the step is skipped like a vetoed one
                 self.gate.veto("micro_batches")
@@ -451,18 +458,18 @@ class _GuardClock(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        stepping = [(t.reward_processor, "grade"), (t.advantage_fn, "gepo/advantages")]
-        stepping += [(guard, "gepo/spike") for guard in (*t.step_guards, *t.observe_step_guards)]
+        stepping = [(t.reward_processor, "grade"), (t.advantage_fn, GUARD_PART_GEPO_ADVANTAGES)]
+        stepping += [(guard, GUARD_PART_GEPO_SPIKE) for guard in (*t.step_guards, *t.observe_step_guards)]
         for obj, part in stepping:
             if isinstance(obj, Stepping) and callable(obj.step):
                 with t.ctx.timer(part):
                     obj.step()
         if t.opefo is not None:
-            with t.ctx.timer("opefo/state"):
+            with t.ctx.timer(GUARD_PART_OPEFO_STATE):
                 if (factor := t.opefo.on_step_end()) is not None:
                     trl_state.apply_lr_factor(t, t.lr_scale, factor)
         if t.quatro is not None:
-            with t.ctx.timer("quatro/controllers"):
+            with t.ctx.timer(GUARD_PART_QUATRO_CONTROLLERS):
                 controls, metrics = t.quatro.on_step_end()
                 t.apply_quatro(controls)
                 if t.quatro.kl is not None:

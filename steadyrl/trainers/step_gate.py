@@ -34,6 +34,8 @@ from steadyrl.metrics import (
     GEPO_SKIPPED_STEPS,
     GEPO_WOULD_SKIP,
     GEPO_WOULD_STOP,
+    GUARD_PART_GEPO_SPIKE,
+    GUARD_PART_OPEFO_FEEDBACK,
     gepo_skipped,
     gepo_would_skip,
 )
@@ -84,7 +86,7 @@ class StepGate:
             for guard in self.guards:
                 guard.on_skip(gradients, decision, step)
             if self.feedback is not None:
-                with self.ctx.timer("opefo/feedback"):  # a copy of the skipped gradients
+                with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):  # a copy of the skipped gradients
                     self.feedback.on_skip(gradients)
             self._count_skip(decision.reason, float(norm), step)
         self._log_counters()
@@ -150,13 +152,13 @@ class StepGate:
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
-        with self.ctx.timer("gepo/spike"):
+        with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
             decision = self.decide(norm, grads)
         if decision.skip:
             model.zero_grad(set_to_none=True)
             return norm, True
         if self.feedback is not None:
-            with self.ctx.timer("opefo/feedback"):
+            with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):
                 if self.feedback.feed_back(grads):  # error feedback changed the gradients: norm them again
                     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if max_grad_norm > 0:
@@ -192,11 +194,11 @@ class StepGate:
             norm = scaled.detach().float() / float(zero.loss_scale)
             if not bool(scaled >= 0):  # DeepSpeed reports an inf/NaN group norm as -1
                 norm = torch.full_like(norm, float("nan"))
-            with self.ctx.timer("gepo/spike"):
+            with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
                 grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
                 pending["skip"] = self.decide(norm, grads).skip
             if not pending["skip"] and self.feedback is not None:
-                with self.ctx.timer("opefo/feedback"):
+                with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):
                     if self.feedback.feed_back(grads):  # error feedback changed the partition: norm it again
                         scaled = original_norm(*args, **kwargs)
             return scaled
