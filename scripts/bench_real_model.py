@@ -97,6 +97,7 @@ def train(
     seed: int,
     fault: str | None = None,
     fault_step: int = 5,
+    collect_only: bool = False,
 ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "steadyrl", "train", config, *flags, *overrides,
            f"trainer.output_dir={out}", f"trainer.seed={seed}", "trainer.resume_from_checkpoint=null"]  # fmt: skip
@@ -105,13 +106,20 @@ def train(
         callback, fault_env = FAULTS[fault]
         cmd.append(f"callbacks=['steadyrl.faults:{callback}']")
         env.update({FAULT_STEP_ENV: str(fault_step), **fault_env})
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "faults.jsonl"):  # both append
-        (out / stale).unlink(missing_ok=True)
-    start = time.perf_counter()
-    code, _ = run_with_progress(cmd, out.name, log=out / "bench.log", env=env, cwd=REPO)
-    wall = time.perf_counter() - start
+    if collect_only:  # a run already made: rebuild its row from the folder (the exit code from its final save)
+        code, wall = (0 if (out / "final").is_dir() else 1), None
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "faults.jsonl"):  # both append
+            (out / stale).unlink(missing_ok=True)
+        start = time.perf_counter()
+        code, _ = run_with_progress(cmd, out.name, log=out / "bench.log", env=env, cwd=REPO)
+        wall = time.perf_counter() - start
     row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": wall, "died": code != 0}
+    environment_file = out / "environment.json"  # what the run itself was computed with
+    if environment_file.is_file():
+        recorded = json.loads(environment_file.read_text())
+        row.update(commit=recorded.get("steadyrl_commit"), packages=recorded.get("packages"))
     eval_file = out / "eval_results.json"
     if code == 0 and eval_file.is_file():
         result = json.loads(eval_file.read_text())
@@ -146,7 +154,8 @@ def train(
 
 
 def cell(variant: str, seed: int, row: dict[str, Any], scenario: str = "clean") -> dict[str, Any]:
-    metrics = {k: [v] for k, v in row.items() if k not in ("accuracy", "died", "samples", "rewards", "command")}
+    skip = ("accuracy", "died", "samples", "rewards", "command", "commit", "packages")
+    metrics = {k: [v] for k, v in row.items() if k not in skip}
     for name, value in (row.get("rewards") or {}).items():
         metrics[f"eval/{name}"] = [value]
     out = {"scenario": scenario, "variant": variant, "seeds": [seed], "died": [bool(row.get("died", False))],
@@ -208,9 +217,10 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         rewards = row.get("rewards") or {}
         acc = "died" if row.get("died") else "-" if row.get("accuracy") is None else f"{row['accuracy']:.3f}"
         step = f"{row['step_time_s']:.1f} s" if row.get("step_time_s") else "-"
+        wall = f"{row['wall_s']:.0f} s" if row.get("wall_s") is not None else "-"
         share = f"{100 * row['guard_share']:.2f}%" if row.get("guard_share") is not None else "-"
         lines.append(f"| {variant} | {acc} | {rewards.get('concise_answer', float('nan')):.3f} | "
-                     f"{row.get('mean_length', float('nan')):.1f} | {row.get('steps', 0)} | {row['wall_s']:.0f} s | "
+                     f"{row.get('mean_length', float('nan')):.1f} | {row.get('steps', 0)} | {wall} | "
                      f"{step} | {share} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -224,6 +234,11 @@ def main() -> None:
     parser.add_argument("--results", default="docs/results/real_model.json")
     parser.add_argument("--fault", choices=sorted(FAULTS), default=None, help="inject one fault into every run")
     parser.add_argument("--fault-step", type=int, default=5)
+    parser.add_argument(
+        "--collect-only",
+        action="store_true",
+        help="train nothing: rebuild the rows from the run folders in --out (wall time is then unknown)",
+    )
     parser.add_argument(
         "--merge",
         action="store_true",
@@ -242,7 +257,7 @@ def main() -> None:
             flags = VARIANTS[variant]
             name = f"{variant}-{args.fault}-s{args.seed}" if args.fault else f"{variant}-s{args.seed}"
             rows[variant] = train(args.config, Path(args.out) / name, flags, args.overrides, args.seed,
-                                  args.fault, args.fault_step)  # fmt: skip
+                                  args.fault, args.fault_step, collect_only=args.collect_only)  # fmt: skip
         print(f"[bench_real_model] {variant}: {json.dumps({k: v for k, v in rows[variant].items() if k != 'samples'})}",
               flush=True)  # fmt: skip
     command = "python scripts/bench_real_model.py " + " ".join(sys.argv[1:])
@@ -259,8 +274,9 @@ def main() -> None:
         "cells": [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
         "samples": {v: r.get("samples") for v, r in rows.items()},
     }
-    for c in results["cells"]:  # per seed, so a merged cell keeps what each of its seeds was computed with
-        c["metrics"].update(commit=[code_commit], packages=[results["packages"]], overrides=[args.overrides])
+    for c, row in zip(results["cells"], rows.values(), strict=True):  # per seed: what each seed was computed with
+        recorded = row.get("packages") or results["packages"]
+        c["metrics"].update(commit=[row.get("commit") or code_commit], packages=[recorded], overrides=[args.overrides])
     path = REPO / args.results
     if args.merge and path.is_file():
         results = merge_results(json.loads(path.read_text()), results)
