@@ -11,6 +11,7 @@ filter is tensor code over the whole batch: each n-gram is one exact int64 code 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -208,9 +209,24 @@ class TokenBatch:
     def from_mask(cls, ids: torch.Tensor, mask: torch.Tensor) -> TokenBatch:
         """The ids where ``mask`` is set, in order, left-aligned: ``row[mask.bool()]`` of every row (so left, right
         or any other padding)."""
+        if ids.shape != mask.shape:
+            raise ValueError(f"ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must have the same shape")
         keep = mask.bool()
+        if bool(keep.all()):  # no padding (prompts of one length): the rows as they are, without the sort
+            lengths = torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long, device=ids.device)
+            return cls._unchecked(ids, lengths)
         order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept positions first, in order
-        return cls(ids.gather(1, order), keep.sum(dim=1))
+        return cls._unchecked(ids.gather(1, order), keep.sum(dim=1))
+
+    @classmethod
+    def _unchecked(cls, ids: torch.Tensor, lengths: torch.Tensor) -> TokenBatch:
+        """For lengths in [0, T] by construction (a mask's row sums): skips ``__post_init__``'s range check, a
+        reduction and two syncs per batch."""
+        if ids.ndim != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"ids must be a (B, T) integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+        batch = object.__new__(cls)
+        batch.ids, batch.lengths = ids.long(), lengths.long()
+        return batch
 
     def valid(self) -> torch.Tensor:
         """(B, T) bool: the positions inside each row."""
@@ -222,6 +238,10 @@ class TokenBatch:
     def to_lists(self) -> list[list[int]]:
         return [row[:n] for row, n in zip(self.ids.tolist(), self.lengths.tolist(), strict=True)]
 
+
+BROADCAST_PAIRS = 1024
+"""``parrot_shares`` compares every (completion n-gram, prompt n-gram) pair of a row at once up to this many pairs
+per row (a (B, Lc, Lp) bool tensor, one op), and sorts and binary-searches above it (O((Lc + Lp) log Lp) per row)."""
 
 NO_GRAM = torch.iinfo(torch.int64).max
 """The code of a window that is no n-gram (it runs past its row's end): above every real code, so it sorts last."""
@@ -246,14 +266,25 @@ def _id_range(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     return min(int(lo) for lo, _ in ranges), max(int(hi) for _, hi in ranges)
 
 
+@functools.lru_cache(maxsize=64)
+def _powers(base: int, k: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([base ** (k - 1 - j) for j in range(k)], dtype=torch.long, device=device)
+
+
 def _pack(digits: torch.Tensor, base: int) -> torch.Tensor:
     """(..., k) digits in [0, base) -> (...,) their base-``base`` numbers (the caller checks base**k < 2**63)."""
-    k = digits.shape[-1]
-    powers = torch.tensor([base ** (k - 1 - j) for j in range(k)], dtype=torch.long, device=digits.device)
-    return (digits * powers).sum(dim=-1)
+    return (digits * _powers(base, digits.shape[-1], digits.device)).sum(dim=-1)
 
 
-def ngram_codes(batches: Sequence[TokenBatch], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def id_span(batches: Sequence[TokenBatch]) -> tuple[int, int] | None:
+    """(min, max) over the whole id tensors of ``batches``, padding included; None when they hold no ids. Computed
+    once, it serves ``ngram_codes`` for several n over these batches or a subset of them."""
+    return _id_range([b.ids for b in batches])
+
+
+def ngram_codes(
+    batches: Sequence[TokenBatch], n: int, span: tuple[int, int] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every n-gram of every row as one int64, in one code space for all ``batches``: equal codes <=> equal n-grams.
 
     Returns per batch (codes, grams), both (B, L) with L = max(T - n + 1, 0): window j of row b is
@@ -265,14 +296,19 @@ def ngram_codes(batches: Sequence[TokenBatch], n: int) -> list[tuple[torch.Tenso
     exact), then, if that does not fit, over the rows' ids only. When even that does not fit, each n-gram packs into
     several such words (one id per word when the ids span more than 2**63) and the codes are the dense ranks of the
     word tuples over all n-grams of the call (``torch.unique(dim=0)``: exact lexicographic comparison; slower).
+
+    ``span``: ``id_span`` of these batches or of more (a wider range is still exact), taken once for several calls;
+    by default it is taken here.
     """
     parts = [_windows(b, n) for b in batches]
-    span, outside = _id_range([b.ids for b in batches]), False
+    span, outside = (span if span is not None else id_span(batches)), False
     if span is not None and (span[1] - span[0] + 1) ** n > _INT64_MAX:
         span, outside = _id_range([b.ids[b.valid()] for b in batches]), True  # padding may widen the range
     if span is None:  # no ids at all, so no n-grams
         return [(torch.full(g.shape, NO_GRAM, dtype=torch.long, device=g.device), g) for _, g in parts]
     lo, base = span[0], span[1] - span[0] + 1
+    if lo > 0 and (span[1] + 1) ** n <= _INT64_MAX:  # token ids: base max + 1 fits, and no shift is needed
+        lo, base = 0, span[1] + 1
     if base**n <= _INT64_MAX:
         out = []
         for windows, grams in parts:
@@ -313,21 +349,26 @@ def _share(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return (count.double() / total).nan_to_num_(nan=0.0)
 
 
-def repeat_shares(completions: TokenBatch, n: int) -> torch.Tensor:
-    """(B,) float64 ``repeat_share`` of every row: 1 - distinct / total n-grams; 0 without n-grams."""
-    ((codes, grams),) = ngram_codes([completions], n)
+def repeat_shares(completions: TokenBatch, n: int, span: tuple[int, int] | None = None) -> torch.Tensor:
+    """(B,) float64 ``repeat_share`` of every row: 1 - distinct / total n-grams; 0 without n-grams. ``span``: see
+    ``ngram_codes``."""
+    ((codes, grams),) = ngram_codes([completions], n, span)
     distinct = _distinct(codes)[1].sum(dim=1)
     # 1 - distinct / total, rounded as the reference rounds it (repeated / total can differ in the last bit)
     return (1.0 - distinct.double() / grams.sum(dim=1)).nan_to_num_(nan=0.0)
 
 
-def parrot_shares(prompts: TokenBatch, completions: TokenBatch, n: int) -> torch.Tensor:
+def parrot_shares(
+    prompts: TokenBatch, completions: TokenBatch, n: int, span: tuple[int, int] | None = None
+) -> torch.Tensor:
     """(B,) float64 ``parrot_share`` of every row: the share of the completion's n-gram positions whose n-gram
-    occurs in the prompt of the same row; 0 without completion n-grams."""
+    occurs in the prompt of the same row; 0 without completion n-grams. ``span``: see ``ngram_codes``."""
     if prompts.rows != completions.rows:
         raise ValueError(f"got {prompts.rows} prompts for {completions.rows} completions")
-    (prompt_codes, _), (codes, grams) = ngram_codes([prompts, completions], n)
-    if prompt_codes.shape[1] and codes.shape[1] and codes.shape[0]:
+    (prompt_codes, _), (codes, grams) = ngram_codes([prompts, completions], n, span)
+    if prompt_codes.shape[1] * codes.shape[1] <= BROADCAST_PAIRS:  # short rows: compare every pair at once
+        hits = ((codes[:, :, None] == prompt_codes[:, None, :]).any(dim=2) & grams).sum(dim=1)
+    elif codes.shape[0]:  # sorted prompt n-grams, one binary search per completion n-gram
         ordered = prompt_codes.sort(dim=1).values
         at = torch.searchsorted(ordered, codes).clamp_(max=ordered.shape[1] - 1)
         hits = ((ordered.gather(1, at) == codes) & grams).sum(dim=1)
@@ -403,12 +444,12 @@ def no_signal_groups(rewards: torch.Tensor, kept: torch.Tensor, num_generations:
 
 
 class LengthHistory:
-    """The last ``capacity`` completion lengths, oldest first, in a float64 ring buffer (exact below 2**53): a batch
-    of lengths goes in with two slice copies, and ``values`` hands them to ``torch.quantile`` without a list."""
+    """The last ``capacity`` completion lengths, oldest first, in an int64 ring buffer: a batch of lengths goes in
+    with two slice copies, and ``quantiles`` reads order statistics from their histogram, without a sort."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._buffer = torch.zeros(capacity, dtype=torch.float64)
+        self._buffer = torch.zeros(capacity, dtype=torch.long)
         self._count = 0
         self._next = 0  # where the next length goes; the oldest one sits here once the buffer is full
 
@@ -416,8 +457,8 @@ class LengthHistory:
         return self._count
 
     def extend(self, lengths: torch.Tensor) -> None:
-        """Append (k,) lengths; the oldest ones fall out past ``capacity``."""
-        lengths = lengths.reshape(-1)[-self.capacity :].to(torch.float64)
+        """Append (k,) non-negative lengths; the oldest ones fall out past ``capacity``."""
+        lengths = lengths.reshape(-1)[-self.capacity :].long()
         k = lengths.numel()
         head = min(k, self.capacity - self._next)
         self._buffer[self._next : self._next + head] = lengths[:head]
@@ -428,6 +469,23 @@ class LengthHistory:
     def values(self) -> torch.Tensor:
         """The remembered lengths in buffer order (not oldest first: for order-free statistics)."""
         return self._buffer[: self._count]
+
+    def quantiles(self, qs: Sequence[float]) -> list[float]:
+        """``torch.quantile(values().double(), qs, interpolation="linear")``, bit for bit, the way it computes it:
+        the float64 rank ``q * (count - 1)``, the order statistics at its truncation and its ceiling, and
+        ``torch.lerp`` between them (tested against torch.quantile in tests/unit/test_rollout_filters_vectorised.py).
+        The order statistics come from the histogram of the lengths: the k-th smallest (from 0) is the first length
+        whose cumulative count exceeds k. A handful of ops on (max length + 1,) tensors, where a sort of the whole
+        history and torch.quantile's checks and copies cost several times more, once per generation batch."""
+        if not self._count:
+            raise ValueError("no lengths remembered")
+        cumulative = torch.bincount(self.values()).cumsum(0)
+        ranks = [q * (self._count - 1) for q in qs]  # float64, as torch multiplies them
+        below = [int(r) for r in ranks]
+        positions = torch.tensor(below + [math.ceil(r) for r in ranks], dtype=torch.long)
+        picked = torch.searchsorted(cumulative, positions, right=True).double()
+        weights = torch.tensor([r - b for r, b in zip(ranks, below, strict=True)], dtype=torch.float64)
+        return torch.lerp(picked[: len(qs)], picked[len(qs) :], weights).tolist()
 
     def tolist(self) -> list[int]:
         """The remembered lengths, oldest first."""
@@ -496,9 +554,7 @@ class RolloutFilter:
         ln = self.config.length
         if not ln.rolling or len(self._lengths) < ln.min_history:
             return None
-        history = self._lengths.values()
-        q = torch.tensor([ln.percentile_low / 100.0, ln.percentile_high / 100.0], dtype=torch.float64)
-        low, high = torch.quantile(history, q, interpolation="linear").tolist()
+        low, high = self._lengths.quantiles((ln.percentile_low / 100.0, ln.percentile_high / 100.0))
         return low, high
 
     def __call__(
@@ -529,10 +585,13 @@ class RolloutFilter:
         lengths = completions.lengths
         if cfg.length.enabled:
             own.append(("length", self._length_hits(lengths)))
+        # one id range for both n-gram filters (the completions' range lies inside the prompts' and theirs)
+        span = id_span([prompts, completions]) if cfg.parrot.enabled and cfg.repetition.enabled else None
         if cfg.parrot.enabled:
-            own.append(("parrot", parrot_shares(prompts, completions, cfg.parrot.n) > cfg.parrot.max_overlap))
-        if cfg.repetition.enabled:
-            repeats = repeat_shares(completions, cfg.repetition.n) > cfg.repetition.max_repeat_share
+            shares = parrot_shares(prompts, completions, cfg.parrot.n, span)
+            own.append(("parrot", shares > cfg.parrot.max_overlap))
+        if cfg.repetition.enabled and _can_repeat_over(lengths, cfg.repetition.n, cfg.repetition.max_repeat_share):
+            repeats = repeat_shares(completions, cfg.repetition.n, span) > cfg.repetition.max_repeat_share
             own.append(("repetition", repeats))
         for name, hits in reversed(own):  # the last write wins: the earliest filter's
             reason.masked_fill_(hits, FILTER_REASONS.index(name) + 1)
@@ -571,7 +630,7 @@ class RolloutFilter:
     def _zscore_hits(self, r: torch.Tensor) -> torch.Tensor:
         zc = self.config.zscore
         finite = torch.isfinite(r)
-        values = r[finite]
+        values = r if bool(finite.all()) else r[finite]
         if values.numel() < 2 or torch.unique(values).numel() < zc.min_distinct:
             return torch.zeros_like(finite)
         std = values.std().item()
@@ -581,15 +640,17 @@ class RolloutFilter:
         return finite & (z.abs() > zc.max_abs_z)
 
     def _length_hits(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Outside [min_tokens, max_tokens] or outside the rolling range: outside the intersection of the two, so
+        two comparisons whatever is configured."""
         ln = self.config.length
-        n = lengths.double()  # exact; comparing int64 with a float would round both to float32
-        hits = n < ln.min_tokens
-        if ln.max_tokens is not None:
-            hits |= n > ln.max_tokens
+        low, high = float(ln.min_tokens), math.inf if ln.max_tokens is None else float(ln.max_tokens)
         bounds = self.length_range()
         if bounds is not None:
-            hits |= ~((n >= bounds[0]) & (n <= bounds[1]))
-        return hits
+            low, high = max(low, bounds[0]), min(high, bounds[1])
+        # integer lengths: n < low <=> n < ceil(low), n > high <=> n > floor(high); comparing the int64 lengths
+        # with ints is exact (with a float, both would be rounded to float32)
+        hits = lengths < math.ceil(low)
+        return hits if high == math.inf else hits | (lengths > math.floor(high))
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "lengths": self._lengths.tolist(), "calls": self.calls, "dropped": dict(self.dropped)}
@@ -599,6 +660,15 @@ class RolloutFilter:
         self._lengths.extend(torch.tensor([int(v) for v in state["lengths"]], dtype=torch.long))
         self.calls = int(state["calls"])
         self.dropped = {name: int(state["dropped"].get(name, 0)) for name in FILTER_REASONS}
+
+
+def _can_repeat_over(lengths: torch.Tensor, n: int, share: float) -> bool:
+    """Whether any row could have a ``repeat_share`` above ``share``: a row of t n-grams has at least one distinct
+    one, so its share is at most 1 - 1 / t, computed as ``repeat_shares`` computes 1 - distinct / t (monotone in t
+    and in distinct under rounding, so the longest row bounds them all, bit for bit). When no row can, the filter
+    would drop nothing and its n-gram pass is skipped (short completions: answers of a few tokens)."""
+    grams = int(lengths.max()) - n + 1 if lengths.numel() else 0
+    return grams > 0 and 1.0 - 1.0 / grams > share
 
 
 def _token_batch(ids: TokenBatch | Sequence[Sequence[int]]) -> TokenBatch:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
+def identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
@@ -32,17 +32,19 @@ class RuntimeContext:
     log_metric(name, value): averaged over the logging interval and logged with TRL's metrics.
     emit_event(kind, step=None, **fields): a discrete event for callbacks that record them (``MetricsLog``);
         ``step`` defaults to the current ``global_step``.
-    reduce_sum / gather / gather_object: collectives over all ranks (identity on one process).
+    reduce_sum / gather / gather_object: collectives over all ranks (identity on one process: the trainer passes
+        the identity itself there, so a guard pays nothing for a collective that moves nothing).
     global_step(): optimizer steps done so far.
     """
 
     log_metric: Callable[[str, float], None] = lambda name, value: None
     emit_event: Callable[..., None] = lambda kind, step=None, **fields: None
-    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = _identity
-    gather: Callable[[torch.Tensor], torch.Tensor] = _identity
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = identity
+    gather: Callable[[torch.Tensor], torch.Tensor] = identity
     gather_object: Callable[[list[Any]], list[Any]] = _same
     global_step: Callable[[], int] = lambda: 0
     rank: int = 0
+    processes: int = 1  # ranks in the run; on one, code may skip a collective's packing (``gather`` is the identity)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seconds: float = 0.0  # wall time spent inside ``timer()`` blocks (the guard overhead figure)
     seconds_by_part: dict[str, float] = field(default_factory=dict)  # the same seconds, split by ``timer(part)``

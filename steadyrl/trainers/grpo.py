@@ -61,7 +61,7 @@ from steadyrl.trainers.checkpoints import (  # noqa: F401  (re-exported: the che
     publish_checkpoint,
     rotate_complete_checkpoints,
 )
-from steadyrl.trainers.context import RuntimeContext
+from steadyrl.trainers.context import RuntimeContext, identity
 from steadyrl.trainers.guard_memory import held_tensor_bytes, run_storages
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
@@ -140,14 +140,16 @@ class SteadyGRPOTrainer(GRPOTrainer):
             raise ValueError("kl_compensation needs a reward processor with kl_compensation() and beta > 0")
         self.beta_base, self.beta_factors = self.beta, {}
         self.scratch = HookScratch()
+        distributed = self.accelerator.num_processes > 1  # else accelerate's collectives return their input
         self.ctx = RuntimeContext(
             log_metric=self._guard_metric,
             emit_event=self.emit_event,
-            reduce_sum=lambda t: self.accelerator.reduce(t, reduction="sum"),
-            gather=self.accelerator.gather,
+            reduce_sum=(lambda t: self.accelerator.reduce(t, reduction="sum")) if distributed else identity,
+            gather=self.accelerator.gather if distributed else identity,
             gather_object=gather_object,
             global_step=lambda: self.state.global_step,
             rank=self.accelerator.process_index,
+            processes=self.accelerator.num_processes,
             device=self.accelerator.device,
         )
         self.pipeline = self.pipeline_class(

@@ -67,7 +67,7 @@ from steadyrl.metrics import (
     OPEFO_WOULD_ROLLBACK,
 )
 from steadyrl.trainers.checkpoints import GuardState
-from steadyrl.trainers.context import RuntimeContext
+from steadyrl.trainers.context import RuntimeContext, identity
 
 logger = logging.getLogger("steadyrl.opefo")
 
@@ -88,10 +88,6 @@ def keeps_adam_moments(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or type(optimizer).__name__ in ADAM_CLASSES
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class OpefoRuntime:
     """OPEFO's schedule inside the trainer. Stateful: its ``state_dict`` goes to the checkpoint's guard state
     (main process); the error-feedback residual is per rank and goes to the rank files (``rank_state_dict``).
@@ -104,8 +100,8 @@ class OpefoRuntime:
         self.would = {"rollback": 0, "floor_entries": 0, "feed_back": 0}  # observe mode's counts
         self.policy = RollbackPolicy(config.rollback)
         # The collectives are bound in ``attach`` (they depend on the backend); until then, identity.
-        self._reduce_partitioned = _identity
-        self._reduce_all = _identity
+        self._reduce_partitioned = identity
+        self._reduce_all = identity
         self.floor = SecondMomentFloor(config.floor, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.store: SnapshotStore | None = None

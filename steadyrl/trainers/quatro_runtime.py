@@ -485,8 +485,12 @@ def gather_token_batches(
     order of the gathered rewards), so every rank filters the same rows.
 
     Two collectives, no Python lists: the ranks' widths, then one flat tensor of every rank's rows padded to the
-    widest ([completion length, prompt mask, prompt ids, completion ids] per row).
+    widest ([completion length, prompt mask, prompt ids, completion ids] per row). On one process, none: the rows
+    are this rank's, as they are.
     """
+    if ctx.processes == 1:
+        lengths = completion_lengths.to(device="cpu", dtype=torch.long)
+        return TokenBatch.from_mask(prompt_ids.cpu(), prompt_mask.cpu()), TokenBatch(completion_ids.cpu(), lengths)
     device = completion_ids.device
     widths = torch.tensor([prompt_ids.shape[1], completion_ids.shape[1]], dtype=torch.long, device=device)
     prompt_width, completion_width = ctx.gather(widths).view(-1, 2).amax(dim=0).tolist()

@@ -22,6 +22,7 @@ class FakeContext(RuntimeContext):
             gather_object=lambda objects: list(objects) * world,
             global_step=lambda: self.step,
             rank=rank,
+            processes=world,
         )
 
     def _event(self, kind: str, step: int | None = None, **fields: Any) -> None:

@@ -16,11 +16,13 @@ from reference_rollout_filters import (
     reference_shares,
 )
 
+from steadyrl.guards import rollout_filters
 from steadyrl.guards.rollout_filters import (
     FILTER_REASONS,
     NO_GRAM,
     FilterConfig,
     LengthConfig,
+    LengthHistory,
     NearDuplicateConfig,
     ParrotConfig,
     RepetitionConfig,
@@ -28,6 +30,7 @@ from steadyrl.guards.rollout_filters import (
     TokenBatch,
     ZeroVarianceConfig,
     ZScoreConfig,
+    _can_repeat_over,
     group_jaccard,
     near_duplicate_hits,
     ngram_codes,
@@ -35,6 +38,7 @@ from steadyrl.guards.rollout_filters import (
     parrot_shares,
     repeat_shares,
 )
+from steadyrl.trainers.context import RuntimeContext
 from steadyrl.trainers.quatro_runtime import QuatroConfig, QuatroRuntime, QuatroSetup, gather_token_batches
 
 NAN = math.nan
@@ -162,8 +166,13 @@ def assert_shares_equal(
     assert similarity.tolist() == reference_group_jaccard(completions, cfg.near_duplicate.n, group_size)
 
 
+@pytest.mark.parametrize("pairs", ["broadcast", "sorted"])
 @pytest.mark.parametrize("seed", range(12))
-def test_tensor_filters_match_the_reference_row_by_row(seed: int) -> None:
+def test_tensor_filters_match_the_reference_row_by_row(seed: int, pairs: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pairs``: parrot_shares' membership test, every pair compared at once or a binary search in sorted n-grams
+    (the random rows are short enough for the first; a bound of -1 forces the second)."""
+    if pairs == "sorted":
+        monkeypatch.setattr(rollout_filters, "BROADCAST_PAIRS", -1)
     rng = random.Random(seed)
     cfg = random_config(rng)
     group_size = rng.choice((1, 2, 4, 8, 16))
@@ -249,8 +258,12 @@ def test_ngram_codes_pack_exactly_or_rank() -> None:
     assert codes.tolist() == [[102, 203, NO_GRAM], [301, NO_GRAM, NO_GRAM]]
     batch = TokenBatch(torch.tensor([[1, 2, 3, 2**62], [3, 1, -(2**62), 0]]), torch.tensor([3, 2]))
     ((codes, grams),) = ngram_codes([batch], 2)
-    # the padding's range does not fit, the ids' does: ids 1..3, base 3, digits id - 1; (1 2) -> 0*3+1, (2 3) -> 5
-    assert codes.tolist() == [[1, 5, NO_GRAM], [6, NO_GRAM, NO_GRAM]]
+    # the padding's range does not fit, the ids' does: ids 1..3, non-negative, so base 3 + 1 and the ids are the
+    # digits; (1 2) -> 1*4+2, (2 3) -> 11, (3 1) -> 13
+    assert codes.tolist() == [[6, 11, NO_GRAM], [13, NO_GRAM, NO_GRAM]]
+    batch = TokenBatch(torch.tensor([[-1, 0, 1], [1, -1, 5]]), torch.tensor([3, 2]))
+    ((codes, grams),) = ngram_codes([batch], 2)  # a negative id: shifted, base 5 - (-1) + 1 = 7, digits id + 1
+    assert codes.tolist() == [[0 * 7 + 1, 1 * 7 + 2], [2 * 7 + 0, NO_GRAM]]
     big = 2**40  # base 2**40 + 1: two ids do not fit one int64, so the codes are ranks of packed words
     batch = TokenBatch(torch.tensor([[big, 1, big, 1, 7]]), torch.tensor([4]))
     ((codes, grams),) = ngram_codes([batch], 2)
@@ -269,6 +282,46 @@ def test_repeat_and_parrot_shares_by_hand() -> None:
     # (2345) (3456) in the prompt, (4569) not; all; no 4-gram; a prompt shorter than n has none
     assert parrot_shares(prompts, completions, 4).tolist() == [2 / 3, 1.0, 0.0, 0.0]
     assert parrot_shares(prompts, completions, 2).tolist() == [4 / 5, 1.0, 1.0, 2 / 4]  # (1 2) in, (2 1) not
+
+
+def test_repetition_pass_is_skipped_only_when_no_row_can_be_dropped() -> None:
+    """A row of t n-grams repeats at most 1 - 1/t of them. The bound must be the share's own rounding: 7 7 7 7 7
+    has 3 trigrams, 1 distinct, share 1 - 1/3 = 0.6666666666666667, which is above the float 2/3
+    (0.6666666666666666); a bound of (t - 1) / t = 2/3 would skip the pass and keep the row."""
+    only_repetition = FilterConfig(
+        zscore=ZScoreConfig(enabled=False),
+        length=LengthConfig(enabled=False),
+        parrot=ParrotConfig(enabled=False),
+        repetition=RepetitionConfig(n=3, max_repeat_share=2 / 3),
+        zero_variance=ZeroVarianceConfig(enabled=False),
+    )
+    rows = [[7, 7, 7, 7, 7], [1, 2, 3, 4, 5]]
+    result = RolloutFilter(only_repetition)(torch.tensor([0.0, 1.0]), [[9]] * 2, rows, 1)
+    assert result.keep.tolist() == [False, True] and result.reasons["repetition"] == 1
+    rng = random.Random(3)
+    for _ in range(300):  # wherever the pass is skipped, it would have dropped nothing
+        width, n = rng.randint(0, 6), rng.randint(1, 4)
+        batch = TokenBatch.from_lists(
+            [[rng.randrange(3) for _ in range(rng.randint(0, width))] for _ in range(rng.randint(1, 6))]
+        )
+        share = rng.choice((0.0, 0.25, 0.5, 1 / 3, 2 / 3, 0.75, 0.8, rng.random()))
+        if not _can_repeat_over(batch.lengths, n, share):
+            assert not (repeat_shares(batch, n) > share).any()
+
+
+def test_length_quantiles_are_torch_quantile_bit_for_bit() -> None:
+    rng = random.Random(8)
+    for _ in range(400):
+        history = LengthHistory(rng.choice((1, 2, 5, 17, 256)))
+        for _ in range(rng.randint(1, 4)):
+            values = [rng.choice((rng.randint(0, 40), rng.randint(0, 5000))) for _ in range(rng.randint(1, 300))]
+            history.extend(torch.tensor(values))
+        qs = (rng.choice((0.0, 0.01, rng.random())), rng.choice((0.99, 1.0, rng.random())))
+        q = torch.tensor(qs, dtype=torch.float64)
+        expected = torch.quantile(history.values().double(), q, interpolation="linear")
+        assert history.quantiles(qs) == expected.tolist()
+    with pytest.raises(ValueError, match="no lengths"):
+        LengthHistory(4).quantiles((0.5,))
 
 
 def test_group_jaccard_and_near_duplicates_by_hand() -> None:
@@ -367,3 +420,22 @@ def test_runtime_gathers_padded_ids_over_ranks_and_filters_like_the_reference() 
     keep = quatro.filter_generation(output, rewards.repeat(2), lengths, num_generations=4)
     expected = ReferenceRolloutFilter(cfg)(rewards.repeat(2), prompts * 2, completions * 2, 4)
     assert keep.tolist() == expected.keep.tolist()
+
+
+def test_one_process_skips_the_packing_and_gets_the_same_batches() -> None:
+    """On one process the rows are taken as they are, without the widths collective and the packed tensor; the
+    batches equal what the packing path makes of the same rows (a context that claims two ranks, gathering one)."""
+    rng = random.Random(5)
+    _, prompts, completions = random_batch(rng, 3, 4, 8)
+    p_ids, p_mask = padded(prompts, rng, left=True)
+    c_ids, c_mask = padded(completions, rng)
+    lengths = c_mask.sum(dim=1)
+    calls: list[torch.Tensor] = []
+    packing = RuntimeContext(gather=lambda t: calls.append(t) or t, processes=2)
+    direct = gather_token_batches(RuntimeContext(gather=lambda t: calls.append(t) or t), p_ids, p_mask, c_ids, lengths)
+    assert calls == []  # no collective on one process
+    packed = gather_token_batches(packing, p_ids, p_mask, c_ids, lengths)
+    assert len(calls) == 2
+    for a, b in zip(direct, packed, strict=True):
+        assert a.to_lists() == b.to_lists() and torch.equal(a.lengths, b.lengths)
+    assert direct[0].to_lists() == prompts and direct[1].to_lists() == completions
