@@ -144,7 +144,7 @@ def train(
     row.update(steps=steps, train_runtime_s=runtime, guard_seconds=guard)
     if runtime:
         row.update(step_time_s=runtime / max(steps, 1), guard_share=guard / runtime)
-    for key in ("gepo/skipped_steps", "opefo/rollbacks"):
+    for key in ("gepo/skipped_steps", "opefo/rollbacks", "opefo/repairs"):
         row[key] = max((float(r[key]) for r in history.rows if r.get(key) is not None), default=None)
     shares = [float(r["quatro/filtered_share"]) for r in history.rows if r.get("quatro/filtered_share") is not None]
     row["quatro_filtered_share_mean"] = sum(shares) / len(shares) if shares else None

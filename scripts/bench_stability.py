@@ -152,7 +152,7 @@ def commit() -> str:
     return proc.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-CELL_METRICS = ("skipped", "rollbacks", "filtered", "entropy", "grad_norm_cv", "wall_s", "last_step")
+CELL_METRICS = ("skipped", "rollbacks", "repairs", "filtered", "entropy", "grad_norm_cv", "wall_s", "last_step")
 SATURATION_METRICS = (  # the last logged value of each counter (cumulative), per seed
     M.QUATRO_KL_AT_MAX,
     M.QUATRO_KL_AT_MIN,
@@ -261,6 +261,7 @@ def summarise_run(run_dir: Path, returncode: int, wall_s: float) -> dict[str, An
         "grad_norm_cv": None,
         "skipped": history.count("gepo/skipped_steps", "skip") if history else 0,
         "rollbacks": history.count("opefo/rollbacks", "rollback") if history else 0,
+        "repairs": history.count("opefo/repairs", "state_repair") if history else 0,
         "filtered": None,
         "fault_fired_at": next((row["step"] for row in faults if row["fault"] != "train_end"), None),
         "nonfinite_state_at_end": end[-1]["nonfinite_state_entries"] if end else None,
@@ -346,8 +347,8 @@ def table(results: dict[tuple[str, str, int], dict[str, Any]], names: list[str],
     """Markdown: one row per scenario x variant, seeds aggregated."""
     lines = [
         "| scenario | variant | outcome | final accuracy (mean ± seed std) | final entropy | grad-norm CV | "
-        "skipped steps | rollbacks | filtered rows | fault fired | wall s/run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "skipped steps | rollbacks | in-place repairs | filtered rows | fault fired | wall s/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for scenario in scenarios:
         for name in names:
@@ -355,7 +356,7 @@ def table(results: dict[tuple[str, str, int], dict[str, Any]], names: list[str],
             if not runs:
                 continue
             if runs[0]["status"] == "not_run":
-                lines.append(f"| {scenario} | {name} | not implemented yet (does not validate) |" + " - |" * 8)
+                lines.append(f"| {scenario} | {name} | not implemented yet (does not validate) |" + " - |" * 9)
                 continue
             ok = [r for r in runs if r["status"] == "ok"]
             cvs = [r["grad_norm_cv"] for r in runs if r["grad_norm_cv"] is not None]
@@ -369,6 +370,7 @@ def table(results: dict[tuple[str, str, int], dict[str, Any]], names: list[str],
                 f"{f'{statistics.fmean(cvs):.2f}' if cvs else '-'} | "
                 f"{statistics.fmean(r['skipped'] for r in runs):.1f} | "
                 f"{statistics.fmean(r['rollbacks'] for r in runs):.1f} | "
+                f"{statistics.fmean(r.get('repairs', 0) for r in runs):.1f} | "
                 f"{f'{statistics.fmean(filtered):.0f}' if filtered else 'n/a'} | {fired} | "
                 f"{statistics.fmean(r['wall_s'] for r in runs):.0f} |"
             )

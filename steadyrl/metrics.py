@@ -141,10 +141,13 @@ OPEFO_EF_PENDING = "opefo/ef_pending"
 OPEFO_EF_WEIGHT = "opefo/ef_weight"
 OPEFO_EF_INJECTED_NORM = "opefo/ef_injected_norm"
 OPEFO_ROLLBACKS = "opefo/rollbacks"  # cumulative
+OPEFO_REPAIRS = "opefo/repairs"  # cumulative: checks whose non-finite moment entries were reset in place
+OPEFO_REPAIRED_ENTRIES = "opefo/repaired_entries"  # cumulative, over all ranks
 OPEFO_RECOVERY_ACTIVE = "opefo/recovery_active"
 OPEFO_LR_FACTOR = "opefo/lr_factor"
 # observe mode (guards.opefo.mode: observe): what OPEFO would have done, cumulative; nothing of it is applied
 OPEFO_WOULD_ROLLBACK = "opefo/would_rollback"  # checks that found non-finite weights or moments
+OPEFO_WOULD_REPAIR = "opefo/would_repair"  # of those, the ones act mode would repair in place instead
 OPEFO_WOULD_FLOOR_ENTRIES = "opefo/would_floor_entries"  # exp_avg_sq entries the floor would raise
 OPEFO_WOULD_FEED_BACK = "opefo/would_feed_back"  # skipped steps whose gradient error feedback would keep
 
@@ -206,6 +209,7 @@ def eval_reward(name: str) -> str:
 EVENT_SKIP = "skip"
 EVENT_MICRO_BATCH_DROP = "micro_batch_drop"
 EVENT_ROLLBACK = "rollback"
+EVENT_STATE_REPAIR = "state_repair"
 EVENT_ENTROPY_FLOOR_WARNING = "entropy_floor_warning"
 EVENT_FILTER_WARNING = "filter_warning"
 

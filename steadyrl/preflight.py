@@ -17,7 +17,8 @@ The design notes' deployment order (monitoring first, then intervention; docs/DE
 3. **drills**, each a short run (``--drill-steps``, default 6) of the calibrated config with the layers acting and
    one fault from ``steadyrl.faults`` at step 3: a NaN loss micro-batch (``NanLossAtStep``) and an inf written into
    Adam's ``exp_avg_sq`` (``InfExpAvgSqAtStep``, OPEFO checking every step). A drill holds when the run finishes,
-   the fault fired, and the guard acted (a skipped step; a rollback with no non-finite optimizer state left).
+   the fault fired, and the guard acted (a skipped step; a repair in place or a rollback, with no non-finite
+   optimizer state left).
 
 Writes ``OUT/preflight.yaml`` (``extends:`` the user's config, then the command-line overrides and the calibrated
 values; it validates before it is written), ``OUT/report.md``, ``OUT/report.json`` and the runs under ``OUT/runs``.
@@ -285,7 +286,7 @@ def judge(drill: Drill, rc: int, run_dir: Path, cfg: Any) -> None:
         values = _finite(history, name) if history is not None else np.array([])
         return float(values[-1]) if len(values) else 0.0
 
-    skipped, rollbacks = last(M.GEPO_SKIPPED_STEPS), last(M.OPEFO_ROLLBACKS)
+    skipped, rollbacks, repairs = last(M.GEPO_SKIPPED_STEPS), last(M.OPEFO_ROLLBACKS), last(M.OPEFO_REPAIRS)
     left = end[-1].get("nonfinite_state_entries") if end else None
     if not fired:
         drill.held, drill.detail = False, f"the fault did not fire (exit {rc}); see {run_dir / 'log.txt'}"
@@ -294,8 +295,11 @@ def judge(drill: Drill, rc: int, run_dir: Path, cfg: Any) -> None:
         drill.held = False
         drill.detail = f"the run died (exit {rc}, last step {history.last_step if history else 0})"
     elif drill.name == "inf_exp_avg_sq":
-        drill.held = rollbacks >= 1 and not left
-        drill.detail = f"{rollbacks:.0f} rollback(s), {left or 0} non-finite optimizer-state entries at the end"
+        drill.held = rollbacks + repairs >= 1 and not left  # repaired in place or rolled back, none left
+        drill.detail = (
+            f"{repairs:.0f} in-place repair(s), {rollbacks:.0f} rollback(s), {left or 0} non-finite optimizer-state "
+            "entries at the end"
+        )
     else:  # finished: the NaN micro-batch must have been caught (a skip or a rollback), not trained on
         drill.held = skipped >= 1 or rollbacks >= 1
         drill.detail = f"finished; {skipped:.0f} step(s) skipped, {rollbacks:.0f} rollback(s)"

@@ -23,7 +23,7 @@ from steadyrl import metrics as M
 
 # cumulative counters: TRL averages them over the logging interval, so the interval's last count is the mean
 # rounded up (0.9 when the skip came at step 12 of steps 11-20)
-COUNTS = (M.GEPO_SKIPPED_STEPS, M.OPEFO_ROLLBACKS)
+COUNTS = (M.GEPO_SKIPPED_STEPS, M.OPEFO_ROLLBACKS, M.OPEFO_REPAIRS)
 
 
 def progress_wanted(stream: TextIO | None = None) -> bool:
@@ -54,6 +54,7 @@ def status_line(step: int, max_steps: int, seconds_per_step: float | None, lates
         (M.EVAL_ACCURACY, "eval acc", "{:.3f}"),
         (M.GEPO_SKIPPED_STEPS, "skipped", "{:.0f}"),
         (M.OPEFO_ROLLBACKS, "rollbacks", "{:.0f}"),
+        (M.OPEFO_REPAIRS, "repairs", "{:.0f}"),
         (M.QUATRO_FILTERED_SHARE, "filtered", "{:.0%}"),
     ):
         if key in latest:
@@ -92,7 +93,8 @@ class ProgressLine(TrainerCallback):
         done = state.global_step - self._start_step  # a resumed run times the steps this process ran
         per_step = (time.monotonic() - self._start) / done if done > 0 else None
         line = status_line(state.global_step, state.max_steps, per_step, self.latest)
-        for key, flag in ((M.GEPO_SKIPPED_STEPS, "SKIPPED"), (M.OPEFO_ROLLBACKS, "ROLLED BACK")):
+        flags = ((M.GEPO_SKIPPED_STEPS, "SKIPPED"), (M.OPEFO_ROLLBACKS, "ROLLED BACK"), (M.OPEFO_REPAIRS, "REPAIRED"))
+        for key, flag in flags:
             if math.ceil(self.latest.get(key, 0)) > math.ceil(before.get(key, 0)):
                 line += f" | {flag}"
         print(line, file=self.stream, flush=True)

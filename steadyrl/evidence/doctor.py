@@ -41,6 +41,7 @@ from steadyrl.metrics import (
     EVAL_ACCURACY,
     EVENT_ROLLBACK,
     EVENT_SKIP,
+    EVENT_STATE_REPAIR,
     GEPO_ADV_STD,
     GEPO_NONFINITE_LOGPROBS,
     GEPO_NONFINITE_LOSS,
@@ -50,6 +51,7 @@ from steadyrl.metrics import (
     GRAD_NORM,
     KL,
     LOSS,
+    OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
     QUATRO_ENTROPY,
     QUATRO_FILTERED_PREFIX,
@@ -86,6 +88,7 @@ CHECKED = (
     GEPO_ADV_STD,
     GEPO_SKIPPED_STEPS,
     *NONFINITE_COUNTERS,
+    OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
     QUATRO_FLOOR_ACTIVE,
     EVAL_ACCURACY,
@@ -384,6 +387,19 @@ def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
                 severity, "OPEFO rolled back to a snapshot", [Evidence(OPEFO_ROLLBACKS, first, last, detail)], changes
             )
         )
+    n_repairs = history.count(OPEFO_REPAIRS, EVENT_STATE_REPAIR)
+    if n_repairs:
+        events = history.events_of(EVENT_STATE_REPAIR)
+        steps = [int(e["step"]) for e in events if "step" in e]
+        entries = sum(int(e.get("entries", 0)) for e in events)
+        detail = f"{n_repairs} repair(s) of {entries} non-finite Adam moment entries in place (weights finite)"
+        first, last = (steps[0], steps[-1]) if steps else (0, history.last_step)
+        changes = [
+            "usually a one-off (an overflow in one gradient entry): nothing to change. If it repeats, look for "
+            "inf/NaN in the rewards or log-probs, and " + CHANGE_LR,
+        ]
+        evidence = [Evidence(OPEFO_REPAIRS, first, last, detail)]
+        checks.append(_Check("warning", "OPEFO repaired non-finite optimizer state", evidence, changes))
     return checks
 
 

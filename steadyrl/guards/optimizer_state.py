@@ -7,7 +7,7 @@ and ``all_gather(t)`` (1-D tensors of any lengths concatenated in rank order), t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,97 @@ def optimizer_state_finite(
                     lo, hi = torch.aminmax(t)  # NaN propagates into both, +-inf into one of them
                     bad += (~(torch.isfinite(lo) & torch.isfinite(hi))).to(home, torch.float64)
         return (reduce_sum or identity)(bad).item() == 0
+
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # Adam's (and AMSGrad's) per-entry moments
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+def _moment_tensors(optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    """Per parameter, its moment tensors that hold entries (keys of ``MOMENT_KEYS``)."""
+    out = []
+    for state in optimizer.state.values():
+        moments = {k: t for k in MOMENT_KEYS if isinstance(t := state.get(k), torch.Tensor) and t.numel()}
+        if moments:
+            out.append(moments)
+    return out
+
+
+def _bad_pieces(moments: dict[str, torch.Tensor]) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """One parameter's moments in pieces of ``CHUNK`` entries: (the pieces by key, views of the tensors; the bool
+    mask of the entries where any of them is not finite). A bool temporary of at most 4 MiB at a time."""
+    if not all(t.is_contiguous() for t in moments.values()):  # a flat view would be a copy: the whole tensors
+        bad = torch.zeros(
+            next(iter(moments.values())).shape, dtype=torch.bool, device=next(iter(moments.values())).device
+        )
+        for t in moments.values():
+            bad |= ~torch.isfinite(t)
+        yield dict(moments), bad
+        return
+    views = {k: t.view(-1) for k, t in moments.items()}
+    size = min(v.numel() for v in views.values())
+    for start in range(0, size, CHUNK):
+        pieces = {k: v[start : start + CHUNK] for k, v in views.items()}
+        bad = torch.zeros(next(iter(pieces.values())).shape, dtype=torch.bool, device=next(iter(views.values())).device)
+        for piece in pieces.values():
+            bad |= ~torch.isfinite(piece)
+        yield pieces, bad
+
+
+def nonfinite_moment_entries(optimizer: torch.optim.Optimizer, reduce_sum: ReduceSum | None = None) -> tuple[int, int]:
+    """(entries with a non-finite moment, all entries) over this rank's parameters, summed over ranks by
+    ``reduce_sum``: an entry is one position of a parameter, bad when any of its moments (``MOMENT_KEYS``) is not
+    finite, as ``repair_moments`` counts them."""
+    home = optimizer_device(optimizer, MOMENT_KEYS)
+    counts = torch.zeros(2, dtype=torch.float64, device=home)
+    with torch.no_grad():
+        for moments in _moment_tensors(optimizer):
+            for _, bad in _bad_pieces(moments):
+                counts[0] += bad.sum().to(home, torch.float64)
+                counts[1] += bad.numel()
+        bad_entries, total = (reduce_sum or identity)(counts).tolist()
+    return int(bad_entries), int(total)
+
+
+def repair_moments(optimizer: torch.optim.Optimizer) -> int:
+    """Reset this rank's non-finite moment entries in place; returns how many entries were reset.
+
+    An entry is bad when its first or its second moment is not finite. Its first moment becomes 0 (no momentum in
+    either direction) and its second moment the largest finite second moment of the same tensor (of all this rank's
+    tensors when that one has none; 0 when none is finite anywhere): the most conservative scale a healthy entry of
+    that tensor has, so the entry's next updates are no larger than that tensor's smallest, and the step it takes
+    grows back as Adam's average forgets the value. Nothing else changes: the other entries, the weights, the step
+    count.
+    """
+    tensors = _moment_tensors(optimizer)
+    repaired = 0
+    with torch.no_grad():
+        largest = [_largest_finite([m[k] for k in SECOND_MOMENTS if k in m]) for m in tensors]
+        fallback = max((v for v in largest if v is not None), default=0.0)
+        for moments, top in zip(tensors, largest, strict=True):
+            value = fallback if top is None else top
+            for pieces, bad in _bad_pieces(moments):
+                count = int(bad.sum())
+                if not count:
+                    continue
+                repaired += count
+                for key, piece in pieces.items():
+                    piece.masked_fill_(bad, value if key in SECOND_MOMENTS else 0.0)
+    return repaired
+
+
+def _largest_finite(tensors: Sequence[torch.Tensor]) -> float | None:
+    """The largest finite entry over ``tensors`` (chunked); None when there is none."""
+    best: float | None = None
+    for t in tensors:
+        view = flat(t)
+        for start in range(0, view.numel(), CHUNK):
+            piece = view[start : start + CHUNK]
+            finite = piece[torch.isfinite(piece)]
+            if finite.numel():
+                top = float(finite.max())
+                best = top if best is None else max(best, top)
+    return best
 
 
 def distributed_ops(group: Any = None, device: torch.device | str | None = None) -> tuple[ReduceSum, AllGather]:

@@ -30,6 +30,12 @@ class RollbackConfig:
     recovery_steps: int = 100
     max_rollbacks: int = 3
     rollback_window: int = 1000
+    # A check that finds non-finite Adam moments and finite weights resets the bad entries in place (first moment 0,
+    # second moment the largest finite one of its tensor) instead of rolling back: no lost steps, no LR cut. It
+    # rolls back instead when more than repair_max_share of the moment entries are bad (not a few corrupted
+    # entries), or when the moments go bad again within recovery_steps of a repair (not a one-off).
+    repair_state: bool = True
+    repair_max_share: float = 0.01
 
     def __post_init__(self) -> None:
         problems = []
@@ -47,6 +53,8 @@ class RollbackConfig:
             problems.append(f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
         if self.rollback_window < 1:
             problems.append(f"rollback_window must be >= 1, got {self.rollback_window}")
+        if not 0 < self.repair_max_share <= 1:
+            problems.append(f"repair_max_share must be in (0, 1], got {self.repair_max_share}")
         if problems:
             raise ValueError("invalid RollbackConfig: " + "; ".join(problems))
 
@@ -162,6 +170,36 @@ class RollbackPolicy:
         self.rollbacks = 0
         self.last_step: int | None = None
         self.recent: list[tuple[int, str]] = []  # (step, cause) within rollback_window of the latest rollback
+        self.repairs = 0
+        self.repaired_entries = 0
+        self.last_repair: int | None = None
+
+    def refuse_repair(self, step: int, bad_weights: int, bad_entries: int, entries: int) -> str | None:
+        """Why a failed check at ``step`` must roll back rather than repair the moments in place (None: repair).
+
+        ``bad_weights``: non-finite weight tensors; ``bad_entries`` / ``entries``: non-finite and all moment entries
+        (all ranks)."""
+        cfg = self.config
+        if not cfg.repair_state:
+            return "guards.opefo.rollback.repair_state is off"
+        if bad_weights:
+            return "the weights are not finite (a repair only resets optimizer moments)"
+        if bad_entries == 0:
+            return "nothing to repair"
+        if bad_entries > cfg.repair_max_share * entries:
+            return (
+                f"{bad_entries} of {entries} moment entries are not finite, more than "
+                f"guards.opefo.rollback.repair_max_share={cfg.repair_max_share}"
+            )
+        if self.last_repair is not None and step - self.last_repair < cfg.recovery_steps:
+            since = step - self.last_repair
+            return f"the moments went non-finite again {since} steps after the repair at step {self.last_repair}"
+        return None
+
+    def record_repair(self, step: int, entries: int) -> None:
+        self.repairs += 1
+        self.repaired_entries += int(entries)
+        self.last_repair = int(step)
 
     def record(self, step: int, cause: str) -> None:
         """Register a rollback at ``step``; raises RollbackLimitError when more than ``max_rollbacks`` rollbacks
@@ -187,9 +225,20 @@ class RollbackPolicy:
         return self.config.recovery_lr_factor if self.recovery_active(step) else 1.0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rollbacks": self.rollbacks, "last_step": self.last_step, "recent": [list(r) for r in self.recent]}
+        return {
+            "rollbacks": self.rollbacks,
+            "last_step": self.last_step,
+            "recent": [list(r) for r in self.recent],
+            "repairs": self.repairs,
+            "repaired_entries": self.repaired_entries,
+            "last_repair": self.last_repair,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollbacks = int(state["rollbacks"])
         self.last_step = None if state["last_step"] is None else int(state["last_step"])
         self.recent = [(int(s), str(c)) for s, c in state["recent"]]
+        self.repairs = int(state.get("repairs", 0))  # absent in checkpoints from before repairs
+        self.repaired_entries = int(state.get("repaired_entries", 0))
+        last = state.get("last_repair")
+        self.last_repair = None if last is None else int(last)

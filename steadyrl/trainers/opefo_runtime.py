@@ -18,6 +18,12 @@ trainer applies it (``steadyrl.trainers.trl_state.LearningRateScale``).
   step with a non-finite loss or a skip; on failure a rollback; otherwise a healthy snapshot every
   ``rollback.snapshot_interval`` steps (and one when training starts, so there is always one to go back to).
 
+A failed check whose only fault is non-finite Adam moments (the weights are finite) is repaired in place by
+default (``rollback.repair_state``): the bad entries get first moment 0 and the largest finite second moment of
+their tensor (``optimizer_state.repair_moments``), on every rank, and training goes on with no lost steps and no
+LR cut. It rolls back instead when more than ``repair_max_share`` of the entries are bad, when the moments go bad
+again within ``recovery_steps`` of a repair, or (DDP) when the replicas hold different numbers of bad entries.
+
 A rollback restores, on every rank, the trainable weights, the optimizer state (under ZeRO also the fp32
 master partitions) and every guard's state from the latest healthy snapshot, drops a pending error-feedback
 residual, and scales the learning rate by ``recovery_lr_factor`` for ``recovery_steps`` steps (on top of the
@@ -52,18 +58,28 @@ import torch
 from steadyrl.guards.error_feedback import ErrorFeedback
 from steadyrl.guards.moment_floor import SecondMomentFloor
 from steadyrl.guards.opefo import OpefoConfig
-from steadyrl.guards.optimizer_state import distributed_ops, optimizer_state_finite
+from steadyrl.guards.optimizer_state import (
+    distributed_ops,
+    nonfinite_moment_entries,
+    optimizer_device,
+    optimizer_state_finite,
+    repair_moments,
+)
 from steadyrl.guards.rollback import RollbackPolicy, SnapshotStore
 from steadyrl.metrics import (
     EVENT_ROLLBACK,
+    EVENT_STATE_REPAIR,
     OPEFO_EF_PENDING,
     OPEFO_EF_WEIGHT,
     OPEFO_FLOOR_RAISED_FRAC_PREFIX,
     OPEFO_FLOOR_TRIGGERED,
     OPEFO_RECOVERY_ACTIVE,
+    OPEFO_REPAIRED_ENTRIES,
+    OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
     OPEFO_WOULD_FEED_BACK,
     OPEFO_WOULD_FLOOR_ENTRIES,
+    OPEFO_WOULD_REPAIR,
     OPEFO_WOULD_ROLLBACK,
 )
 from steadyrl.trainers.checkpoints import GuardState
@@ -83,6 +99,15 @@ def optimizer_chain(optimizer: Any) -> list[Any]:
 ADAM_CLASSES = ("FusedAdam", "DeepSpeedCPUAdam")  # DeepSpeed's Adam implementations: torch's state layout
 
 
+def _cause(bad_weights: int, state_ok: bool) -> str:
+    causes = []
+    if bad_weights:
+        causes.append(f"non-finite parameters ({bad_weights} tensor(s) over all ranks)")
+    if not state_ok:
+        causes.append("non-finite optimizer state (exp_avg / exp_avg_sq)")
+    return " and ".join(causes)
+
+
 def keeps_adam_moments(optimizer: Any) -> bool:
     """Whether the innermost optimizer keeps Adam's per-parameter ``exp_avg`` / ``exp_avg_sq`` (what OPEFO reads)."""
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or type(optimizer).__name__ in ADAM_CLASSES
@@ -97,7 +122,7 @@ class OpefoRuntime:
     def __init__(self, config: OpefoConfig, observe: bool = False) -> None:
         self.config = config
         self.observe = observe
-        self.would = {"rollback": 0, "floor_entries": 0, "feed_back": 0}  # observe mode's counts
+        self.would = {"rollback": 0, "repair": 0, "floor_entries": 0, "feed_back": 0}  # observe mode's counts
         self.policy = RollbackPolicy(config.rollback)
         # The collectives are bound in ``attach`` (they depend on the backend); until then, identity.
         self._reduce_partitioned = identity
@@ -111,6 +136,7 @@ class OpefoRuntime:
         self.base: torch.optim.Optimizer | None = None
         self.zero: Any = None
         self._check_now: str | None = None
+        self._pending_repair = 0  # entries (all ranks) counted by the last _refuse_repair
 
     # ------------------------------------------------------------------ setup
 
@@ -195,14 +221,22 @@ class OpefoRuntime:
         if rb.enabled:
             due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
             if self._check_now is not None or due:
-                cause = self._health_problem()
-                if cause is not None:
+                bad_weights, state_ok = self._health()
+                if bad_weights or not state_ok:
                     trigger = f" after a {self._check_now}" if self._check_now else ""
-                    self._roll_back(step, cause + trigger)
+                    cause = _cause(bad_weights, state_ok) + trigger
+                    refusal = self._refuse_repair(step, bad_weights, state_ok)
+                    if refusal is None:
+                        self._repair(step, cause)
+                    else:
+                        self._roll_back(step, cause, refusal)
                 elif step % rb.snapshot_interval == 0:
                     self._snapshot(step)
             self._check_now = None
             self.ctx.log_metric(OPEFO_ROLLBACKS, float(self.policy.rollbacks))
+            if rb.repair_state:
+                self.ctx.log_metric(OPEFO_REPAIRS, float(self.policy.repairs))
+                self.ctx.log_metric(OPEFO_REPAIRED_ENTRIES, float(self.policy.repaired_entries))
             self.ctx.log_metric(OPEFO_RECOVERY_ACTIVE, float(self.policy.recovery_active(step)))
         self.ctx.log_metric(OPEFO_EF_PENDING, float(self.feedback.pending))
         return self.policy.lr_factor(step) if rb.enabled else None  # recovery_steps steps after a rollback
@@ -226,17 +260,23 @@ class OpefoRuntime:
         if rb.enabled:
             due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
             if self._check_now is not None or due:
-                cause = self._health_problem()
-                if cause is not None:
-                    self.would["rollback"] += 1
-                    if self.would["rollback"] == 1:
+                bad_weights, state_ok = self._health()
+                if bad_weights or not state_ok:
+                    cause = _cause(bad_weights, state_ok)
+                    repair = self._refuse_repair(step, bad_weights, state_ok) is None
+                    self.would["repair" if repair else "rollback"] += 1
+                    if self.would["rollback"] + self.would["repair"] == 1:
                         logger.warning(
-                            "step %d: observe mode: OPEFO would roll back here (cause: %s); training goes on with "
-                            "the non-finite state, as without OPEFO",
-                            step, cause,
+                            "step %d: observe mode: OPEFO would %s here (cause: %s); training goes on with the "
+                            "non-finite state, as without OPEFO",
+                            step, "repair the moments in place" if repair else "roll back", cause,
                         )  # fmt: skip
+                    if repair:  # act mode would not see these entries again: count the next one as a new fault
+                        self.policy.last_repair = step
             self._check_now = None
             self.ctx.log_metric(OPEFO_WOULD_ROLLBACK, float(self.would["rollback"]))
+            if rb.repair_state:
+                self.ctx.log_metric(OPEFO_WOULD_REPAIR, float(self.would["repair"]))
         if self.config.error_feedback.enabled:
             self.ctx.log_metric(OPEFO_WOULD_FEED_BACK, float(self.would["feed_back"]))
         return None
@@ -244,8 +284,9 @@ class OpefoRuntime:
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self._named_parameters() if p.requires_grad]
 
-    def _health_problem(self) -> str | None:
-        """None when every rank's trainable weights and Adam moments are finite, else the cause (same on all ranks)."""
+    def _health(self) -> tuple[int, bool]:
+        """(non-finite trainable weight tensors over all ranks, whether every rank's Adam moments are finite): the
+        same on all ranks."""
         params = self._trainable()
         bad = torch.zeros(1, dtype=torch.float64, device=params[0][1].device if params else "cpu")
         with torch.no_grad():
@@ -253,13 +294,38 @@ class OpefoRuntime:
                 lo, hi = torch.aminmax(p.detach())
                 bad += (~(torch.isfinite(lo) & torch.isfinite(hi))).to(bad.device, torch.float64)
         bad_params = int(self._reduce_all(bad).item())
-        state_ok = optimizer_state_finite(self.base, reduce_sum=self._reduce_all)
-        causes = []
-        if bad_params:
-            causes.append(f"non-finite parameters ({bad_params} tensor(s) over all ranks)")
-        if not state_ok:
-            causes.append("non-finite optimizer state (exp_avg / exp_avg_sq)")
-        return " and ".join(causes) or None
+        return bad_params, optimizer_state_finite(self.base, reduce_sum=self._reduce_all)
+
+    def _refuse_repair(self, step: int, bad_weights: int, state_ok: bool) -> str | None:
+        """Why this failed check rolls back instead of repairing the moments in place; None: repair. The same answer
+        on every rank (the counts are reduced over all of them)."""
+        if not self.config.rollback.repair_state or bad_weights or state_ok:
+            return self.policy.refuse_repair(step, bad_weights, 0 if state_ok else 1, 1)
+        local = nonfinite_moment_entries(self.base)
+        counts = torch.tensor([local[0], local[1], float(local[0]) ** 2], dtype=torch.float64)
+        bad, total, squares = self._reduce_all(counts.to(optimizer_device(self.base))).tolist()
+        replicas = self.zero is None and torch.distributed.is_available() and torch.distributed.is_initialized()
+        if replicas:  # DDP: each rank holds the whole state; a repair must leave the replicas equal
+            world = torch.distributed.get_world_size()
+            if bad * bad != world * squares:  # equal local counts <=> (sum b)^2 == world x sum b^2
+                return "the ranks' optimizer replicas hold different numbers of non-finite entries"
+            bad, total = bad / world, total / world
+        self._pending_repair = int(bad)
+        return self.policy.refuse_repair(step, bad_weights, int(bad), int(total))
+
+    def _repair(self, step: int, cause: str) -> None:
+        """Reset the non-finite moment entries in place (``repair_moments``); weights, the other entries, the
+        learning rate and every guard's state stay as they are."""
+        repaired = repair_moments(self.base)
+        entries = self._pending_repair
+        self.policy.record_repair(step, entries)
+        logger.warning(
+            "step %d: OPEFO repaired %d non-finite Adam moment entr%s in place (cause: %s; first moment 0, second "
+            "moment the largest finite one of its tensor); no rollback, learning rate unchanged",
+            step, entries, "y" if entries == 1 else "ies", cause,
+        )  # fmt: skip
+        self.ctx.emit_event(EVENT_STATE_REPAIR, cause=cause, entries=entries, local_entries=repaired)
+        self._check_now = "repair"  # the next step's check confirms the state is finite
 
     # ------------------------------------------------------------------ snapshots and rollback
 
@@ -277,7 +343,7 @@ class OpefoRuntime:
         assert self.store is not None
         self.store.save(step, self._payload())
 
-    def _roll_back(self, step: int, cause: str) -> None:
+    def _roll_back(self, step: int, cause: str, refusal: str | None = None) -> None:
         assert self.store is not None
         snap_step, payload = self.store.load()
         self.policy.record(step, cause)  # raises RollbackLimitError past max_rollbacks within the window
@@ -298,9 +364,10 @@ class OpefoRuntime:
         self.guards.load_guard_state_dicts(payload["guards"], exclude=self)
         self.feedback.clear()
         rb = self.config.rollback
+        why = f"; not repaired in place: {refusal}" if rb.repair_state and refusal else ""
         logger.warning(
-            "step %d: OPEFO rollback #%d to the snapshot of step %d (cause: %s); learning rate x%g for %d steps",
-            step, self.policy.rollbacks, snap_step, cause, rb.recovery_lr_factor, rb.recovery_steps,
+            "step %d: OPEFO rollback #%d to the snapshot of step %d (cause: %s%s); learning rate x%g for %d steps",
+            step, self.policy.rollbacks, snap_step, cause, why, rb.recovery_lr_factor, rb.recovery_steps,
         )  # fmt: skip
         self.ctx.emit_event(EVENT_ROLLBACK, cause=cause, snapshot_step=snap_step)
 

@@ -111,6 +111,13 @@ class NanMomentOnRank1(CorruptOptimizerState):
         super().__init__(step=2, value=float("nan"), rank=1)
 
 
+class InfMomentOnRank1(CorruptOptimizerState):
+    """inf written into rank 1's exp_avg_sq at the end of step 2: its weights stay finite (Adam divides by it)."""
+
+    def __init__(self) -> None:
+        super().__init__(step=2, value=float("inf"), rank=1)
+
+
 class KillDuringSave(TrainerCallback):
     """SIGKILLs this process in the middle of writing checkpoint-4: right before its optimizer.pt is written
     (the model weights of that checkpoint are already on disk)."""

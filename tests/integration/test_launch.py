@@ -251,3 +251,39 @@ def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, 
         assert all(torch.isfinite(m["exp_avg_sq"]).all() for m in d["per_step"][-1]["moments"])
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
     assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())
+
+
+@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
+def test_inf_in_one_ranks_moments_is_repaired_under_zero_and_rolled_back_under_ddp(
+    tiny_model_dir, tmp_path, accelerate_config
+):
+    """inf in rank 1's exp_avg_sq only, weights finite. Under ZeRO-2 each rank holds its own partition, so rank 1
+    repairs its entry in place and both ranks go on with no rollback. Under DDP the replicas must stay equal and
+    rank 0 has nothing to repair: both ranks roll back together, naming why."""
+    if accelerate_config == "zero2.yaml":
+        pytest.importorskip("deepspeed")
+    dumps, proc = launch(
+        accelerate_config,
+        tiny_model_dir,
+        tmp_path / "repair",
+        "trainer.max_steps=4",
+        "trainer.save_steps=4",
+        "trainer.max_grad_norm=1.0",
+        "guards.opefo.enabled=true",
+        "guards.opefo.rollback.check_interval=1",
+        "guards.opefo.rollback.snapshot_interval=1",
+        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:InfMomentOnRank1]",
+    )
+    assert [d["global_step"] for d in dumps] == [4, 4]
+    if accelerate_config == "zero2.yaml":
+        assert proc.stderr.count("step 3: OPEFO repaired 1 non-finite Adam moment entry in place") == 2
+        assert "OPEFO rollback" not in proc.stderr
+        for d in dumps:  # step 3 was kept: no rollback to the step-2 state
+            before, after = d["per_step"][1]["weights"], d["per_step"][2]["weights"]
+            assert any(not torch.equal(v, after[k]) for k, v in before.items())
+    else:
+        assert proc.stderr.count("step 3: OPEFO rollback #1 to the snapshot of step 2") == 2
+        assert "the ranks' optimizer replicas hold different numbers of non-finite entries" in proc.stderr
+    for d in dumps:
+        assert all(torch.isfinite(m["exp_avg_sq"]).all() for m in d["per_step"][-1]["moments"])
+    assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])

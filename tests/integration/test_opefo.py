@@ -70,7 +70,7 @@ def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, cap
     Adam moments return to the step-2 snapshot, the
     LR runs at 0.3x for the next 2 steps, the run ends finite. Without OPEFO the inf stays in the moment forever."""
     fault = CorruptOptimizerState(step=2, value=float("inf"))
-    opefo = _opefo()
+    opefo = _opefo(repair_state=False)  # the rollback path (one bad entry would otherwise be repaired in place)
     guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
     trainer, after = _trainer(tiny_model_dir, tmp_path / "opefo", guards, opefo, [fault], max_steps=6)
     with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
@@ -99,13 +99,46 @@ def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, cap
     assert any(torch.isinf(s["exp_avg_sq"]).any() for s in plain_base.state.values())
 
 
+def test_inf_in_exp_avg_sq_is_repaired_in_place_with_no_lost_step_and_no_lr_cut(tiny_model_dir, tmp_path, caplog):
+    """The default: the same inf (one entry of the whole state, finite weights) is reset at step 3's check, in the
+    optimizer the trainer steps: first moment 0, second moment the largest finite one of its tensor. Step 3's update
+    is kept (no rollback), the LR never leaves 1e-3, every other entry is the one Adam computed, the run ends
+    finite."""
+    fault = CorruptOptimizerState(step=2, value=float("inf"))
+    opefo = _opefo()
+    guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
+    trainer, after = _trainer(tiny_model_dir, tmp_path / "repair", guards, opefo, [fault], max_steps=6)
+    with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
+        trainer.train()
+    assert fault.fired and opefo.policy.rollbacks == 0 and opefo.policy.repairs == 1
+    (line,) = [r.getMessage() for r in caplog.records if "OPEFO repaired" in r.getMessage()]
+    assert line.startswith("step 3: OPEFO repaired 1 non-finite Adam moment entry in place")
+    assert [round(lrs[0], 8) for lrs in after.lrs] == [1e-3] * 6
+    assert any(not torch.equal(v, after.weights[1][k]) for k, v in after.weights[2].items()), "step 3 was kept"
+    pid = next(iter(after.moments[2]))  # the fault's entry: the first element of the first state's exp_avg_sq
+    repaired = after.moments[2][pid]
+    rest = repaired["exp_avg_sq"].reshape(-1)[1:]
+    assert repaired["exp_avg_sq"].reshape(-1)[0] == rest.max() and repaired["exp_avg"].reshape(-1)[0] == 0.0
+    base = optimizer_chain(trainer.optimizer)[-1]
+    assert all(torch.isfinite(t).all() for s in base.state.values() for t in s.values() if t.is_floating_point())
+    history = trainer.state.log_history
+    assert per_step(history, "opefo/repairs") == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert per_step(history, "opefo/rollbacks") == [0.0] * 6
+
+
 def test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot(tiny_model_dir, tmp_path):
     """Linear decay over 6 steps, rollback at step 3 to the step-2 snapshot: the recovery steps 4 and 5 run at 0.3 x
     the schedule's LR of *their* step (restoring the snapshot's optimizer state must not bring back its LR)."""
     fault = CorruptOptimizerState(step=2, value=float("inf"))
     guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
     trainer, after = _trainer(
-        tiny_model_dir, tmp_path / "linear", guards, _opefo(), [fault], max_steps=6, lr_scheduler_type="linear"
+        tiny_model_dir,
+        tmp_path / "linear",
+        guards,
+        _opefo(repair_state=False),
+        [fault],
+        max_steps=6,
+        lr_scheduler_type="linear",
     )
     trainer.train()
     assert trainer.opefo.policy.rollbacks == 1

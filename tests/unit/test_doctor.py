@@ -175,6 +175,18 @@ def test_rollbacks_from_counter_and_events():
     assert (roll.first_step, roll.last_step) == (70, 150) and "causes: nonfinite loss" in roll.detail
 
 
+def test_an_in_place_repair_is_reported_with_its_entries():
+    rows = healthy_rows(6)
+    for r in rows:
+        if "loss" in r:
+            r["opefo/repairs"] = int(r["step"] >= 40)
+    events = [{"step": 40, "event": "state_repair", "cause": "non-finite optimizer state", "entries": 3}]
+    finding = only(diagnose(History(rows=rows, events=events)), "hard_crash")
+    repair = evidence_for(finding, "opefo/repairs")
+    assert finding.severity == "warning" and (repair.first_step, repair.last_step) == (40, 40)
+    assert "1 repair(s) of 3 non-finite Adam moment entries" in repair.detail
+
+
 def test_entropy_collapse_is_named_with_kl_repetition_and_flat_reward():
     findings = diagnose(History(rows=collapse_rows()))
     assert [f.mode for f in findings] == ["entropy_collapse"]

@@ -52,7 +52,9 @@ def test_registry_holds_the_names_and_the_templates() -> None:
     assert metrics.is_declared(metrics.eval_reward("exact_match"))
     assert not metrics.is_declared("gepo/no_such_metric")
     assert not metrics.is_declared(metrics.QUATRO_FILTERED_PREFIX)  # a prefix alone names nothing
-    assert metrics.EVENTS == {"skip", "micro_batch_drop", "rollback", "entropy_floor_warning", "filter_warning"}
+    assert metrics.EVENTS == {
+        "skip", "micro_batch_drop", "rollback", "state_repair", "entropy_floor_warning", "filter_warning"
+    }  # fmt: skip
 
 
 def _literals(path: Path) -> list[tuple[int, str]]:

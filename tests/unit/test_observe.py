@@ -32,6 +32,7 @@ from steadyrl.metrics import (
     OPEFO_ROLLBACKS,
     OPEFO_WOULD_FEED_BACK,
     OPEFO_WOULD_FLOOR_ENTRIES,
+    OPEFO_WOULD_REPAIR,
     OPEFO_WOULD_ROLLBACK,
     QUATRO_CLIP_SCALE_WOULD,
     QUATRO_ENTROPY_BONUS_WOULD,
@@ -282,6 +283,23 @@ def test_opefo_observing_check_counts_a_would_rollback_and_restores_nothing(tmp_
     again, _, _, _ = _opefo(tmp_path, floor=FloorConfig(enabled=False), rollback=rollback)
     again.load_state_dict(state)
     assert again.would["rollback"] == 1
+
+
+def test_opefo_observing_counts_a_would_repair_for_a_few_bad_entries_and_changes_nothing(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 1)  # 201 entries: one bad one is under repair_max_share, so act mode would repair
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 200)).sum().backward()
+    optimizer.step()
+    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)), observe=True)
+    ctx = FakeContext(step=10)
+    opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
+    optimizer.state[model.weight]["exp_avg_sq"][0, 3] = math.inf
+    before = _state(optimizer)
+    assert opefo.on_step_end() is None
+    assert ctx.last(OPEFO_WOULD_REPAIR) == 1.0 and ctx.last(OPEFO_WOULD_ROLLBACK) == 0.0
+    assert opefo.policy.repairs == 0 and opefo.policy.rollbacks == 0 and ctx.events == []
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(optimizer), strict=True))
 
 
 def test_opefo_observing_error_feedback_keeps_nothing_and_injects_nothing(tmp_path: Path) -> None:

@@ -589,6 +589,26 @@ def test_rollback_policy_recovery_and_limit():
     assert off.lr_factor(10) == 1.0
 
 
+def test_repair_policy_decides_and_survives_a_resume():
+    policy = RollbackPolicy(RollbackConfig(recovery_steps=50, repair_max_share=0.01))
+    assert policy.refuse_repair(10, 0, 1, 100) is None  # 1% exactly: repaired
+    assert "more than guards.opefo.rollback.repair_max_share=0.01" in policy.refuse_repair(10, 0, 2, 100)
+    assert policy.refuse_repair(10, 1, 1, 100).startswith("the weights are not finite")
+    policy.record_repair(10, 1)
+    assert "again 49 steps after the repair at step 10" in policy.refuse_repair(59, 0, 1, 1000)
+    assert policy.refuse_repair(60, 0, 1, 1000) is None  # recovery_steps later: a new one-off
+    state = policy.state_dict()
+    restored = RollbackPolicy(RollbackConfig(recovery_steps=50))
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state and restored.repairs == 1 and restored.last_repair == 10
+    old = {k: v for k, v in state.items() if k not in ("repairs", "repaired_entries", "last_repair")}
+    restored.load_state_dict(old)  # a checkpoint from before repairs
+    assert restored.repairs == 0 and restored.last_repair is None
+    assert "repair_state is off" in RollbackPolicy(RollbackConfig(repair_state=False)).refuse_repair(1, 0, 1, 1000)
+    with pytest.raises(ValueError, match=r"repair_max_share must be in \(0, 1\], got 0"):
+        RollbackConfig(repair_max_share=0.0)
+
+
 # ------------------------------------------------------------------------------------------ torch.distributed
 
 

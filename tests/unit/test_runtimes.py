@@ -10,6 +10,7 @@ import torch
 from fake_context import FakeContext
 
 from steadyrl.guards.opefo import FloorConfig, OpefoConfig, RollbackConfig
+from steadyrl.guards.optimizer_state import nonfinite_moment_entries, repair_moments
 from steadyrl.guards.quatro import (
     EntropyConfig,
     FilterConfig,
@@ -22,7 +23,10 @@ from steadyrl.guards.quatro import (
 )
 from steadyrl.metrics import (
     EVENT_ROLLBACK,
+    EVENT_STATE_REPAIR,
     OPEFO_EF_WEIGHT,
+    OPEFO_REPAIRED_ENTRIES,
+    OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
     QUATRO_KL_MEAN,
     QUATRO_REPLAY_AGE_MEAN,
@@ -217,6 +221,110 @@ def test_opefo_rolls_back_weights_moments_and_guard_state_and_returns_the_lr_fac
     assert counter.n == 0 and ctx.last(OPEFO_ROLLBACKS) == 1.0
     assert [(step, kind) for step, kind, _ in ctx.events] == [(2, EVENT_ROLLBACK)]
     assert "non-finite parameters" in ctx.events[0][2]["cause"] and ctx.events[0][2]["snapshot_step"] == 1
+
+
+def _wide_adam(width: int = 200) -> tuple[torch.nn.Linear, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, width)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _repairing_opefo(tmp_path, optimizer, model, **rollback) -> tuple[OpefoRuntime, FakeContext]:
+    config = RollbackConfig(snapshot_interval=1, check_interval=1, recovery_lr_factor=0.3, **rollback)
+    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=config))
+    ctx = FakeContext(step=1)
+    opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
+    assert opefo.on_step_end() == 1.0  # healthy: the snapshot of step 1
+    return opefo, ctx
+
+
+def test_opefo_repairs_a_few_nonfinite_moments_in_place_without_rollback_or_lr_cut(tmp_path, caplog) -> None:
+    """An inf second moment and a NaN first moment (2 of 201 entries, finite weights): the two entries are reset
+    (first moment 0, second moment the largest finite one of the weight's), nothing else changes, the learning rate
+    keeps its factor 1 and no step is lost. The same fault again within recovery_steps is no one-off: rollback."""
+    model, optimizer = _wide_adam()
+    opefo, ctx = _repairing_opefo(tmp_path, optimizer, model, recovery_steps=100)
+    state = optimizer.state[model.weight]
+    largest = float(state["exp_avg_sq"].max())
+    state["exp_avg_sq"][0, 5], state["exp_avg"][0, 7] = math.inf, math.nan
+    m_before, v_before = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+    weights = model.weight.detach().clone()
+    ctx.step = 2
+    model.weight.data.add_(1.0)  # the step's update, after the snapshot of step 1: a rollback would undo it
+    assert opefo.on_step_end() == 1.0  # no LR cut
+    assert opefo.policy.rollbacks == 0 and opefo.policy.repairs == 1 and ctx.last(OPEFO_REPAIRED_ENTRIES) == 2.0
+    torch.testing.assert_close(model.weight.detach(), weights + 1.0)  # the update is kept
+    assert state["exp_avg_sq"][0, 5] == largest and state["exp_avg_sq"][0, 7] == largest
+    assert state["exp_avg"][0, 5] == 0.0 and state["exp_avg"][0, 7] == 0.0
+    others = torch.ones_like(m_before, dtype=torch.bool)
+    others[0, 5] = others[0, 7] = False
+    assert torch.equal(state["exp_avg"][others], m_before[others])
+    assert torch.equal(state["exp_avg_sq"][others], v_before[others])
+    assert [(step, kind) for step, kind, _ in ctx.events] == [(2, EVENT_STATE_REPAIR)]
+    assert ctx.events[0][2]["entries"] == 2
+    ctx.step = 3
+    state["exp_avg_sq"][0, 9] = math.inf
+    with caplog.at_level("WARNING", logger="steadyrl.opefo"):
+        assert opefo.on_step_end() == 0.3  # rolled back to step 1, LR cut
+    assert opefo.policy.rollbacks == 1 and opefo.policy.repairs == 1
+    assert "not repaired in place: the moments went non-finite again 1 steps after the repair at step 2" in caplog.text
+    torch.testing.assert_close(model.weight.detach(), weights)
+
+
+@pytest.mark.parametrize(
+    ("fault", "rollback", "reason"),
+    [
+        ("many", {}, "3 of 201 moment entries are not finite, more than guards.opefo.rollback.repair_max_share=0.01"),
+        ("one", {"repair_state": False}, None),
+        ("weights", {}, "the weights are not finite"),
+    ],
+)
+def test_opefo_rolls_back_instead_of_repairing(tmp_path, caplog, fault, rollback, reason) -> None:
+    model, optimizer = _wide_adam()
+    opefo, ctx = _repairing_opefo(tmp_path, optimizer, model, **rollback)
+    state = optimizer.state[model.weight]
+    if fault == "many":
+        state["exp_avg_sq"][0, :3] = math.inf  # 3 of 201 entries: above 1%
+    elif fault == "one":
+        state["exp_avg_sq"][0, 0] = math.inf
+    else:
+        state["exp_avg_sq"][0, 0] = math.inf
+        model.weight.data[0, 1] = math.nan
+    ctx.step = 2
+    with caplog.at_level("WARNING", logger="steadyrl.opefo"):
+        assert opefo.on_step_end() == 0.3
+    assert opefo.policy.rollbacks == 1 and opefo.policy.repairs == 0
+    assert torch.isfinite(optimizer.state[model.weight]["exp_avg_sq"]).all()  # the snapshot's tensors
+    if reason is None:  # repair off: the rollback says nothing about repairs, and no repair metric is logged
+        assert "not repaired" not in caplog.text and not any(n == OPEFO_REPAIRS for n, _ in ctx.metrics)
+    else:
+        assert f"not repaired in place: {reason}" in caplog.text
+
+
+def test_repair_moments_by_hand() -> None:
+    """Bad where either moment is not finite; a tensor with no finite second moment takes the largest of the others;
+    a non-contiguous state tensor is repaired in place too (a flat view of it would be a copy)."""
+    a, b, c = (torch.nn.Parameter(torch.zeros(s)) for s in ((3,), (2,), (2, 2)))
+    optimizer = torch.optim.AdamW([a, b, c])
+    optimizer.state[a] = {
+        "exp_avg": torch.tensor([0.1, 0.2, math.nan]),
+        "exp_avg_sq": torch.tensor([1.0, math.inf, 4.0]),
+    }
+    optimizer.state[b] = {"exp_avg": torch.tensor([0.5, 0.6]), "exp_avg_sq": torch.tensor([math.nan, math.inf])}
+    transposed = torch.tensor([[9.0, math.inf], [2.0, 3.0]]).t()  # non-contiguous
+    optimizer.state[c] = {"exp_avg": torch.ones(2, 2), "exp_avg_sq": transposed}
+    assert nonfinite_moment_entries(optimizer) == (5, 9)
+    assert repair_moments(optimizer) == 5
+    assert optimizer.state[a]["exp_avg"].tolist() == [torch.tensor(0.1).item(), 0.0, 0.0]
+    assert optimizer.state[a]["exp_avg_sq"].tolist() == [1.0, 4.0, 4.0]
+    assert optimizer.state[b]["exp_avg"].tolist() == [0.0, 0.0]
+    assert optimizer.state[b]["exp_avg_sq"].tolist() == [9.0, 9.0]  # none finite: the largest of all, c's 9
+    assert optimizer.state[c]["exp_avg_sq"] is transposed and transposed.tolist() == [[9.0, 2.0], [9.0, 3.0]]
+    assert optimizer.state[c]["exp_avg"].tolist() == [[1.0, 1.0], [0.0, 1.0]]
+    assert nonfinite_moment_entries(optimizer) == (0, 9)
 
 
 def test_opefo_error_feedback_reinjects_a_skipped_gradient(tmp_path) -> None:
