@@ -206,6 +206,27 @@ def results_json(
     }
 
 
+def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s cells replace the same (scenario, variant) cells of ``old``, in place in its order (new ones at
+    the end). Every cell carries the command, commit, date, steps and packages of the run that made it (an old cell
+    without them gets the old file's), and the file's own fields say "per cell" where the cells differ."""
+    if old.get("steps") not in (new["steps"], "per cell"):
+        raise SystemExit(f"--merge: the file's runs have {old.get('steps')} steps, this run {new['steps']}")
+    own = ("command", "commit", "date", "packages", "steps")
+    for cell in old["cells"]:
+        for key in own:
+            cell.setdefault(key, old.get(key))
+    for cell in new["cells"]:
+        cell.update({key: new[key] for key in own})
+    replaced = {(c["scenario"], c["variant"]): c for c in new["cells"]}
+    cells = [replaced.pop((c["scenario"], c["variant"]), c) for c in old["cells"]] + list(replaced.values())
+    merged = {**new, "cells": cells}
+    for key in own:
+        values = {json.dumps(c.get(key), sort_keys=True) for c in cells}
+        merged[key] = cells[0].get(key) if len(values) == 1 else "per cell"
+    return merged
+
+
 def _env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
 
@@ -466,6 +487,12 @@ def main() -> None:
     ap.add_argument(
         "--collect-only", action="store_true", help="train nothing: rebuild the table from the run folders in --out"
     )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --results: replace only this run's (scenario, variant) cells in the existing file, each marked "
+        "with its own command and commit; the other cells stay as they were",
+    )
     args = ap.parse_args()
     names = list(QUICK_VARIANTS if args.quick else VARIANT_NAMES)
     scenarios = list(QUICK_SCENARIOS if args.quick else SCENARIOS)
@@ -524,6 +551,8 @@ def main() -> None:
         plot(results, names, scenarios, Path(args.png))
     if args.results:
         doc = results_json(results, names, scenarios, list(seeds), command, steps, sha)
+        if args.merge and Path(args.results).is_file():
+            doc = merge_results(json.loads(Path(args.results).read_text()), doc)
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)
         Path(args.results).write_text(json.dumps(doc, indent=1) + "\n")
 

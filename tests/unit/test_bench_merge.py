@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,32 @@ def test_merge_refuses_seeds_of_other_settings() -> None:
     other = {"config": "configs/tiny/grpo.yaml", "command": "x", "cells": []}
     with pytest.raises(SystemExit, match=r"the results file is for configs/small/grpo-lora\.yaml"):
         bench.merge_results(old, other)
+
+
+def _stability() -> Any:
+    path = SCRIPT.with_name("bench_stability.py")
+    spec = importlib.util.spec_from_file_location("bench_stability", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_stability"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stability_merge_replaces_only_the_rerun_cells_and_marks_each_cells_run() -> None:
+    """scripts/bench_stability.py --merge: a rerun of (inf, all) replaces that cell in its place, a new cell joins
+    at the end, the untouched cell keeps the old run's command and commit, and the file says "per cell"."""
+
+    def cell(scenario: str, variant: str, accuracy: float) -> dict:
+        return {"scenario": scenario, "variant": variant, "seeds": [0], "accuracy": [accuracy], "metrics": {}}
+
+    base = {"command": "old", "date": "d0", "packages": {"torch": "1"}, "steps": 200}
+    old = {**base, "commit": "aaa", "cells": [cell("clean", "all", 0.9), cell("inf", "all", 0.8)]}
+    new = {**base, "command": "new", "commit": "bbb", "cells": [cell("inf", "all", 0.92), cell("inf", "opefo", 0.9)]}
+    merged = _stability().merge_results(old, new)
+    assert [(c["scenario"], c["variant"], c["accuracy"], c["commit"]) for c in merged["cells"]] == [
+        ("clean", "all", [0.9], "aaa"), ("inf", "all", [0.92], "bbb"), ("inf", "opefo", [0.9], "bbb"),
+    ]  # fmt: skip
+    assert merged["cells"][0]["command"] == "old" and merged["cells"][1]["command"] == "new"
+    assert merged["commit"] == "per cell" and merged["command"] == "per cell" and merged["steps"] == 200
+    with pytest.raises(SystemExit, match="the file's runs have 200 steps, this run 6"):
+        _stability().merge_results(old, {**new, "steps": 6})
