@@ -106,6 +106,7 @@ QUATRO_ENTROPY = "quatro/entropy"
 QUATRO_ENTROPY_FLOOR = "quatro/entropy_floor"
 QUATRO_ENTROPY_BONUS = "quatro/entropy_bonus"
 QUATRO_FLOOR_ACTIVE = "quatro/floor_active"
+QUATRO_FLOOR_HELD_OFF = "quatro/floor_held_off"  # 1: entropy under the floor, but the reward still rises
 QUATRO_FILTERED_PREFIX = "quatro/filtered/"  # quatro/filtered/<reason>, rows dropped per filter
 QUATRO_FILTERED_SHARE = "quatro/filtered_share"
 QUATRO_ZERO_VARIANCE_GROUPS = "quatro/zero_variance_groups"

@@ -164,6 +164,7 @@ class QuatroRuntime:
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
+        self._rewards: list[float] = []  # mean training reward per generation batch of this step (the floor's gate)
         # per kind of filter warning ("filters", "no_signal"): step of the last one logged, and the batches over
         # the share since then (counted in the next one)
         self._warned_at: dict[str, int] = {}
@@ -242,6 +243,18 @@ class QuatroRuntime:
         tokens = float(self.ctx.reduce_sum(_loss_mask(inputs).sum().float().reshape(1)).item())
         self._entries.append((float(kl), float(entropy), tokens))
 
+    @property
+    def wants_rewards(self) -> bool:
+        """Whether the entropy floor's learning gate reads the training rewards (``record_reward``)."""
+        return self.entropy is not None and self.entropy.config.learning_gate
+
+    def record_reward(self, rewards: torch.Tensor) -> None:
+        """A training generation batch's rewards, gathered over ranks ((N,), NaN = unscorable): their mean goes to
+        the entropy floor's learning gate at the end of this optimizer step."""
+        finite = rewards[torch.isfinite(rewards)]
+        if finite.numel():
+            self._rewards.append(float(finite.double().mean()))
+
     def record_rollout_kl(self, kl_mean: float, tokens: float) -> None:
         """PPO: a training generation batch's mean per-token KL to the reference (token mean over all ranks' loss
         tokens, NaN when it has none) and that token count; observed at the end of this optimizer step."""
@@ -283,7 +296,8 @@ class QuatroRuntime:
                 self.kl.observe(kl_mean)
             metrics.update(self.kl.metrics())
         if self.entropy is not None:
-            warning = self.entropy.observe(entropy_mean)
+            rewards, self._rewards = self._rewards, []
+            warning = self.entropy.observe(entropy_mean, sum(rewards) / len(rewards) if rewards else math.nan)
             if warning is not None and self.observe:  # nothing was applied: the bonus cannot have failed
                 logger.info("step %d: observe mode: entropy floor would be active and the entropy fell", step)
             elif warning is not None:

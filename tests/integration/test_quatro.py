@@ -119,6 +119,23 @@ def test_entropy_floor_activates_on_a_collapsing_run(tiny_model_dir, tmp_path):
     assert per_step(history, "entropy_coef")[first + 1] == pytest.approx(bonus[first])
 
 
+def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(tiny_model_dir, tmp_path):
+    """The gate reads what the trainer trained on: after 6 steps its window holds the last 4 steps' mean training
+    rewards, the ones TRL logs as ``reward`` (gathered, weighted), and ``quatro/floor_held_off`` is logged."""
+    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, gate_window=4)
+    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    trainer, _ = _trainer(
+        tiny_model_dir, tmp_path / "gate", quatro, reward=repetition_reward, max_steps=6, learning_rate=3e-2,
+        max_completion_length=8,
+    )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    logged = per_step(history, "reward")
+    assert len(logged) == 6
+    assert list(quatro.entropy._rewards) == pytest.approx(logged[-4:], rel=1e-5)
+    assert len(per_step(history, "quatro/floor_held_off")) == 6
+
+
 class Recorder:
     """Wraps ``_generate_and_score_completions`` to keep each generation batch's output."""
 

@@ -203,8 +203,65 @@ def test_entropy_floor_by_hand():
         "quatro/entropy_floor": 0.8,
         "quatro/entropy_bonus": 0.0,
         "quatro/floor_active": 0.0,
+        "quatro/floor_held_off": 0.0,  # no reward observed: the learning gate never holds it off
     }
     assert f.activations == 1
+
+
+def _gated(gate_z: float = 1.0, **extra) -> EntropyFloor:
+    """Baseline 1.0 after one step, floor 0.8, window 1, gate over 4 steps (two halves of 2)."""
+    return EntropyFloor(EntropyConfig(baseline_steps=1, window=1, gate_window=4, gate_z=gate_z, **extra))
+
+
+def test_learning_gate_by_hand():
+    """Halves (0.1, 0.2) and (0.5, 0.6): difference 0.4, unbiased variances 0.005 each, standard error
+    sqrt(0.01 / 2) = 0.0707: rising. Halves (0.5, 0.6) and (0.5, 0.7): difference 0.05 < sqrt((0.005 + 0.02) / 2)."""
+    f = _gated()
+    for r in (0.1, 0.2, 0.5):
+        f.observe(1.0, r)
+        assert not f.reward_rising()  # fewer than gate_window rewards: no evidence
+    f.observe(1.0, 0.6)
+    assert f.reward_rising()
+    for r in (0.5, 0.7):
+        f.observe(1.0, r)
+    assert not f.reward_rising()
+    f.observe(1.0, math.nan)  # a step without a training reward keeps the window
+    assert list(f._rewards) == [0.5, 0.6, 0.5, 0.7]
+    assert not _gated(learning_gate=False).reward_rising()
+
+
+def test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls():
+    """Entropy at 0.5, under the floor 0.8, from step 2 on. Before 4 rewards are known the floor decides on entropy
+    alone (on); while the reward climbs it is held off (bonus 0, counted), until the window of 4 is flat; then it
+    turns on as without the gate; when the reward climbs again it lets go. gate_z 0.9: (0.5, 0.5) against (0.5, x)
+    is a difference of exactly one standard error, whatever x."""
+    f = _gated(gate_z=0.9)
+    f.observe(1.0, 0.0)  # baseline
+    steps = [  # (reward, active, held off): the window's halves decide, e.g. (0.3, 0.4) vs (0.5, 0.5) still rises
+        (0.1, True, False), (0.2, True, False), (0.3, False, True), (0.4, False, True), (0.5, False, True),
+        (0.5, False, True), (0.5, False, True), (0.5, True, False), (0.5, True, False), (0.9, False, True),
+        (1.3, False, True),
+    ]  # fmt: skip
+    for reward, active, held in steps:
+        f.observe(0.5, reward)
+        assert (f.active, f.holding_off) == (active, held), reward
+        assert (f.bonus == 0.0) == held and f.metrics()["quatro/floor_held_off"] == float(held)
+    assert f.held_off == 7 and f.activations == 2 and f.integral == 0.0
+    state = f.state_dict()
+    again = _gated(gate_z=0.9)
+    again.load_state_dict(state)
+    assert again.state_dict() == state and list(again._rewards) == [0.5, 0.5, 0.9, 1.3] and again.held_off == 7
+    old = {k: v for k, v in state.items() if k not in ("rewards", "held_off")}
+    again.load_state_dict(old)  # a checkpoint from before the gate
+    assert list(again._rewards) == [] and again.held_off == 0
+
+
+def test_without_the_gate_a_rising_reward_does_not_hold_the_floor_off():
+    f = _gated(learning_gate=False)
+    f.observe(1.0, 0.0)
+    for r in (0.1, 0.2, 0.3, 0.4, 0.5):
+        f.observe(0.5, r)
+    assert f.active and f.held_off == 0 and "quatro/floor_held_off" not in f.metrics()
 
 
 def test_entropy_bonus_grows_until_it_holds_then_gives_back():
@@ -283,6 +340,8 @@ def test_entropy_defaults():
 def test_entropy_config_validation():
     with pytest.raises(ValueError, match=r"floor_ratio must be in \(0, 1\].*hysteresis must be finite and >= 1"):
         EntropyConfig(floor_ratio=1.5, hysteresis=0.9)
+    with pytest.raises(ValueError, match=r"gate_window must be >= 4 .*, got 3; gate_z must be finite and >= 0"):
+        EntropyConfig(gate_window=3, gate_z=-1.0)
 
 
 # ---------------------------------------------------------------------------------------------------- filters
