@@ -285,6 +285,59 @@ MUTANTS: tuple[Mutant, ...] = (
             f"{IT}/test_launch.py::test_micro_batch_spike_on_one_rank_is_dropped_and_ranks_stay_equal",
         ),
     ),
+    Mutant(
+        "opefo_repair_noop",
+        "OPEFO reports an in-place repair of non-finite Adam moments but writes nothing",
+        (
+            (
+                "steadyrl/guards/optimizer_state.py",
+                "                    piece.masked_fill_(bad, value if key in SECOND_MOMENTS else 0.0)",
+                "                    pass",
+            ),
+        ),
+        (
+            "tests/unit/test_runtimes.py::test_opefo_repairs_a_few_nonfinite_moments_in_place_without_rollback_or_lr_cut",
+            f"{IT}/test_opefo.py::test_inf_in_exp_avg_sq_is_repaired_in_place_with_no_lost_step_and_no_lr_cut",
+        ),
+    ),
+    Mutant(
+        "entropy_gate_ignored",
+        "the entropy floor turns on while the training reward still rises (the learning gate is cut off)",
+        (
+            (
+                "steadyrl/guards/entropy_floor.py",
+                "        if c.enabled and mean < self.floor and self.reward_rising():",
+                "        if False:",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls",),
+    ),
+    Mutant(
+        "entropy_gate_not_fed",
+        "the trainer never hands the training rewards to the entropy floor's learning gate",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                "                self.quatro.record_reward(weighted_rewards(rewards_per_func, self.reward_weights))",
+                "                pass",
+            ),
+        ),
+        (f"{IT}/test_quatro.py::test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward",),
+    ),
+    Mutant(
+        "repetition_skip_bound_loose",
+        "the repetition filter skips its pass on a bound that disagrees with the share's own rounding",
+        (
+            (
+                "steadyrl/guards/rollout_filters.py",
+                "    return grams > 0 and 1.0 - 1.0 / grams > share",
+                "    return grams > 0 and (grams - 1) / grams > share",
+            ),
+        ),
+        (
+            "tests/unit/test_rollout_filters_vectorised.py::test_repetition_pass_is_skipped_only_when_no_row_can_be_dropped",
+        ),
+    ),
 )
 
 
