@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -439,3 +440,39 @@ def test_one_process_skips_the_packing_and_gets_the_same_batches() -> None:
     for a, b in zip(direct, packed, strict=True):
         assert a.to_lists() == b.to_lists() and torch.equal(a.lengths, b.lengths)
     assert direct[0].to_lists() == prompts and direct[1].to_lists() == completions
+
+
+# ------------------------------------------------------------------------------------------ recorded batches
+
+RECORDED = Path(__file__).parent / "data" / "recorded_filter_batches.pt"
+
+
+@pytest.mark.parametrize("filters", ["defaults", "every filter, tight"])
+def test_tensor_filters_match_the_reference_on_recorded_training_batches(filters: str) -> None:
+    """Twelve generation batches QUATRO's filters saw in a real tiny GRPO run (every layer on, steps 1-12: 64 rows,
+    6-token prompts, 4-token completions, the gathered weighted rewards), fed in order to the tensor filter and to
+    the per-row reference: the same keep masks, reasons, warnings and state after every call. The tight config
+    turns on near-duplicates and sets every threshold where these rows hit it."""
+    recorded = torch.load(RECORDED, weights_only=True)["batches"]
+    cfg = FilterConfig()
+    if filters != "defaults":
+        cfg = FilterConfig(
+            length=LengthConfig(min_history=64, max_tokens=3),
+            parrot=ParrotConfig(n=1, max_overlap=0.5),
+            repetition=RepetitionConfig(n=1, max_repeat_share=0.3),
+            near_duplicate=NearDuplicateConfig(enabled=True, n=2, max_jaccard=0.5),
+        )
+    new, ref = RolloutFilter(cfg), ReferenceRolloutFilter(cfg)
+    dropped = dict.fromkeys(FILTER_REASONS, 0)
+    for batch in recorded:
+        prompts = TokenBatch(batch["prompt_ids"].long(), batch["prompt_lengths"].long())
+        completions = TokenBatch(batch["completion_ids"].long(), batch["completion_lengths"].long())
+        rewards, group = batch["rewards"], batch["num_generations"]
+        got = new(rewards, prompts, completions, group)
+        assert_same(got, ref(rewards, prompts.to_lists(), completions.to_lists(), group))
+        assert new.state_dict() == ref.state_dict()
+        for reason, count in got.reasons.items():
+            dropped[reason] += count
+    assert len(recorded) == 12 and dropped["zero_variance"] > 0
+    firing = [r for r in ("length", "parrot", "repetition", "near_duplicate") if dropped[r]]
+    assert firing == ([] if filters == "defaults" else ["length", "parrot", "repetition", "near_duplicate"])
