@@ -263,6 +263,9 @@ class OpefoRuntime:
                 bad_weights, state_ok = self._health()
                 if bad_weights or not state_ok:
                     cause = _cause(bad_weights, state_ok)
+                    # every check that finds the (never repaired) state bad counts, as a repair when act mode
+                    # could repair it now; the escalation after a repair needs a repair that happened (no
+                    # last_repair is set here)
                     repair = self._refuse_repair(step, bad_weights, state_ok) is None
                     self.would["repair" if repair else "rollback"] += 1
                     if self.would["rollback"] + self.would["repair"] == 1:
@@ -271,8 +274,6 @@ class OpefoRuntime:
                             "non-finite state, as without OPEFO",
                             step, "repair the moments in place" if repair else "roll back", cause,
                         )  # fmt: skip
-                    if repair:  # act mode would not see these entries again: count the next one as a new fault
-                        self.policy.last_repair = step
             self._check_now = None
             self.ctx.log_metric(OPEFO_WOULD_ROLLBACK, float(self.would["rollback"]))
             if rb.repair_state:
