@@ -36,6 +36,7 @@ from steadyrl.metrics import (
     GRADE_SCALED_STD,
     OPEFO_WOULD_FEED_BACK,
     OPEFO_WOULD_FLOOR_ENTRIES,
+    OPEFO_WOULD_REPAIR,
     OPEFO_WOULD_ROLLBACK,
     QUATRO_BETA,
     QUATRO_CLIP_SCALE_WOULD,
@@ -51,7 +52,7 @@ TITLES = {"gepo": "GEPO", "opefo": "OPEFO", "quatro": "QUATRO", "grade": "GRADE"
 # the names whose presence shows that a layer observed (GRADE has none: its statistics are the same in both modes)
 MARKERS = {
     "gepo": (GEPO_WOULD_SKIP, GEPO_WOULD_ADV_DIFF_MEAN, GEPO_WOULD_CLAMP_LOGPROBS),
-    "opefo": (OPEFO_WOULD_ROLLBACK, OPEFO_WOULD_FLOOR_ENTRIES, OPEFO_WOULD_FEED_BACK),
+    "opefo": (OPEFO_WOULD_ROLLBACK, OPEFO_WOULD_REPAIR, OPEFO_WOULD_FLOOR_ENTRIES, OPEFO_WOULD_FEED_BACK),
     "quatro": (QUATRO_KL_COEF_WOULD, QUATRO_ENTROPY_BONUS_WOULD, QUATRO_WOULD_FILTER_SHARE),
 }
 READS = (
@@ -153,6 +154,7 @@ def _opefo(history: History) -> LayerSummary:
     s = LayerSummary("opefo")
     counts = {
         "rollback": (OPEFO_WOULD_ROLLBACK, "finiteness checks found non-finite weights or moments (would roll back)"),
+        "repair": (OPEFO_WOULD_REPAIR, "finiteness checks found a few non-finite Adam moments (would repair in place)"),
         "floor": (OPEFO_WOULD_FLOOR_ENTRIES, "exp_avg_sq entries the second-moment floor would have raised"),
         "feedback": (OPEFO_WOULD_FEED_BACK, "skipped steps whose gradient error feedback would have kept"),
     }

@@ -18,7 +18,9 @@ from steadyrl.metrics import (
     GEPO_WOULD_SKIP,
     GRADE_SCALED_STD,
     GUARD_SECONDS,
+    OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
+    OPEFO_WOULD_REPAIR,
     OPEFO_WOULD_ROLLBACK,
     QUATRO_KL_COEF_WOULD,
     QUATRO_WOULD_FILTER_SHARE,
@@ -78,7 +80,9 @@ def test_all_layers_observing_train_like_all_layers_off(tiny_model_dir, tmp_path
     last = {k: v for row in log for k, v in row.items()}  # the last logged value of every metric
     assert last[GEPO_WOULD_SKIP] == 1 and last[gepo_would_skip("spike")] == 1  # the x1e4 step, taken anyway
     assert last[GEPO_SKIPPED_STEPS] == 0
-    assert last[OPEFO_WOULD_ROLLBACK] >= 1 and OPEFO_ROLLBACKS not in last  # the inf moment, never rolled back
+    # the inf moment (one entry, finite weights): act mode would repair it in place; nothing was repaired or rolled back
+    assert last[OPEFO_WOULD_REPAIR] >= 1 and last[OPEFO_WOULD_ROLLBACK] == 0
+    assert OPEFO_ROLLBACKS not in last and OPEFO_REPAIRS not in last
     coefs = per_step(log, QUATRO_KL_COEF_WOULD)
     # step 1's KL is exactly 0 (the policy is the reference): x0.8; then above the tiny target: x1.2 per step
     assert coefs[-1] == pytest.approx(BETA * 0.8 * 1.2 ** (STEPS - 1))
