@@ -223,24 +223,30 @@ def test_micro_batch_spike_on_one_rank_is_dropped_and_ranks_stay_equal(tiny_mode
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
 
 
-@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
-def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, tmp_path, accelerate_config):
-    """NaN in rank 1's Adam state only (after step 2): rank 1's step-3 update is NaN, the all-reduced check finds
-    it, both ranks restore their own part of the step-2 snapshot together and finish with equal, finite weights."""
+def _launch_with_a_bad_moment(accelerate_config, model_dir, out, fault):
+    """4 steps on 2 ranks with OPEFO checking and snapshotting every step; ``fault``: a rank_dump callback that
+    corrupts rank 1's Adam state after step 2."""
     if accelerate_config == "zero2.yaml":
         pytest.importorskip("deepspeed")
-    dumps, proc = launch(
+    return launch(
         accelerate_config,
-        tiny_model_dir,
-        tmp_path / "rollback",
+        model_dir,
+        out,
         "trainer.max_steps=4",
         "trainer.save_steps=4",
         "trainer.max_grad_norm=1.0",
         "guards.opefo.enabled=true",
         "guards.opefo.rollback.check_interval=1",
         "guards.opefo.rollback.snapshot_interval=1",
-        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:NanMomentOnRank1]",
+        f"callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:{fault}]",
     )
+
+
+@pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
+def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, tmp_path, accelerate_config):
+    """NaN in rank 1's Adam state only (after step 2): rank 1's step-3 update is NaN, the all-reduced check finds
+    it, both ranks restore their own part of the step-2 snapshot together and finish with equal, finite weights."""
+    dumps, proc = _launch_with_a_bad_moment(accelerate_config, tiny_model_dir, tmp_path / "rb", "NanMomentOnRank1")
     assert [d["global_step"] for d in dumps] == [4, 4]
     assert proc.stderr.count("step 3: OPEFO rollback #1 to the snapshot of step 2 (cause: non-finite") == 2
     # one rollback restores everything (under ZeRO also the fp32 master partitions): no second one at step 4
@@ -260,20 +266,7 @@ def test_inf_in_one_ranks_moments_is_repaired_under_zero_and_rolled_back_under_d
     """inf in rank 1's exp_avg_sq only, weights finite. Under ZeRO-2 each rank holds its own partition, so rank 1
     repairs its entry in place and both ranks go on with no rollback. Under DDP the replicas must stay equal and
     rank 0 has nothing to repair: both ranks roll back together, naming why."""
-    if accelerate_config == "zero2.yaml":
-        pytest.importorskip("deepspeed")
-    dumps, proc = launch(
-        accelerate_config,
-        tiny_model_dir,
-        tmp_path / "repair",
-        "trainer.max_steps=4",
-        "trainer.save_steps=4",
-        "trainer.max_grad_norm=1.0",
-        "guards.opefo.enabled=true",
-        "guards.opefo.rollback.check_interval=1",
-        "guards.opefo.rollback.snapshot_interval=1",
-        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:InfMomentOnRank1]",
-    )
+    dumps, proc = _launch_with_a_bad_moment(accelerate_config, tiny_model_dir, tmp_path / "repair", "InfMomentOnRank1")
     assert [d["global_step"] for d in dumps] == [4, 4]
     if accelerate_config == "zero2.yaml":
         assert proc.stderr.count("step 3: OPEFO repaired 1 non-finite Adam moment entry in place") == 2
