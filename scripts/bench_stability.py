@@ -476,6 +476,14 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(ALL_NAMES)}")
     ap.add_argument("--scenarios", default=None, help=f"comma-separated subset of {', '.join(SCENARIOS)}")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override appended to every run (repeatable; e.g. guards.quatro.kl.calibration_steps=10)",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (counted as died)")
     ap.add_argument("--quick", action="store_true", help="3 variants, nan_loss + inf_exp_avg_sq, 1 seed, 6 steps")
     ap.add_argument("--out-md", default=None, help="write the markdown (command + table) here; always printed")
@@ -514,7 +522,8 @@ def main() -> None:
     def work(job: tuple[str, str, int]) -> tuple[tuple[str, str, int], dict[str, Any]]:
         name, scenario, seed = job
         out = root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}"
-        cmd, env = train_command(args.sft, out, flags_of[name] or (), scenario, seed, steps, fault_step, args.quick)
+        flags = (*(flags_of[name] or ()), *args.extra)
+        cmd, env = train_command(args.sft, out, flags, scenario, seed, steps, fault_step, args.quick)
         return job, run_one(cmd, env, out, args.timeout)
 
     sha = args.commit or commit()  # the code being measured: taken before any run starts
