@@ -4,6 +4,10 @@ Every training run writes it to ``OUTPUT_DIR/environment.json`` next to ``resolv
 benchmark script puts it in its ``docs/results/*.json`` (key ``packages``). An upstream release can change a result
 while steadyrl's code stays the same (the tiny SFT checkpoint's exact match went from 0.39 on 2026-12-01 to 0.54 on
 2026-12-02 from the same command and commit), so a figure is reproducible only with the versions it came from.
+It also records the machine: later on 2026-12-02 the same SFT gave 0.385 again, on a fresh machine, with the very
+package versions recorded for the 0.54, so the versions alone do not pin a number. Which part of the machine
+moved it is not known (the machine of the 0.54 was not recorded); the instruction set torch's CPU kernels use is
+the first suspect, since float results differ with it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,30 @@ def package_versions() -> dict[str, str | None]:
     return found
 
 
+def machine() -> dict[str, str | None]:
+    """The processor, the instruction set torch's CPU kernels use (``torch.backends.cpu.get_cpu_capability``) and
+    the accelerator, if any: float results, and so a run's numbers, can differ between two of them."""
+    cpu = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    found: dict[str, str | None] = {"cpu": cpu, "arch": platform.machine() or None, "torch_cpu_kernels": None}
+    found["accelerator"] = None
+    try:
+        import torch
+
+        found["torch_cpu_kernels"] = torch.backends.cpu.get_cpu_capability()
+        if torch.cuda.is_available():
+            found["accelerator"] = torch.cuda.get_device_name(0)
+    except (ImportError, RuntimeError, AttributeError):
+        pass
+    return found
+
+
 def source_commit() -> str | None:
     """steadyrl's git commit, with ``+dirty`` when the tracked files differ from it; None when steadyrl does not run
     from its own checkout (an installed wheel inside some other repository reports None, not that repository's)."""
@@ -69,8 +97,8 @@ def source_commit() -> str | None:
 
 
 def environment() -> dict[str, object]:
-    """``{"steadyrl_commit": ..., "packages": {...}}``: what ``environment.json`` holds."""
-    return {"steadyrl_commit": source_commit(), "packages": package_versions()}
+    """``{"steadyrl_commit": ..., "packages": {...}, "machine": {...}}``: what ``environment.json`` holds."""
+    return {"steadyrl_commit": source_commit(), "packages": package_versions(), "machine": machine()}
 
 
 def write_environment(out: Path) -> None:

@@ -8,11 +8,16 @@ a) Rolling whitening. ``r <- (r - mean) / (std + eps)`` with mean and (unbiased)
    ``window_size`` raw finite rewards. The statistics use the window *before* the current batch is added, so a
    batch never normalises itself (no leakage of a batch's own values, e.g. a burst of outliers, into its
    normaliser). Until the window holds ``warmup`` values the whole scaler passes rewards through unchanged (no
-   clip, no centring) and only fills the raw window, so the quantile window and the per-prompt baselines only
-   ever hold whitened values and never mix two scales. With ``whiten=False`` there is no warmup.
-b) Quantile tail clipping. A window of the last ``quantile_window`` whitened rewards (filled only once whitening
-   is active, so it never mixes raw and whitened scales) gives bounds ``low, high`` = its ``tau`` and ``1 - tau``
-   quantiles (linear interpolation). Clipping starts once the raw window holds ``clip_start`` values; the bounds
+   clip, no centring) and only fills the raw windows, so the per-prompt baselines only ever hold whitened values
+   and never mix two scales. With ``whiten=False`` there is no warmup.
+b) Quantile tail clipping. A window of the last ``quantile_window`` raw finite rewards (the scale the whitening
+   window holds too) gives bounds ``low, high`` = its ``tau`` and ``1 - tau`` quantiles (linear interpolation), in
+   raw units; each batch maps them through its own whitening, so a whitened value is clipped exactly when its raw
+   value lies beyond a raw bound. Whitening is increasing and affine, so this equals clipping at the quantiles of
+   the window whitened with today's statistics, whatever the whitening did since. Bounds kept in whitened units
+   went stale as the whitening moved (a rising pass rate pushed every failing row of a pass/fail reward past the
+   low bound); in raw units a value that ties a bound, as a discrete reward's lowest and highest values do, is
+   never clipped. Clipping starts once the raw window holds ``clip_start`` values; the bounds
    are computed the first time they are needed and then refreshed only after ``step()`` (one optimizer step)
    has been called ``quantile_every`` times since the last refresh, so they are stable within and across
    nearby batches. Beyond a bound: ``x <- bound + tail_slope * (x - bound)`` (a soft clip that keeps order);
@@ -134,8 +139,8 @@ class GradeScaler:
     def __init__(self, config: GradeConfig | None = None) -> None:
         self.config = config or GradeConfig()
         self._raw: deque[float] = deque(maxlen=self.config.window_size)
-        self._whitened: deque[float] = deque(maxlen=self.config.quantile_window)
-        self._bounds: tuple[float, float] | None = None
+        self._quantile: deque[float] = deque(maxlen=self.config.quantile_window)  # raw finite rewards
+        self._bounds: tuple[float, float] | None = None  # raw units
         self._steps = 0
         self._steps_since_refresh = 0
         self._baselines: OrderedDict[str, list[float]] = OrderedDict()  # key -> [sum, count]
@@ -161,20 +166,23 @@ class GradeScaler:
         # a) whitening with the window as it was before this batch; before warmup nothing else happens either
         x = raw
         active = False
+        stats: tuple[float, float] | None = None  # (mean, std) of this batch's whitening
         if not cfg.whiten:
             active = True  # no whitening: values are on their final scale from the start
         elif len(self._raw) >= cfg.warmup:
             window = torch.tensor(list(self._raw), dtype=torch.float64)
-            x = whiten(raw, window.mean().item(), window.std().item(), cfg.eps)
+            stats = window.mean().item(), window.std().item()
+            x = whiten(raw, *stats, cfg.eps)
             active = True
-        stage_a = x
 
-        # b) quantile tail clipping with bounds from the quantile window before this batch
+        # b) quantile tail clipping: raw bounds from the quantile window before this batch, whitened as x was
         clipped_low = clipped_high = 0
         if cfg.clip and active and len(self._raw) >= cfg.clip_start:
             bounds = self._current_bounds()
             if bounds is not None:
                 low, high = bounds
+                if stats is not None:
+                    low, high = whiten(torch.tensor(bounds, dtype=torch.float64), *stats, cfg.eps).tolist()
                 clipped_low = int((x < low).sum().item())
                 clipped_high = int((x > high).sum().item())
                 x = soft_tail_clip(x, low, high, self.current_tail_slope())
@@ -193,8 +201,7 @@ class GradeScaler:
 
         # windows take the batch only now (no leakage into its own statistics)
         self._raw.extend(raw_finite)
-        if active:
-            self._whitened.extend(stage_a[finite].tolist())
+        self._quantile.extend(raw_finite)
         self._record_metrics(raw, x, finite, clipped_low, clipped_high, active and cfg.whiten)
         return x.to(out_dtype).to(rewards.device)
 
@@ -214,9 +221,9 @@ class GradeScaler:
 
     def _current_bounds(self) -> tuple[float, float] | None:
         if self._bounds is None or self._steps_since_refresh >= self.config.quantile_every:
-            if not self._whitened:
+            if not self._quantile:
                 return self._bounds
-            window = torch.tensor(list(self._whitened), dtype=torch.float64)
+            window = torch.tensor(list(self._quantile), dtype=torch.float64)
             q = torch.tensor([self.config.tau, 1.0 - self.config.tau], dtype=torch.float64)
             low, high = torch.quantile(window, q, interpolation="linear").tolist()
             self._bounds = (low, high)
@@ -276,10 +283,10 @@ class GradeScaler:
     # -- Stateful ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 1,
+            "version": 2,
             "config": asdict(self.config),
             "raw_window": list(self._raw),
-            "quantile_window": list(self._whitened),
+            "quantile_window": list(self._quantile),  # raw units since version 2
             "bounds": list(self._bounds) if self._bounds is not None else None,
             "steps": self._steps,
             "steps_since_refresh": self._steps_since_refresh,
@@ -290,9 +297,13 @@ class GradeScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._raw = deque((float(v) for v in state["raw_window"]), maxlen=self.config.window_size)
-        self._whitened = deque((float(v) for v in state["quantile_window"]), maxlen=self.config.quantile_window)
         bounds = state["bounds"]
-        self._bounds = (float(bounds[0]), float(bounds[1])) if bounds is not None else None
+        if state.get("version", 1) >= 2:
+            self._quantile = deque((float(v) for v in state["quantile_window"]), maxlen=self.config.quantile_window)
+            self._bounds = (float(bounds[0]), float(bounds[1])) if bounds is not None else None
+        else:  # version 1 kept whitened values of mixed scales: rebuild from the raw window, bounds at next use
+            self._quantile = deque(self._raw, maxlen=self.config.quantile_window)
+            self._bounds = None
         self._steps = int(state["steps"])
         self._steps_since_refresh = int(state["steps_since_refresh"])
         self._baselines = OrderedDict((str(k), [float(t), int(c)]) for k, t, c in state["baselines"])

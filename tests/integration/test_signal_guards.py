@@ -51,7 +51,9 @@ def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
             "spike": {"warmup_steps": 2},
             "monitor": {"every": 2, "window": 2, "entropy_drop_ratio": 2.0},  # 2.0: any run "drops", to see a warning
         },
-        "grade": {"enabled": True, "window_size": 64, "warmup": 16, "clip_start": 16, "quantile_every": 1},
+        # tau 0.2: the 1e9 rows are 2 of the 14 finite ones (14%), so the 97% quantile is 1e9 itself, which
+        # ties them (a mass, not a tail); the 80% quantile is a normal reward
+        "grade": {"enabled": True, "window_size": 64, "warmup": 16, "clip_start": 16, "quantile_every": 1, "tau": 0.2},
     }
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, guards))
     assert type(trainer.reward_processor).__name__ == "GradeScaler"

@@ -39,3 +39,12 @@ def test_commit_of_another_repository_is_not_reported(tmp_path, monkeypatch) -> 
     monkeypatch.setattr(env, "REPO", site)
     assert env.source_commit() is None
     assert env.package_versions()["steadyrl"] is not None and "torch" in env.package_versions()
+
+
+def test_machine_names_the_cpu_kernels_torch_uses() -> None:
+    import torch
+
+    found = env.machine()
+    assert found["torch_cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert found["arch"] and found["cpu"]
+    assert set(env.environment()) == {"steadyrl_commit", "packages", "machine"}

@@ -42,8 +42,9 @@ def test_pass_through_before_warmup():
         assert torch.equal(scaler(r, ["a", "a", "b", "b"], 2), r)
     assert scaler.kl_compensation() == 1.0
     assert scaler.metrics()["grade/window"] == 8.0
-    # nothing on the raw scale leaks into the quantile window or the per-prompt baselines
-    assert scaler.state_dict()["quantile_window"] == [] and scaler.state_dict()["baselines"] == []
+    # nothing on the raw scale leaks into the per-prompt baselines; the quantile window holds raw rewards
+    assert scaler.state_dict()["baselines"] == []
+    assert scaler.state_dict()["quantile_window"] == pytest.approx([0.3, -7.0, 1e6, 2.0] * 2)
 
 
 def test_whitening_by_hand():
@@ -226,3 +227,65 @@ def test_finite_inputs_give_finite_outputs(batches):
         assert torch.isfinite(out[~torch.isnan(r)]).all()
         assert all(math.isfinite(v) or math.isnan(v) for v in scaler.metrics().values())
         scaler.step()
+
+
+def _binary_batch(passes: int, size: int = 16) -> torch.Tensor:
+    return torch.tensor([1.0] * passes + [0.0] * (size - passes))
+
+
+def test_discrete_reward_is_never_clipped_while_its_pass_rate_rises():
+    """A pass/fail reward has no tail: its bounds sit on its two values, and the whitening's drift (the pass rate
+    rising from 25% to 75%) must not push the failing rows past a bound computed when they were the majority.
+
+    Bounds from whitened values went stale exactly so (SmolLM2 runs: ``clip_frac_low`` 20-50% of the rows, the
+    failing ones squashed to a tenth of their distance to the bound); bounds in raw space tie the values.
+    """
+    cfg = GradeConfig(window_size=64, warmup=16, clip_start=16, quantile_window=64, quantile_every=1000, centre=False)
+    scaler = GradeScaler(cfg)
+    for passes in (4, 4, 4, 12, 12, 12, 12, 12):
+        raw_window = torch.tensor(scaler.state_dict()["raw_window"], dtype=torch.float64)
+        r = _binary_batch(passes)
+        out = scaler(r, ["p"] * 16, 8)
+        scaler.step()
+        if len(raw_window) >= cfg.warmup:  # whitened, never clipped: exactly (r - mean) / (std + eps)
+            expected = (r.double() - raw_window.mean()) / (raw_window.std() + cfg.eps)
+            assert torch.allclose(out.double(), expected, atol=1e-6)
+            assert scaler.metrics()["grade/clip_frac_low"] == 0.0
+            assert scaler.metrics()["grade/clip_frac_high"] == 0.0
+    assert scaler.state_dict()["bounds"] == [0.0, 1.0]  # the 3% and 97% quantiles of the raw 0/1 window
+
+
+def test_bounds_follow_the_whitening_of_the_same_window():
+    """Clipping a whitened value at whitened bounds equals clipping the raw value at the raw window's quantiles:
+    bound = whiten(raw quantile) with the statistics of this batch's whitening, not those of an older batch."""
+    cfg = GradeConfig(
+        window_size=8, warmup=4, clip_start=4, quantile_window=8, quantile_every=1000, tau=0.25, centre=False
+    )
+    scaler = GradeScaler(cfg)
+    scaler(t(0, 1, 2, 3), ["p"] * 4, 4)  # fills the windows, passes through (warmup)
+    out = scaler(t(10, -10, 1.5, 2), ["p"] * 4, 4)
+    # window [0, 1, 2, 3]: mean 1.5, std sqrt(5/3); raw bounds 0.75 and 2.25 -> whitened -0.58095, +0.58095
+    s = math.sqrt(5 / 3) + 1e-6
+    low, high = (0.75 - 1.5) / s, (2.25 - 1.5) / s
+    assert scaler.state_dict()["bounds"] == [0.75, 2.25]
+    assert out.tolist() == pytest.approx(
+        [high + 0.1 * (8.5 / s - high), low + 0.1 * (-11.5 / s - low), 0.0, 0.5 / s], abs=1e-6
+    )
+    # next batch: the window is [0, 1, 2, 3, 10, -10, 1.5, 2] (mean 1.1875): the same raw bounds, whitened anew
+    window = torch.tensor([0, 1, 2, 3, 10, -10, 1.5, 2], dtype=torch.float64)
+    m, s2 = window.mean().item(), window.std().item() + 1e-6
+    out = scaler(t(0.75, 2.25, 3.0), ["p"] * 3, 3)
+    high2 = (2.25 - m) / s2
+    assert out.tolist() == pytest.approx([(0.75 - m) / s2, high2, high2 + 0.1 * ((3.0 - m) / s2 - high2)], abs=1e-6)
+    assert scaler.metrics()["grade/clip_frac_high"] == pytest.approx(1 / 3)  # 0.75 and 2.25 tie their bounds
+
+
+def test_a_version_1_state_rebuilds_its_quantile_window_from_raw_rewards():
+    """Version 1 kept whitened values in the quantile window (scales mixed over time): on load the window is
+    rebuilt from the tail of the raw window and the bounds are recomputed at the next call."""
+    cfg = GradeConfig(window_size=8, warmup=2, clip_start=2, quantile_window=3, centre=False)
+    scaler = GradeScaler(cfg)
+    state = scaler.state_dict()
+    state.update(version=1, raw_window=[1.0, 2.0, 3.0, 4.0], quantile_window=[-9.0, 9.0], bounds=[-9.0, 9.0])
+    scaler.load_state_dict(state)
+    assert scaler.state_dict()["quantile_window"] == [2.0, 3.0, 4.0] and scaler.state_dict()["bounds"] is None
