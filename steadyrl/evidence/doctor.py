@@ -16,7 +16,8 @@ grows from float noise to nats.
 
 And one that is steadyrl's own: ``saturated_controller``, a guard held at its bound (the KL coefficient at its
 cap, the entropy bonus at its cap, filters dropping a large share, the spike guard skipping in a row or
-re-anchoring), which means one of its settings does not fit this run (``steadyrl.evidence.saturation``).
+re-anchoring, GRADE's tail clip touching far more rows than its quantiles expect), which means one of its
+settings does not fit this run (``steadyrl.evidence.saturation``).
 
 Trends compare an early window of logged rows with a late one (``DoctorConfig.window`` rows each, a third of a
 short series). Every check needs a large, sustained change, so a noisy but healthy run gives no finding. The

@@ -9,7 +9,10 @@ Each check reads counters the guards log and names the key to change:
 - the quality filters (every reason but ``zero_variance``, whose rows carry no learning signal anyway) dropped more
   than ``max_filter_share`` of the rows in the late window;
 - the spike guard skipped ``min_skip_streak`` or more steps in a row, or re-anchored its baseline
-  (``gepo/spike_rebases``: a level shift it took for spikes at first).
+  (``gepo/spike_rebases``: a level shift it took for spikes at first);
+- GRADE's tail clip touched more than ``max_clip_share`` of the rows in the late window (``grade/clip_frac_low`` +
+  ``grade/clip_frac_high``; by design about 2 x ``tau`` = 6% on a continuous reward, 0 on a discrete one): its
+  bounds no longer describe the rewards, or a large mass of them sits beyond one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SaturationConfig:
     window: int = 20  # late window, in logged rows
     max_filter_share: float = 0.3  # quality filters dropping more than this share of rows (late-window mean)
     min_skip_streak: int = 3  # consecutive skipped optimizer steps worth reporting
+    max_clip_share: float = 0.15  # GRADE's tail clip touching more than this share of rows (late-window mean)
 
 
 @dataclass
@@ -145,6 +149,27 @@ def _filter_check(history: History, c: SaturationConfig) -> SaturationCheck | No
     )
 
 
+def _grade_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
+    steps, low = _late(history, M.GRADE_CLIP_FRAC_LOW, c.window)
+    _, high = _late(history, M.GRADE_CLIP_FRAC_HIGH, c.window)
+    if len(low) < 2 or len(high) != len(low):
+        return None
+    low_share, high_share = float(low.mean()), float(high.mean())
+    if low_share + high_share <= c.max_clip_share:
+        return None
+    side = "low" if low_share >= high_share else "high"
+    return SaturationCheck(
+        "GRADE's tail clip touches a large share of rows",
+        M.GRADE_CLIP_FRAC_LOW if side == "low" else M.GRADE_CLIP_FRAC_HIGH,
+        int(steps[0]),
+        int(steps[-1]),
+        f"the tail clip touched {low_share:.0%} (low) + {high_share:.0%} (high) of rows over the last {len(low)} "
+        f"steps, where the quantile bounds expect about 2 x tau",
+        "guards.grade.quantile_every: refresh the bounds more often if the rewards drift; raise guards.grade.tau "
+        "above the share of the reward mass beyond the bound, or set guards.grade.clip=false",
+    )
+
+
 def _spike_checks(history: History, c: SaturationConfig) -> list[SaturationCheck]:
     out = []
     skipped = np.array(sorted(set(history.skipped_steps.tolist())), dtype=np.int64)
@@ -188,6 +213,6 @@ def saturation_checks(history: History, config: SaturationConfig | None = None) 
     c = config or SaturationConfig()
     return [
         *_kl_checks(history, c),
-        *filter(None, [_entropy_check(history, c), _filter_check(history, c)]),
+        *filter(None, [_entropy_check(history, c), _filter_check(history, c), _grade_check(history, c)]),
         *_spike_checks(history, c),
     ]

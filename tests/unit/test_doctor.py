@@ -352,6 +352,17 @@ def test_kl_at_its_cap_entropy_bonus_at_its_cap_and_heavy_filtering_are_each_rep
     assert "quality filters dropped 47% of rows" in text  # 0.6 x 30 / 38: zero-variance rows are not counted
 
 
+def test_grade_clipping_far_more_than_its_tails_is_reported_and_tails_alone_are_not():
+    rows = [{"step": t, "loss": 0.0, "grade/clip_frac_low": 0.03, "grade/clip_frac_high": 0.03} for t in range(1, 61)]
+    assert _saturation(rows) == []  # 2 x tau: the design's share
+    for r in rows[40:]:
+        r["grade/clip_frac_low"] = 0.3  # the last 20 rows: a stale low bound under every failing row
+    changes = _saturation(rows)
+    assert len(changes) == 1 and changes[0].startswith("guards.grade.quantile_every")
+    text = format_findings(diagnose(History(rows)), History(rows))
+    assert "grade/clip_frac_low, steps 41-60: the tail clip touched 30% (low) + 3% (high) of rows" in text
+
+
 def test_spike_streaks_and_rebases_are_reported():
     rows = [{"step": t, "loss": 0.0, "grad_norm": 1.0, "gepo/skipped_steps": float(min(max(0, t - 40), 3))}
             for t in range(1, 61)]  # fmt: skip
