@@ -76,24 +76,6 @@ def hostile_reward(completions: list[str], trainer_state: Any = None, **_: Any) 
     return out
 
 
-def spawn_or_fail(fn: Any, args: tuple, nprocs: int = 2, timeout: float = 300.0) -> None:
-    """``torch.multiprocessing.spawn`` with a deadline: a worker that hangs (a gloo teardown race) fails the test
-    with its name instead of blocking the whole test run."""
-    import time
-
-    import pytest
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            alive = [i for i, p in enumerate(context.processes) if p.is_alive()]
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{getattr(fn, '__name__', fn)}: rank(s) {alive} still running after {timeout:.0f} s")
-
-
 def tiny_grpo_trainer(model_dir: Path | str, out: Path | str, guards: dict[str, Any] | None = None, **args: Any):
     """A ``SteadyGRPOTrainer`` on the tiny model and dataset with the dense ``byte_mean`` reward; ``guards`` are its
     guard keyword arguments (``quatro=...``, ...), ``args`` override ``grpo_args``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
 from pathlib import Path
@@ -16,7 +17,8 @@ from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
 from steadyrl.tasks import arithmetic_dataset
 from steadyrl.tasks.arithmetic import exact_match
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
-from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, spawn_or_fail, weights
+from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, weights
+from tests.integration.spawn import spawn_or_fail
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +101,10 @@ def test_eval_rows_every_2_steps_and_training_untouched(tiny_model_dir, tmp_path
 def _rank_worker(rank: int, tmp: str, model_dir: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    # a collective that waits past 120 s raises (with gloo's message) instead of running into the test's deadline
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(AutoModelForCausalLM.from_pretrained(model_dir))
@@ -121,8 +126,15 @@ def _rank_worker(rank: int, tmp: str, model_dir: str) -> None:
 
 
 def test_two_gloo_ranks_agree_with_one_process(tiny_model_dir, tmp_path):
-    spawn_or_fail(_rank_worker, (str(tmp_path), str(tiny_model_dir)))
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    def attempt_dir(attempt: int) -> Path:
+        (tmp_path / f"try{attempt}").mkdir()
+        return tmp_path / f"try{attempt}"
+
+    # a few seconds normally; a hang runs once more in fresh paths (gloo's rare teardown race) before it fails
+    done = spawn_or_fail(
+        _rank_worker, lambda attempt: (str(attempt_dir(attempt)), str(tiny_model_dir)), timeout=150.0, retries=1
+    )
+    rank0, rank1 = (torch.load(tmp_path / f"try{done}" / f"rank{r}.pt") for r in range(2))
     assert rank0 == rank1  # every rank logs the same numbers
 
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -656,7 +656,7 @@ def _two_process_worker(rank: int, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_distributed_ops_on_two_gloo_processes(tmp_path):
-    from tests.integration.helpers import spawn_or_fail
+    from tests.integration.spawn import spawn_or_fail
 
     spawn_or_fail(_two_process_worker, (str(tmp_path),))
     (s0, g0, e0, m0), (s1, g1, e1, m1) = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
