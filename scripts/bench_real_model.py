@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.environment import package_versions  # noqa: E402
+from steadyrl.environment import machine_line, package_versions  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -266,7 +266,7 @@ def main() -> None:
         "command": command.strip(),
         "commit": code_commit,
         "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+        "machine": machine_line(),
         "model": "smollm2-135m-instruct",
         "config": args.config,
         "packages": package_versions(),

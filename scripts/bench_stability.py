@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from steadyrl import metrics as M  # noqa: E402
 from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.environment import package_versions  # noqa: E402
+from steadyrl.environment import machine_line, package_versions  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -198,7 +198,7 @@ def results_json(
         "command": command,
         "commit": sha,
         "date": time.strftime("%Y-%m-%d"),
-        "machine": "2-core CPU, no GPU",
+        "machine": machine_line(),
         "model": "tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)",
         "packages": package_versions(),
         "steps": steps,
@@ -212,7 +212,7 @@ def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     without them gets the old file's), and the file's own fields say "per cell" where the cells differ."""
     if old.get("steps") not in (new["steps"], "per cell"):
         raise SystemExit(f"--merge: the file's runs have {old.get('steps')} steps, this run {new['steps']}")
-    own = ("command", "commit", "date", "packages", "steps")
+    own = ("command", "commit", "date", "machine", "packages", "steps")
     for cell in old["cells"]:
         for key in own:
             cell.setdefault(key, old.get(key))
@@ -466,9 +466,23 @@ def plot(
     plt.close(fig)
 
 
+def results_from_cells(doc: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """A results JSON's cells back as ``plot``'s per-run records (variant display name, scenario, seed): the chart
+    of a file whose cells were merged from several invocations, whose run folders need not all exist."""
+    display = {result_name(name): name for name in ALL_NAMES}
+    out: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for cell in doc["cells"]:
+        name = display.get(cell["variant"], cell["variant"])
+        nonfinite = cell.get("metrics", {}).get("nonfinite_weights") or [False] * len(cell["seeds"])
+        for seed, died, acc, bad in zip(cell["seeds"], cell["died"], cell["accuracy"], nonfinite, strict=True):
+            status = "died" if died else "nonfinite_weights" if bad else "ok"
+            out[(name, cell["scenario"], seed)] = {"status": status, "accuracy": acc}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sft", required=True, help="SFT checkpoint shared by every run (e.g. runs/tiny-sft/final)")
+    ap.add_argument("--sft", default=None, help="SFT checkpoint shared by every run (e.g. runs/tiny-sft/final)")
     ap.add_argument("--out", default="runs/bench-stability", help="one folder per run, and results.json")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=3)
@@ -496,6 +510,12 @@ def main() -> None:
         "--collect-only", action="store_true", help="train nothing: rebuild the table from the run folders in --out"
     )
     ap.add_argument(
+        "--plot-results",
+        default=None,
+        metavar="FILE",
+        help="train nothing: draw --png from this results JSON's cells (e.g. a file merged with --merge)",
+    )
+    ap.add_argument(
         "--merge",
         action="store_true",
         help="with --results: replace only this run's (scenario, variant) cells in the existing file, each marked "
@@ -512,6 +532,15 @@ def main() -> None:
     for bad, valid in ((set(names) - set(ALL_NAMES), ALL_NAMES), (set(scenarios) - set(SCENARIOS), SCENARIOS)):
         if bad:
             ap.error(f"unknown {sorted(bad)}; valid: {', '.join(valid)}")
+    if args.plot_results:
+        if not args.png:
+            ap.error("--plot-results needs --png")
+        cells = results_from_cells(json.loads(Path(args.plot_results).read_text()))
+        present = [n for n in names if any(v == n for v, _, _ in cells)]
+        plot(cells, present, [s for s in scenarios if any(c == s for _, c, _ in cells)], Path(args.png))
+        return
+    if not args.sft:
+        ap.error("--sft is required (except with --plot-results)")
     flags_of = variants(quatro_validates(args.sft))
     root = Path(args.out)
     jobs = [(name, scenario, seed) for name in names for scenario in scenarios for seed in seeds]

@@ -4,15 +4,16 @@ Every training run writes it to ``OUTPUT_DIR/environment.json`` next to ``resolv
 benchmark script puts it in its ``docs/results/*.json`` (key ``packages``). An upstream release can change a result
 while steadyrl's code stays the same (the tiny SFT checkpoint's exact match went from 0.39 on 2026-12-01 to 0.54 on
 2026-12-02 from the same command and commit), so a figure is reproducible only with the versions it came from.
-It also records the machine: later on 2026-12-02 the same SFT gave 0.385 again, on a fresh machine, with the very
-package versions recorded for the 0.54, so the versions alone do not pin a number. Which part of the machine
-moved it is not known (the machine of the 0.54 was not recorded); the instruction set torch's CPU kernels use is
-the first suspect, since float results differ with it.
+It also records the machine, because the versions alone do not pin a number: with the very package versions
+recorded for the 0.54, the same SFT gave 0.385 twice on an Intel Xeon and 0.540 on an AMD EPYC (2026-12-02, torch's
+CPU kernels AVX512 on both; the GRPO runs from the 0.54 checkpoint then matched the stored ones run for run). The
+CPU vendor, not only its instruction set, moves float results (the math libraries dispatch different kernels).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
@@ -70,6 +71,18 @@ def machine() -> dict[str, str | None]:
     except (ImportError, RuntimeError, AttributeError):
         pass
     return found
+
+
+def machine_line() -> str:
+    """``machine()`` as the one-line ``machine`` field of a benchmark's ``docs/results/*.json``: cores, CPU, torch's
+    CPU kernels, accelerator and ``OMP_NUM_THREADS``."""
+    found = machine()
+    accelerator = found["accelerator"] or "no GPU"
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return (
+        f"{os.cpu_count()}-core {found['cpu'] or 'CPU'} ({found['arch']}, torch CPU kernels "
+        f"{found['torch_cpu_kernels']}), {accelerator}, OMP_NUM_THREADS={threads}"
+    )
 
 
 def source_commit() -> str | None:

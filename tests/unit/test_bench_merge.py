@@ -71,14 +71,32 @@ def test_stability_merge_replaces_only_the_rerun_cells_and_marks_each_cells_run(
     def cell(scenario: str, variant: str, accuracy: float) -> dict:
         return {"scenario": scenario, "variant": variant, "seeds": [0], "accuracy": [accuracy], "metrics": {}}
 
-    base = {"command": "old", "date": "d0", "packages": {"torch": "1"}, "steps": 200}
+    base = {"command": "old", "date": "d0", "packages": {"torch": "1"}, "steps": 200, "machine": "xeon"}
     old = {**base, "commit": "aaa", "cells": [cell("clean", "all", 0.9), cell("inf", "all", 0.8)]}
-    new = {**base, "command": "new", "commit": "bbb", "cells": [cell("inf", "all", 0.92), cell("inf", "opefo", 0.9)]}
+    new = {**base, "command": "new", "commit": "bbb", "machine": "epyc",
+           "cells": [cell("inf", "all", 0.92), cell("inf", "opefo", 0.9)]}  # fmt: skip
     merged = _stability().merge_results(old, new)
     assert [(c["scenario"], c["variant"], c["accuracy"], c["commit"]) for c in merged["cells"]] == [
         ("clean", "all", [0.9], "aaa"), ("inf", "all", [0.92], "bbb"), ("inf", "opefo", [0.9], "bbb"),
     ]  # fmt: skip
     assert merged["cells"][0]["command"] == "old" and merged["cells"][1]["command"] == "new"
     assert merged["commit"] == "per cell" and merged["command"] == "per cell" and merged["steps"] == 200
+    # the machine is a cell's own too: the same command gave other numbers on another CPU
+    assert [c["machine"] for c in merged["cells"]] == ["xeon", "epyc", "epyc"] and merged["machine"] == "per cell"
     with pytest.raises(SystemExit, match="the file's runs have 200 steps, this run 6"):
         _stability().merge_results(old, {**new, "steps": 6})
+
+
+def test_stability_chart_records_from_cells_name_each_variant_and_mark_failed_runs() -> None:
+    """--plot-results: a merged file's cells become ``plot``'s per-run records under the display names."""
+    doc = {"cells": [
+        {"scenario": "nan_loss", "variant": "plain", "seeds": [0, 1], "died": [True, False], "accuracy": [None, 0.5],
+         "metrics": {"nonfinite_weights": [False, True]}},
+        {"scenario": "clean", "variant": "all-minus-quatro-kl", "seeds": [2], "died": [False], "accuracy": [0.9]},
+    ]}  # fmt: skip
+    records = _stability().results_from_cells(doc)
+    assert records == {
+        ("plain TRL", "nan_loss", 0): {"status": "died", "accuracy": None},
+        ("plain TRL", "nan_loss", 1): {"status": "nonfinite_weights", "accuracy": 0.5},
+        ("all - QUATRO kl", "clean", 2): {"status": "ok", "accuracy": 0.9},
+    }

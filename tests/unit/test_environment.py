@@ -48,3 +48,14 @@ def test_machine_names_the_cpu_kernels_torch_uses() -> None:
     assert found["torch_cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert found["arch"] and found["cpu"]
     assert set(env.environment()) == {"steadyrl_commit", "packages", "machine"}
+
+
+def test_machine_line_for_results_files(monkeypatch) -> None:
+    found = {"cpu": "AMD EPYC", "arch": "x86_64", "torch_cpu_kernels": "AVX512", "accelerator": None}
+    monkeypatch.setattr(env, "machine", lambda: found)
+    monkeypatch.setattr(env.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert env.machine_line() == "2-core AMD EPYC (x86_64, torch CPU kernels AVX512), no GPU, OMP_NUM_THREADS=1"
+    monkeypatch.setattr(env, "machine", lambda: {**found, "accelerator": "NVIDIA H200"})
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert env.machine_line().endswith("), NVIDIA H200, OMP_NUM_THREADS=unset")
