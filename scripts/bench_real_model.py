@@ -120,6 +120,7 @@ def train(
     if environment_file.is_file():
         recorded = json.loads(environment_file.read_text())
         row.update(commit=recorded.get("steadyrl_commit"), packages=recorded.get("packages"))
+        row.update(machine=recorded.get("machine"))  # per seed in the cell's metrics (None: not recorded then)
     eval_file = out / "eval_results.json"
     if code == 0 and eval_file.is_file():
         result = json.loads(eval_file.read_text())

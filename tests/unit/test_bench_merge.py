@@ -100,3 +100,13 @@ def test_stability_chart_records_from_cells_name_each_variant_and_mark_failed_ru
         ("plain TRL", "nan_loss", 1): {"status": "nonfinite_weights", "accuracy": 0.5},
         ("all - QUATRO kl", "clean", 2): {"status": "ok", "accuracy": 0.9},
     }
+
+
+def test_real_model_cell_keeps_each_seeds_machine() -> None:
+    """A run's environment.json machine goes into its cell per seed, and survives a merge with an older seed."""
+    bench = _bench()
+    epyc = {"cpu": "AMD EPYC", "torch_cpu_kernels": "AVX512"}
+    new = bench.cell("all", 1, {"accuracy": 0.4, "died": False, "machine": epyc, "commit": "abc"})
+    assert new["metrics"]["machine"] == [epyc] and "commit" not in new["metrics"]  # commit is set per seed later
+    merged = bench.merge_cell(_cell("all", [0], [0.6], [70]), new)
+    assert merged["seeds"] == [0, 1] and merged["metrics"]["machine"] == [None, epyc]
