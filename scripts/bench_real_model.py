@@ -6,6 +6,7 @@ Three rows, one seed, on the same held-out problems, greedy decoding, scored by 
     plain   ``steadyrl train CONFIG`` with every guard layer off (bit-identical to ``trl.GRPOTrainer``)
     all     the same config with every guard layer at its shipped default (what the config ships)
     all-minus-quatro-kl   every layer on but QUATRO's adaptive KL coefficient (beta stays trainer.beta)
+    all-minus-grade       every layer on but GRADE
 
 Each training run is its own ``python -m steadyrl train`` process, one at a time, timed end to end (model load,
 training, final save and eval). Step time is the Trainer's ``train_runtime`` / steps; the guard share is the
@@ -54,6 +55,7 @@ VARIANTS = {
     "plain": GUARDS_OFF,
     "all": GUARDS_ON,
     "all-minus-quatro-kl": (*GUARDS_ON, "guards.quatro.kl.enabled=false"),  # every layer, beta fixed at trainer.beta
+    "all-minus-grade": (*GUARDS_ON[:1], "guards.grade.enabled=false", *GUARDS_ON[2:]),  # GRADE's share of a change
 }
 METRICS = ("math_answer", "concise_answer")
 
