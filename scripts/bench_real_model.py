@@ -91,6 +91,19 @@ def evaluate_base(config: str, overrides: list[str]) -> dict[str, Any]:
     return result
 
 
+RUN_RECORD = "bench_run.json"
+
+
+def collected_run(out: Path) -> tuple[int, float | None]:
+    """(exit code, wall seconds) of a run already in ``out``: from the record this script wrote when it ran it;
+    for a run made before the record existed, the exit code from its final save and no wall time."""
+    record = out / RUN_RECORD
+    if record.is_file():
+        data = json.loads(record.read_text())
+        return int(data["returncode"]), float(data["wall_s"])
+    return (0 if (out / "final").is_dir() else 1), None
+
+
 def train(
     config: str,
     out: Path,
@@ -108,15 +121,17 @@ def train(
         callback, fault_env = FAULTS[fault]
         cmd.append(f"callbacks=['steadyrl.faults:{callback}']")
         env.update({FAULT_STEP_ENV: str(fault_step), **fault_env})
-    if collect_only:  # a run already made: rebuild its row from the folder (the exit code from its final save)
-        code, wall = (0 if (out / "final").is_dir() else 1), None
+    record = out / RUN_RECORD  # this script's own exit code and wall time of the run, for --collect-only
+    if collect_only:  # a run already made: rebuild its row from the folder
+        code, wall = collected_run(out)
     else:
         out.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "faults.jsonl"):  # both append
+        for stale in ("metrics.jsonl", "faults.jsonl", RUN_RECORD):  # the first two append
             (out / stale).unlink(missing_ok=True)
         start = time.perf_counter()
         code, _ = run_with_progress(cmd, out.name, log=out / "bench.log", env=env, cwd=REPO)
         wall = time.perf_counter() - start
+        record.write_text(json.dumps({"returncode": code, "wall_s": wall}) + "\n")
     row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": wall, "died": code != 0}
     environment_file = out / "environment.json"  # what the run itself was computed with
     if environment_file.is_file():

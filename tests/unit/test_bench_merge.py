@@ -110,3 +110,19 @@ def test_real_model_cell_keeps_each_seeds_machine() -> None:
     assert new["metrics"]["machine"] == [epyc] and "commit" not in new["metrics"]  # commit is set per seed later
     merged = bench.merge_cell(_cell("all", [0], [0.6], [70]), new)
     assert merged["seeds"] == [0, 1] and merged["metrics"]["machine"] == [None, epyc]
+
+
+def test_collect_only_keeps_the_wall_time_and_exit_code_the_run_recorded(tmp_path: Path) -> None:
+    """--collect-only rebuilds a row from the run's folder: wall time and exit code come from the record the script
+    wrote when it ran the run (they were None and "has a final/ folder" before); an older folder has no wall time."""
+    bench = _bench()
+    run = tmp_path / "all-seed1"
+    run.mkdir()
+    (run / bench.RUN_RECORD).write_text('{"returncode": 0, "wall_s": 1365.8}\n')
+    row = bench.train("configs/small/grpo-lora.yaml", run, (), [], 1, collect_only=True)
+    assert (row["wall_s"], row["returncode"], row["died"]) == (1365.8, 0, False)
+    (run / bench.RUN_RECORD).write_text('{"returncode": 1, "wall_s": 12.5}\n')
+    (run / "final").mkdir()  # a final save does not hide the recorded failure
+    assert bench.train("c.yaml", run, (), [], 1, collect_only=True)["died"] is True
+    (run / bench.RUN_RECORD).unlink()
+    assert bench.collected_run(run) == (0, None)
