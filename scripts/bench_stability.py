@@ -486,6 +486,9 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench-stability", help="one folder per run, and results.json")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "--first-seed", type=int, default=0, help="seeds FIRST .. FIRST+SEEDS-1 (add seeds to an --out folder)"
+    )
     ap.add_argument("--fault-step", type=int, default=20, help="step k of the step faults (after GEPO's warm-up)")
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(ALL_NAMES)}")
     ap.add_argument("--scenarios", default=None, help=f"comma-separated subset of {', '.join(SCENARIOS)}")
@@ -524,7 +527,7 @@ def main() -> None:
     args = ap.parse_args()
     names = list(QUICK_VARIANTS if args.quick else VARIANT_NAMES)
     scenarios = list(QUICK_SCENARIOS if args.quick else SCENARIOS)
-    seeds, steps, fault_step = range(args.seeds), args.steps, args.fault_step
+    seeds, steps, fault_step = range(args.first_seed, args.first_seed + args.seeds), args.steps, args.fault_step
     if args.quick:
         seeds, steps, fault_step = range(1), 6, 3
     names = [n.strip() for n in args.variants.split(",")] if args.variants else names
