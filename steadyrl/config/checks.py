@@ -140,9 +140,10 @@ def _check_guards(cfg: RunConfig) -> None:
         from steadyrl.guards.robust_advantage import GEPOAdvantage
 
         try:
-            GEPOAdvantage(gepo.advantage.clip_scale)
+            GEPOAdvantage(gepo.advantage.clip_scale, mad_zero_centre=gepo.advantage.mad_zero_centre)
         except ValueError as exc:
-            raise ConfigError(f"guards.gepo.advantage.clip_scale: {exc}") from exc
+            key = "clip_scale" if "clip_scale" in str(exc) else "mad_zero_centre"
+            raise ConfigError(f"guards.gepo.advantage.{key}: {exc}") from exc
     grade = cfg.guards.grade
     if grade.enabled and grade.kl_compensation:
         lo_hi = grade.kl_compensation_range

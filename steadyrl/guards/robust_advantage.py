@@ -20,10 +20,15 @@ What this simplifies or leaves out:
   rewards are all equal, get exactly 0 (no signal).
 - Std fallback: with 0/1 rewards the MAD is 0 whenever more than half of the group agrees (e.g. [1, 1, 1, 0]),
   so ``scale`` would be ``eps`` and the minority's advantage would saturate at ±clip_scale whatever the signal.
-  When MAD == 0 but the group is not constant the group's unbiased, NaN-ignoring std replaces
-  ``mad_scale * mad`` (both estimate sigma). The fallback is not outlier-robust: a huge outlier in such a group
-  inflates the std and pulls the other members' advantages towards 0 (the tanh still bounds the outlier).
-- Members equal to the median get advantage 0 (a majority of correct answers is not rewarded further).
+  When MAD == 0 but the group is not constant the group's unbiased, NaN-ignoring std replaces ``mad_scale * mad``
+  (both estimate sigma). The centre stays the median by default (``mad_zero_centre: median``): the majority's
+  rows train with exactly 0 and the group's advantages sum to the minority's alone. ``mad_zero_centre: mean``
+  takes the mean with the std, the centre that goes with that scale: a pass/fail group then gets TRL's own
+  ``(r - mean) / std``, soft clipped. Measured on the tiny model's clean and repetition tasks (docs/benchmarks.md,
+  2026-12-02): see there for which default the numbers support. The fallback is not outlier-robust: a huge
+  outlier in such a group inflates the std and mutes the minority, and with the mean centre it also pushes the
+  majority down together (the tanh still bounds the outlier); heavy-tailed rewards rarely give a MAD of 0,
+  discrete ones do.
 - Arithmetic is done in float64 and the result is cast back to the input dtype. ``tanh`` saturates to exactly
   1.0 for large arguments (in float32 already near 9, in float64 near 19), so the result is clamped to the
   largest value of the output dtype strictly below ``clip_scale``: ``|adv| < clip_scale`` always holds.
@@ -54,8 +59,20 @@ def nan_median(values: torch.Tensor, dim: int = -1, keepdim: bool = False) -> to
     return torch.nanquantile(values, 0.5, dim=dim, keepdim=keepdim, interpolation="linear")
 
 
+MAD_ZERO_CENTRES = ("mean", "median")
+
+
+def _validate_mad_zero_centre(mad_zero_centre: str) -> None:
+    if mad_zero_centre not in MAD_ZERO_CENTRES:
+        raise ValueError(f"mad_zero_centre must be one of {', '.join(MAD_ZERO_CENTRES)}, got {mad_zero_centre!r}")
+
+
 def robust_group_advantages(
-    grouped_rewards: torch.Tensor, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8
+    grouped_rewards: torch.Tensor,
+    clip_scale: float = 3.0,
+    mad_scale: float = 1.4826,
+    eps: float = 1e-8,
+    mad_zero_centre: str = "median",
 ) -> torch.Tensor:
     """GEPO advantage: clip_scale * tanh((r - median) / (mad_scale * MAD + eps) / clip_scale), per group.
 
@@ -65,6 +82,7 @@ def robust_group_advantages(
     Source: docs/DESIGN.md, "GEPO: robust advantages".
     """
     _validate_clip_scale(clip_scale)
+    _validate_mad_zero_centre(mad_zero_centre)
     if grouped_rewards.ndim != 2:
         raise ValueError(f"grouped_rewards must have shape (num_prompts, G), got {tuple(grouped_rewards.shape)}")
     out_dtype = grouped_rewards.dtype if grouped_rewards.is_floating_point() else torch.float32
@@ -80,6 +98,8 @@ def robust_group_advantages(
     mad = nan_median((r - centre).abs(), dim=1, keepdim=True)
     std = _nan_std(r, count)
     spread = torch.where(mad > 0, mad_scale * mad, std)
+    if mad_zero_centre == "mean":  # the std fallback's own centre (see the module docstring)
+        centre = torch.where(mad > 0, centre, torch.nanmean(r, dim=1, keepdim=True))
     scale = spread + eps
 
     hi = torch.where(scorable, r, torch.full_like(r, -torch.inf)).amax(dim=1, keepdim=True)
@@ -108,6 +128,7 @@ class AdvantageConfig:
     """``guards.gepo.advantage``: the tanh soft-clip bound of the median/MAD advantages (checked by GEPOAdvantage)."""
 
     clip_scale: float = 3.0
+    mad_zero_centre: str = "median"  # centre of a group whose MAD is 0 (a majority shares one value): mean | median
 
 
 class GEPOAdvantage:
@@ -115,19 +136,26 @@ class GEPOAdvantage:
 
     @classmethod
     def from_config(cls, config: AdvantageConfig) -> GEPOAdvantage:
-        return cls(config.clip_scale)
+        return cls(config.clip_scale, mad_zero_centre=config.mad_zero_centre)
 
-    def __init__(self, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8) -> None:
+    def __init__(
+        self, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8, mad_zero_centre: str = "median"
+    ) -> None:
         _validate_clip_scale(clip_scale)
+        _validate_mad_zero_centre(mad_zero_centre)
         if mad_scale <= 0 or eps <= 0:
             raise ValueError(f"mad_scale and eps must be > 0, got mad_scale={mad_scale!r}, eps={eps!r}")
         self.clip_scale = clip_scale
         self.mad_scale = mad_scale
         self.eps = eps
+        self.mad_zero_centre = mad_zero_centre
 
     def __call__(self, grouped_rewards: torch.Tensor) -> torch.Tensor:
         """grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages (num_prompts, G)."""
-        return robust_group_advantages(grouped_rewards, self.clip_scale, self.mad_scale, self.eps)
+        return robust_group_advantages(grouped_rewards, self.clip_scale, self.mad_scale, self.eps, self.mad_zero_centre)
 
     def __repr__(self) -> str:
-        return f"GEPOAdvantage(clip_scale={self.clip_scale}, mad_scale={self.mad_scale}, eps={self.eps})"
+        return (
+            f"GEPOAdvantage(clip_scale={self.clip_scale}, mad_scale={self.mad_scale}, eps={self.eps}, "
+            f"mad_zero_centre={self.mad_zero_centre!r})"
+        )

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steadyrl.guards.base import AdvantageFunction
-from steadyrl.guards.gepo import GEPOAdvantage, nan_median, robust_group_advantages
+from steadyrl.guards.gepo import AdvantageConfig, GEPOAdvantage, nan_median, robust_group_advantages
 
 NAN = float("nan")
 
@@ -44,17 +44,49 @@ def test_constant_group_is_exactly_zero():
     assert torch.equal(robust_group_advantages(r), torch.zeros(3, 4))
 
 
-def test_mad_zero_falls_back_to_std():
+def test_mad_zero_falls_back_to_mean_and_std():
     r = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    adv = robust_group_advantages(r)
-    # median 1; |r - 1| = [0, 0, 0, 1] -> MAD 0 but the group is not constant -> std fallback
+    adv = robust_group_advantages(r, mad_zero_centre="mean")
+    # median 1; |r - 1| = [0, 0, 0, 1] -> MAD 0 but the group is not constant -> mean/std fallback
     # mean 0.75; unbiased var = (3 * 0.25^2 + 0.75^2) / 3 = 0.75 / 3 = 0.25 -> std 0.5; scale 0.5 + 1e-8
-    # adv = [0, 0, 0, 3 * tanh((-1 / 0.5) / 3)] = [0, 0, 0, 3 * tanh(-2/3)] = [0, 0, 0, -1.7483]
-    assert adv[0, :3].tolist() == [0.0, 0.0, 0.0]
-    assert adv[0, 3].item() == pytest.approx(soft(-1.0 / (0.5 + 1e-8)), abs=1e-6)
-    assert adv[0, 3].item() == pytest.approx(-1.7483, abs=1e-4)
+    # adv = [3 tanh(0.5 / 3)] * 3 + [3 tanh(-1.5 / 3)] = [0.4954] * 3 + [-1.3863]
+    scale = 0.5 + 1e-8
+    assert adv[0].tolist() == pytest.approx([soft(0.25 / scale)] * 3 + [soft(-0.75 / scale)], abs=1e-6)
+    assert adv[0].tolist() == pytest.approx([0.4954, 0.4954, 0.4954, -1.3863], abs=1e-4)
     # without the fallback the scale would be 1e-8 and the minority would sit at the bound
     assert abs(adv[0, 3].item()) < 2.9
+
+
+def test_mad_zero_median_centre_gives_the_majority_zero():
+    """``mad_zero_centre: median`` (the default): std scale, median centre, the majority exactly 0."""
+    adv = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    # adv = [0, 0, 0, 3 * tanh((-1 / 0.5) / 3)] = [0, 0, 0, -1.7483]
+    assert adv[0, :3].tolist() == [0.0, 0.0, 0.0]
+    assert adv[0, 3].item() == pytest.approx(-1.7483, abs=1e-4)
+    assert torch.equal(GEPOAdvantage()(torch.tensor([[1.0, 1.0, 1.0, 0.0]])), adv)
+    mean = GEPOAdvantage.from_config(AdvantageConfig(mad_zero_centre="mean"))
+    assert torch.equal(
+        mean(torch.tensor([[1.0, 1.0, 1.0, 0.0]])),
+        robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 0.0]]), mad_zero_centre="mean"),
+    )
+    with pytest.raises(ValueError, match="mad_zero_centre must be one of mean, median, got 'mode'"):
+        GEPOAdvantage(mad_zero_centre="mode")
+
+
+@pytest.mark.parametrize("k", range(1, 8))
+def test_pass_fail_groups_get_trls_advantages_soft_clipped(k):
+    """0/1 rewards, k of 8 correct: with k != 4 the MAD is 0, and the advantage is TRL's (r - mean) / std, soft
+    clipped; so a pass/fail reward is not centred on its majority (whose rows would train with exactly 0)."""
+    r = torch.tensor([[1.0] * k + [0.0] * (8 - k)], dtype=torch.float64)
+    mean, std = k / 8, math.sqrt(k * (8 - k) / 8 / 7)
+    adv = robust_group_advantages(r, mad_zero_centre="mean")[0]
+    if k == 4:  # median 0.5, MAD 0.5: the robust branch, scale 1.4826 * 0.5
+        assert adv.tolist() == pytest.approx([soft(0.5 / (1.4826 * 0.5 + 1e-8))] * 4 + [soft(-0.5 / 0.7413)] * 4)
+    else:
+        assert adv.tolist() == pytest.approx(
+            [soft((1 - mean) / (std + 1e-8))] * k + [soft(-mean / (std + 1e-8))] * (8 - k), abs=1e-9
+        )
+        assert abs(adv.sum().item()) < 0.5  # near zero-sum, where the median centre sums to -/+ the minority's
 
 
 def test_nan_member_is_zero_and_excluded_from_stats():
@@ -158,8 +190,13 @@ def test_single_huge_outlier_leaves_others_unchanged(others):
 
 
 def test_std_fallback_is_not_outlier_robust():
-    """Documented limitation: MAD == 0 -> std, and a huge outlier inflates the std and mutes the minority."""
-    small = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 2.0]]))
-    spiked = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 1e9]]))
+    """Documented limitation: MAD == 0 -> std, and a huge outlier inflates it and mutes the minority; with the mean
+    centre it also pushes the majority down together (the tanh still bounds the outlier)."""
+    small = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 2.0]]), mad_zero_centre="mean")
+    spiked = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 1e9]]), mad_zero_centre="mean")
     assert small[0, 4].item() < -1.0
-    assert -1e-6 < spiked[0, 4].item() < 0.0
+    # mean 1e9 / 6, std 1e9 / sqrt(6): every other member (1 or 0) sits at about -1 / sqrt(6) = -0.408 before tanh
+    assert spiked[0, :5].tolist() == pytest.approx([soft(-1 / math.sqrt(6))] * 5, abs=1e-6)
+    assert 0 < spiked[0, 5].item() < 3.0
+    median = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 1e9]]))
+    assert median[0, :4].tolist() == [0.0] * 4 and -1e-6 < median[0, 4].item() < 0.0
