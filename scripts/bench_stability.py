@@ -431,6 +431,72 @@ def saturation_table(
     return "\n".join(lines)
 
 
+SINGLE_LAYERS = ("GRADE", "GEPO", "OPEFO", "QUATRO")
+BAR_CLEAN, BAR_FAULT = -0.01, -0.02  # issue 13: clean all >= plain - 1 point; a fault: within 2 of the best single
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int] | None:
+    """Mean and standard error of a[seed] - b[seed] over the seeds both have (None with fewer than 2).
+
+    Same seed, same checkpoint: two variants that leave most of a run alone share its seed-to-seed spread, so the
+    paired difference is far tighter than the difference of two seed means (whose spread is several points)."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    diffs = [a[s] - b[s] for s in seeds]
+    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
+
+
+def bars_table(results: dict[tuple[str, str, int], dict[str, Any]], scenarios: list[str]) -> str:
+    """Markdown: issue 13's bar per scenario, every layer on against its reference, paired by seed.
+
+    Reference: plain TRL on the clean task (bar: -1 point), the single layer with the best mean accuracy under a
+    fault (bar: -2 points, and no run of every layer on may die). "within noise" when the bar lies inside two
+    standard errors of the paired difference: more seeds would be needed to call it."""
+
+    def accuracies(name: str, scenario: str) -> dict[int, float]:
+        return {
+            seed: r["accuracy"]
+            for (v, sc, seed), r in results.items()
+            if v == name and sc == scenario and r["status"] == "ok" and r.get("accuracy") is not None
+        }
+
+    def failed(name: str, scenario: str) -> int:
+        return sum(v == name and sc == scenario and r["status"] in ("died", "nonfinite_weights")
+                   for (v, sc, _), r in results.items())  # fmt: skip
+
+    lines = [
+        "| scenario | reference | every layer on − reference (paired, mean ± s.e., seeds) | bar | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for scenario in scenarios:
+        mine = accuracies("all on", scenario)
+        if not mine:
+            continue
+        if scenario == "clean":
+            ref, bar = "plain TRL", BAR_CLEAN
+        else:
+            singles = {n: accuracies(n, scenario) for n in SINGLE_LAYERS}
+            singles = {n: acc for n, acc in singles.items() if acc}
+            if not singles:
+                continue
+            ref, bar = max(singles, key=lambda n: statistics.fmean(singles[n].values())), BAR_FAULT
+        diff = paired_difference(mine, accuracies(ref, scenario))
+        if diff is None:
+            continue
+        mean, se, n = diff
+        died = failed("all on", scenario)
+        verdict = "met" if mean >= bar and not died else "missed"
+        if died:
+            verdict += f" ({died} run(s) of every layer on died)"
+        elif abs(mean - bar) <= 2 * se:
+            verdict += ", within noise"
+        lines.append(
+            f"| {scenario} | {ref} | {100 * mean:+.1f} ± {100 * se:.1f} points ({n}) | {100 * bar:+.0f} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(
     results: dict[tuple[str, str, int], dict[str, Any]], names: list[str], scenarios: list[str], png: Path
 ) -> None:
@@ -519,6 +585,12 @@ def main() -> None:
         help="train nothing: draw --png from this results JSON's cells (e.g. a file merged with --merge)",
     )
     ap.add_argument(
+        "--bars-results",
+        default=None,
+        metavar="FILE",
+        help="train nothing: print issue 13's bars (paired by seed) from this results JSON's cells",
+    )
+    ap.add_argument(
         "--merge",
         action="store_true",
         help="with --results: replace only this run's (scenario, variant) cells in the existing file, each marked "
@@ -535,6 +607,9 @@ def main() -> None:
     for bad, valid in ((set(names) - set(ALL_NAMES), ALL_NAMES), (set(scenarios) - set(SCENARIOS), SCENARIOS)):
         if bad:
             ap.error(f"unknown {sorted(bad)}; valid: {', '.join(valid)}")
+    if args.bars_results:
+        print(bars_table(results_from_cells(json.loads(Path(args.bars_results).read_text())), scenarios))
+        return
     if args.plot_results:
         if not args.png:
             ap.error("--plot-results needs --png")
@@ -581,6 +656,8 @@ def main() -> None:
         + table(results, names, scenarios)
         + "\n\nController state at the end of each run (seed means; `-`: the variant has no such controller):\n\n"
         + saturation_table(results, names, scenarios)
+        + "\n\nIssue 13's bars, paired by seed:\n\n"
+        + bars_table(results, scenarios)
         + "\n"
     )
     print(markdown, end="")

@@ -126,3 +126,31 @@ def test_collect_only_keeps_the_wall_time_and_exit_code_the_run_recorded(tmp_pat
     assert bench.train("c.yaml", run, (), [], 1, collect_only=True)["died"] is True
     (run / bench.RUN_RECORD).unlink()
     assert bench.collected_run(run) == (0, None)
+
+
+def test_stability_bars_are_paired_by_seed_against_the_right_reference() -> None:
+    """Issue 13's bars: clean against plain TRL (-1 point), a fault against the single layer with the best mean
+    (-2 points, no death); the difference is paired by seed, with its standard error (hand-computed)."""
+    bench = _stability()
+
+    def runs(name: str, scenario: str, accs: list[float | None]) -> dict:
+        return {(name, scenario, seed): {"status": "ok" if a is not None else "died", "accuracy": a}
+                for seed, a in enumerate(accs)}  # fmt: skip
+
+    results = {
+        **runs("plain TRL", "clean", [0.91, 0.90, 0.85]),
+        **runs("all on", "clean", [0.90, 0.88, 0.86]),
+        **runs("GEPO", "grad_spike", [0.90, 0.92, 0.91]),
+        **runs("OPEFO", "grad_spike", [0.60, 0.62, 0.61]),
+        **runs("all on", "grad_spike", [0.80, None, 0.95]),
+        **runs("QUATRO", "repetition_reward", [0.50, 0.40, 0.45]),
+        **runs("all on", "repetition_reward", [0.40, 0.30, 0.36]),
+    }
+    rows = bench.bars_table(results, ["clean", "grad_spike", "repetition_reward"]).splitlines()[2:]
+    # clean: diffs -0.01, -0.02, +0.01 -> mean -0.0067, stdev 0.01528, s.e. 0.00882; the bar -0.01 is 0.4 s.e. away
+    assert rows[0] == "| clean | plain TRL | -0.7 ± 0.9 points (3) | -1 | met, within noise |"
+    # grad_spike: GEPO is the best single layer; seed 1 of every layer on died: paired over seeds 0 and 2
+    assert rows[1] == "| grad_spike | GEPO | -3.0 ± 7.0 points (2) | -2 | missed (1 run(s) of every layer on died) |"
+    # repetition: diffs -0.10, -0.10, -0.09 -> mean -0.0967, s.e. 0.0033: a resolved miss
+    assert rows[2] == "| repetition_reward | QUATRO | -9.7 ± 0.3 points (3) | -2 | missed |"
+    assert bench.paired_difference({0: 0.5}, {0: 0.4}) is None  # one shared seed: no standard error
