@@ -200,3 +200,18 @@ def test_std_fallback_is_not_outlier_robust():
     assert 0 < spiked[0, 5].item() < 3.0
     median = robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 1e9]]))
     assert median[0, :4].tolist() == [0.0] * 4 and -1e-6 < median[0, 4].item() < 0.0
+
+
+def test_mad_zero_centre_from_the_config_reaches_the_advantage_function_and_a_bad_value_is_a_config_error():
+    from pathlib import Path
+
+    from steadyrl.config import ConfigError, load_config
+    from steadyrl.trainers.layers import gepo_layer
+
+    config = Path(__file__).resolve().parents[2] / "configs/tiny/grpo-guarded.yaml"
+    cfg = load_config(config, ["guards.gepo.enabled=true", "guards.gepo.advantage.mad_zero_centre=mean"])
+    fn = gepo_layer(cfg.guards.gepo)["advantage_fn"]
+    r = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert fn.mad_zero_centre == "mean" and torch.equal(fn(r), robust_group_advantages(r, mad_zero_centre="mean"))
+    with pytest.raises(ConfigError, match=r"guards\.gepo\.advantage\.mad_zero_centre: mad_zero_centre must be one of"):
+        load_config(config, ["guards.gepo.enabled=true", "guards.gepo.advantage.mad_zero_centre=mode"])
