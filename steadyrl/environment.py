@@ -7,7 +7,8 @@ while steadyrl's code stays the same (the tiny SFT checkpoint's exact match went
 It also records the machine, because the versions alone do not pin a number: with the very package versions
 recorded for the 0.54, the same SFT gave 0.385 twice on an Intel Xeon and 0.540 on an AMD EPYC (2026-12-02, torch's
 CPU kernels AVX512 on both; the GRPO runs from the 0.54 checkpoint then matched the stored ones run for run). The
-CPU vendor, not only its instruction set, moves float results (the math libraries dispatch different kernels).
+CPU vendor, not only its instruction set, moves float results (the math libraries dispatch different kernels); and
+on one vendor the instruction set does too: an AMD EPYC whose torch picked AVX2 kernels gave 0.550 (2026-12-02).
 """
 
 from __future__ import annotations
