@@ -105,6 +105,8 @@ QUATRO_BETA = "quatro/beta"  # the effective coefficient, every factor included
 QUATRO_ENTROPY = "quatro/entropy"
 QUATRO_ENTROPY_FLOOR = "quatro/entropy_floor"
 QUATRO_ENTROPY_BONUS = "quatro/entropy_bonus"
+QUATRO_ENTROPY_CONTROL = "quatro/entropy_control"  # the floor's control u in [0, 1] (bonus and covariance clip)
+QUATRO_COV_CLIPPED = "quatro/cov_clipped"  # share of loss tokens whose advantage the covariance clip dropped
 QUATRO_FLOOR_ACTIVE = "quatro/floor_active"
 QUATRO_FLOOR_HELD_OFF = "quatro/floor_held_off"  # 1: entropy under the floor, but the reward still rises
 QUATRO_FILTERED_PREFIX = "quatro/filtered/"  # quatro/filtered/<reason>, rows dropped per filter
@@ -116,6 +118,7 @@ QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
 # observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
 QUATRO_KL_COEF_WOULD = "quatro/kl_coef_would"  # the controller's beta (TRL's beta is unchanged)
 QUATRO_ENTROPY_BONUS_WOULD = "quatro/entropy_bonus_would"  # the entropy_coef it would set
+QUATRO_COV_CLIPPED_WOULD = "quatro/cov_clipped_would"  # share of loss tokens the covariance clip would drop
 QUATRO_CLIP_SCALE_WOULD = "quatro/clip_scale_would"  # the epsilon factor it would set
 QUATRO_FLOOR_ACTIVE_WOULD = "quatro/floor_active_would"
 QUATRO_WOULD_FILTER_PREFIX = "quatro/would_filter/"  # quatro/would_filter/<reason>: rows it would drop

@@ -5,21 +5,32 @@ Baseline = mean token entropy of the first ``baseline_steps`` (10) optimizer ste
 baseline, compared with the mean of a rolling ``window`` (5 steps). The floor turns on when the window mean falls
 below it, and off above floor x ``hysteresis``; while it is on ``clip_scale()`` is ``clip_factor`` (0.5).
 
-The bonus is a proportional-integral controller on the relative gap ``gap = (floor - mean) / floor``: every step
-once the floor has turned on, ``integral += ki x gap`` and ``bonus = integral + kp x gap`` (``ki`` 0.05, ``kp``
-0.2), both kept in ``[0, coef_max]`` (0.01). Below the floor the integral grows towards the bonus that holds
-entropy there, whatever the strength of the pressure that collapses it; above the floor it shrinks back. Measured
-on a forced collapse (docs/entropy_floor.md): 20x more entropy than plain TRL at the end, but the bonus reaches its
-cap and the loop oscillates, so entropy is not held at the floor yet. The fixed ramp it replaces (to a cap of
-0.01) ended exactly like plain TRL. The proportional term damps the loop: entropy integrates the bonus's effect
-step after step, and an integral alone on such a plant oscillates (it still does, more slowly).
-``EntropyFloor.bonus`` is a coefficient in TRL's
-``entropy_coef`` units (loss - coef x mean token entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md,
-section 0): at 0.5 the floor kept a forced collapse's entropy 20x above plain TRL's, but on SmolLM2-135M's healthy
-run (entropy falling as the format is learned) it pushed entropy from 0.3 to 1.6 nats, the training reward fell
-from 0.6 to 0.2 and held-out accuracy ended at 0.325 against plain's 0.575. At 0.01 it cannot hold a forced
-collapse (it ends like plain TRL) and leaves a healthy run alone. A bonus at ``coef_max`` while entropy stays below
-the floor is counted (``at_cap``) and reported by ``steadyrl doctor`` with the key to change.
+One proportional-integral controller drives two levers. Its output, the control ``u`` in ``[0, 1]``, follows the
+relative gap ``gap = (floor - mean) / floor``: every step once the floor has turned on, ``integral += ki x gap``
+and ``u = integral + kp x gap``, both kept in ``[0, 1]`` (``ki`` 0.1, ``kp`` 0.4 per unit of gap; the gains do not
+depend on either lever's cap). Below the floor the integral grows towards the control that holds entropy there,
+whatever the strength of the pressure that collapses it; above the floor it shrinks back. The proportional term
+damps the loop: entropy integrates the levers' effect step after step, and an integral alone on such a plant
+oscillates.
+
+1. The covariance clip (``cov_clip``, 1.0): the policy gradient is taken off the ``u x cov_clip`` share of the
+   tokens that sharpen the policy. To first order a policy-gradient step changes a state's entropy by
+   ``-lr x Cov(log pi(a), pi(a) A(a))`` (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+   Reasoning Language Models"): tokens whose log-probability and advantage are both above the micro-batch's means
+   (a likely token reinforced) or both below (an unlikely one pushed further down) are the ones that lower it. Per
+   micro-batch, over its loss tokens, each token's ``(logp - mean logp) x (A - mean A)`` ranks it; the advantage of
+   the top ``ceil(share x n_positive)`` tokens with a positive product is set to 0 for that loss. Their KL and
+   entropy terms stay. At ``u = 1`` with ``cov_clip`` 1 no remaining token lowers entropy to first order, so the
+   lever can hold a collapse on its own, unlike a bonus of fixed size; the other tokens (an unlikely good token
+   raised, a likely bad one lowered) keep learning. ``TokenCovClip`` below does it; the trainer calls it in the
+   loss. The rank is per rank's micro-batch, as the loss is.
+2. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
+   entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
+   forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the
+   learning gate) it pushed entropy from 0.3 to 1.6 nats and held-out accuracy ended at 0.325 against plain's 0.575.
+
+The control at 1 while entropy stays below the floor is counted (``at_cap``) and reported by ``steadyrl doctor``
+with the key to change.
 
 The learning gate (``learning_gate``, on by default): entropy alone cannot tell a collapse from a run that is
 learning. A policy that learns a format or an answer sharpens: SmolLM2-135M's entropy falls to a quarter of its
@@ -40,13 +51,47 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from steadyrl.metrics import (
     QUATRO_ENTROPY,
     QUATRO_ENTROPY_BONUS,
+    QUATRO_ENTROPY_CONTROL,
     QUATRO_ENTROPY_FLOOR,
     QUATRO_FLOOR_ACTIVE,
     QUATRO_FLOOR_HELD_OFF,
 )
+
+
+def cov_clip_mask(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, share: float) -> torch.Tensor:
+    """The tokens whose advantage the covariance clip drops (module docstring, lever 1): a bool tensor shaped like
+    ``logps`` (batch, tokens), True for the top ``ceil(share x n)`` of the ``n`` loss tokens whose
+    ``(logp - mean logp) x (A - mean A)`` is positive, the means taken over the loss tokens (``mask`` > 0).
+
+    ``advantages`` is per row (batch,) or per token (batch, tokens). Non-finite log-probs are never chosen and do not
+    enter the means (the step guard deals with them). Ties at the cut are broken by position, so the count is exact.
+    """
+    if logps.dim() != 2:
+        raise ValueError(f"cov_clip_mask: logps must be (batch, tokens), got shape {tuple(logps.shape)}")
+    lp = logps.detach().float()
+    adv = advantages.detach().float()
+    adv = adv.unsqueeze(1).expand_as(lp) if adv.dim() == 1 else adv
+    valid = (mask > 0) & torch.isfinite(lp) & torch.isfinite(adv)
+    chosen = torch.zeros_like(valid)
+    count = int(valid.sum())
+    if share <= 0 or count < 2:
+        return chosen
+    lp_c = torch.where(valid, lp - lp[valid].mean(), torch.zeros_like(lp))
+    adv_c = torch.where(valid, adv - adv[valid].mean(), torch.zeros_like(adv))
+    cov = lp_c * adv_c
+    positive = valid & (cov > 0)
+    n_positive = int(positive.sum())
+    k = min(math.ceil(share * n_positive), n_positive)
+    if k == 0:
+        return chosen
+    scores = torch.where(positive, cov, torch.full_like(cov, -math.inf)).flatten()
+    chosen.view(-1)[torch.topk(scores, k).indices] = True
+    return chosen
 
 
 @dataclass
@@ -55,9 +100,10 @@ class EntropyConfig:
     baseline_steps: int = 10  # optimizer steps whose mean entropy is the baseline
     floor_ratio: float = 0.8  # floor = floor_ratio x baseline
     window: int = 5  # rolling window (steps) compared with the floor
-    ki: float = 0.05  # integral gain: bonus change per step at a relative gap of 1, in TRL's entropy_coef units
-    kp: float = 0.2  # proportional gain: bonus per unit relative gap, on top of the integral
-    coef_max: float = 0.01  # 0.5 held more entropy on a forced collapse but wrecked a real run (module docstring)
+    ki: float = 0.1  # integral gain: control change per step at a relative gap of 1 (the control is in [0, 1])
+    kp: float = 0.4  # proportional gain: control per unit relative gap, on top of the integral
+    coef_max: float = 0.01  # entropy bonus at control 1 (TRL's entropy_coef); 0.5 wrecked a real run (docstring)
+    cov_clip: float = 1.0  # share of the sharpening tokens whose policy gradient is dropped at control 1; 0: off
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
@@ -78,6 +124,10 @@ class EntropyConfig:
             problems.append(f"kp must be finite and >= 0, got {self.kp}")
         if not (math.isfinite(self.coef_max) and self.coef_max >= 0):
             problems.append(f"coef_max must be finite and >= 0, got {self.coef_max}")
+        if not 0 <= self.cov_clip <= 1:
+            problems.append(f"cov_clip must be in [0, 1], got {self.cov_clip}")
+        if self.coef_max == 0 and self.cov_clip == 0:
+            problems.append("coef_max and cov_clip are both 0: the floor has no lever (set enabled: false instead)")
         if not 0 < self.clip_factor <= 1:
             problems.append(f"clip_factor must be in (0, 1], got {self.clip_factor}")
         if not (math.isfinite(self.hysteresis) and self.hysteresis >= 1):
@@ -93,7 +143,7 @@ class EntropyConfig:
 class EntropyFloor:
     """Entropy floor controller: ``observe(entropy_mean)`` once per optimizer step (after the step's loss).
 
-    ``bonus`` and ``clip_scale()`` then apply to the next step.
+    ``bonus``, ``cov_share`` and ``clip_scale()`` then apply to the next step.
     """
 
     def __init__(self, config: EntropyConfig | None = None) -> None:
@@ -104,12 +154,12 @@ class EntropyFloor:
         self.baseline: float | None = None
         self.floor: float | None = None
         self.active = False
-        self.coef = 0.0
-        self.integral = 0.0
+        self.control = 0.0  # u in [0, 1]
+        self.integral = 0.0  # in control units
         self.steps = 0  # finite observations
         self.nan_count = 0
         self.activations = 0
-        self.at_cap = 0  # steps with the bonus at coef_max while below the floor
+        self.at_cap = 0  # steps with the control at 1 while below the floor
         self.warnings = 0
         self.warning: str | None = None  # the warning of the last observe() call, else None
         self._check_ref = math.nan  # window mean at the start of the current falling check
@@ -120,8 +170,13 @@ class EntropyFloor:
 
     @property
     def bonus(self) -> float:
-        """Entropy bonus coefficient for TRL's ``entropy_coef`` (0 until the floor first turns on)."""
-        return self.coef
+        """Entropy bonus coefficient for TRL's ``entropy_coef``: control x ``coef_max`` (0 until the floor turns on)."""
+        return self.control * self.config.coef_max
+
+    @property
+    def cov_share(self) -> float:
+        """Share of the sharpening tokens whose advantage the loss drops: control x ``cov_clip``."""
+        return self.control * self.config.cov_clip
 
     def window_mean(self) -> float:
         return sum(self._window) / len(self._window) if self._window else math.nan
@@ -171,7 +226,7 @@ class EntropyFloor:
         if c.enabled and mean < self.floor and self.reward_rising():  # sharpening that buys reward: leave it
             self.held_off += 1
             self.holding_off = True
-            self.active, self.integral, self.coef = False, 0.0, 0.0
+            self.active, self.integral, self.control = False, 0.0, 0.0
             return None
         activated = c.enabled and not self.active and mean < self.floor
         if activated:
@@ -182,9 +237,9 @@ class EntropyFloor:
             self.active = False
         if self.active or self.integral > 0:  # runs from the first activation until the integral is back at 0
             gap = (self.floor - mean) / self.floor if self.floor > 0 else 0.0
-            self.integral = min(max(self.integral + c.ki * gap, 0.0), c.coef_max) if c.enabled else 0.0
-            self.coef = min(max(self.integral + c.kp * gap, 0.0), c.coef_max) if c.enabled else 0.0
-            if self.coef >= c.coef_max and mean < self.floor:
+            self.integral = min(max(self.integral + c.ki * gap, 0.0), 1.0) if c.enabled else 0.0
+            self.control = min(max(self.integral + c.kp * gap, 0.0), 1.0) if c.enabled else 0.0
+            if self.control >= 1.0 and mean < self.floor:
                 self.at_cap += 1
         if self.active:
             if not activated:  # the falling check: every `window` steps after activation
@@ -194,9 +249,10 @@ class EntropyFloor:
                         self.warnings += 1
                         self.warning = (
                             f"entropy floor active and the window entropy still fell over {c.window} steps "
-                            f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, bonus {self.bonus:.4g}): "
-                            "the bonus is not holding it yet; raise guards.quatro.entropy.ki (faster) or coef_max "
-                            "(if the bonus sits at it), or raise trainer.beta to pull the policy back to the reference "
+                            f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, "
+                            f"control {self.control:.4g}): it is not holding it yet; raise guards.quatro.entropy.ki "
+                            "(faster), cov_clip or coef_max (if the control sits at 1), or raise trainer.beta to pull "
+                            "the policy back to the reference "
                             '(docs/DESIGN.md, "QUATRO: entropy floor")'
                         )
                     self._check_ref, self._check_steps = mean, 0
@@ -208,19 +264,20 @@ class EntropyFloor:
             QUATRO_ENTROPY: self.window_mean(),
             QUATRO_ENTROPY_FLOOR: self.floor if self.floor is not None else math.nan,
             QUATRO_ENTROPY_BONUS: self.bonus,
+            QUATRO_ENTROPY_CONTROL: self.control,
             QUATRO_FLOOR_ACTIVE: 1.0 if self.active else 0.0,
             **({QUATRO_FLOOR_HELD_OFF: 1.0 if self.holding_off else 0.0} if self.config.learning_gate else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 2,
+            "version": 3,
             "window": list(self._window),
             "baseline_values": list(self._baseline_values),
             "baseline": self.baseline,
             "floor": self.floor,
             "active": self.active,
-            "coef": self.coef,
+            "control": self.control,
             "integral": self.integral,
             "at_cap": self.at_cap,
             "steps": self.steps,
@@ -239,11 +296,15 @@ class EntropyFloor:
         self.baseline = None if state["baseline"] is None else float(state["baseline"])
         self.floor = None if state["floor"] is None else float(state["floor"])
         self.active = bool(state["active"])
-        if "coef" in state:
-            self.coef, self.integral, self.at_cap = float(state["coef"]), float(state["integral"]), int(state["at_cap"])
+        cap = self.config.coef_max
+        if "control" in state:
+            self.control, self.integral = float(state["control"]), float(state["integral"])
+        elif "coef" in state:  # version 2: the bonus and its integral in entropy_coef units, capped at coef_max
+            self.control = min(float(state["coef"]) / cap, 1.0) if cap > 0 else 0.0
+            self.integral = min(float(state["integral"]) / cap, 1.0) if cap > 0 else 0.0
         else:  # version 1: an integer ramp level of 0.001 per step (the old default ramp)
-            self.coef = self.integral = min(int(state["level"]) * 0.001, self.config.coef_max)
-            self.at_cap = 0
+            self.control = self.integral = min(int(state["level"]) * 0.001 / cap, 1.0) if cap > 0 else 0.0
+        self.at_cap = int(state.get("at_cap", 0))
         self.steps = int(state["steps"])
         self.nan_count = int(state["nan_count"])
         self.activations = int(state["activations"])

@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard, Stepping
+from steadyrl.guards.entropy_floor import cov_clip_mask
 from steadyrl.guards.spike import SpikeGuard
 from steadyrl.metrics import (
     GEPO_NONFINITE_LOGPROBS,
@@ -47,6 +48,8 @@ from steadyrl.metrics import (
     GUARD_PART_QUATRO_REPLAY,
     GUARD_SECONDS,
     QUATRO_BETA,
+    QUATRO_COV_CLIPPED,
+    QUATRO_COV_CLIPPED_WOULD,
 )
 from steadyrl.trainers import checkpoints, trl_state
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline, RewardBatch, weighted_rewards
@@ -65,7 +68,7 @@ from steadyrl.trainers.context import RuntimeContext, identity
 from steadyrl.trainers.guard_memory import held_tensor_bytes, run_storages
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
-from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime
+from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, loss_mask
 from steadyrl.trainers.scratch import HookScratch
 from steadyrl.trainers.step_gate import StepGate
 
@@ -323,6 +326,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         if inputs is not None:  # the policy log-probs of a loss computation: the ratios it will form
             self.scratch.loss_inputs = None
             self.scratch.loss_logps = logps.detach()  # for QUATRO's replay ratio metric
+            self._cov_clip(inputs, logps)
             if self.finite_checks:
                 old = inputs.get("old_per_token_logps")
                 log_ratio = logps.detach() - (logps.detach() if old is None else old)
@@ -330,16 +334,44 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 self._guard_metric(GEPO_NONFINITE_RATIOS, float(bad.sum()))
         return logps
 
+    def _cov_clip_on(self) -> bool:
+        floor = self.quatro.entropy if self.quatro is not None else None
+        return floor is not None and floor.config.cov_clip > 0 and self.model.training
+
+    def _cov_clip(self, inputs: dict[str, Any], logps: torch.Tensor) -> None:
+        """The entropy floor's covariance clip (``guards.quatro.entropy.cov_clip``, docs/DESIGN.md): zero the
+        advantage of the sharpening tokens it picks, for this loss only (``_compute_loss`` puts the micro-batch's
+        own advantages back). Logs the share of loss tokens picked; observe mode counts them and changes nothing."""
+        if not self._cov_clip_on():
+            return
+        assert self.quatro is not None and self.quatro.entropy is not None
+        share = self.quatro.entropy.cov_share
+        name = QUATRO_COV_CLIPPED_WOULD if self.quatro.observe else QUATRO_COV_CLIPPED
+        if share <= 0:
+            self._guard_metric(name, 0.0)
+            return
+        mask = loss_mask(inputs)
+        advantages = inputs["advantages"]
+        chosen = cov_clip_mask(logps, advantages, mask, share)
+        self._guard_metric(name, float(chosen.sum()) / max(float((mask > 0).sum()), 1.0))
+        if self.quatro.observe:
+            return
+        per_token = advantages.unsqueeze(1).expand_as(logps) if advantages.dim() == 1 else advantages
+        inputs["advantages"] = per_token.masked_fill(chosen, 0.0)  # TRL takes (batch, tokens) advantages as they are
+
     def _compute_loss(self, model, inputs):
         if not self.finite_checks and self.quatro is None:
             return super()._compute_loss(model, inputs)
         replay = self._replay_on()
-        self.scratch.loss_inputs = inputs if self.finite_checks or replay else None
+        self.scratch.loss_inputs = inputs if self.finite_checks or replay or self._cov_clip_on() else None
         self.scratch.loss_logps = None
+        advantages = inputs.get("advantages")  # the covariance clip swaps in per-token ones for this loss only
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self.scratch.loss_inputs = None
+            if advantages is not None:
+                inputs["advantages"] = advantages
         logps, self.scratch.loss_logps = self.scratch.loss_logps, None
         with self.ctx.timer("checks"):  # QUATRO's per-micro-batch measurements and the loss's finite check
             return self._after_loss(loss, inputs, logps, replay)

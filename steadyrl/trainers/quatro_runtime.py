@@ -240,7 +240,7 @@ class QuatroRuntime:
     def record_micro_batch(self, inputs: dict[str, Any], kl: float, entropy: float) -> None:
         """After a training micro-batch's loss: keep TRL's just-logged KL and entropy (NaN: not logged) with the
         global token count."""
-        tokens = float(self.ctx.reduce_sum(_loss_mask(inputs).sum().float().reshape(1)).item())
+        tokens = float(self.ctx.reduce_sum(loss_mask(inputs).sum().float().reshape(1)).item())
         self._entries.append((float(kl), float(entropy), tokens))
 
     @property
@@ -405,7 +405,7 @@ class QuatroRuntime:
         output["completion_mask"] = mask * keep_local.to(device=mask.device, dtype=mask.dtype).unsqueeze(1)
         if "num_items_in_batch" in output:
             old = output["num_items_in_batch"]
-            output["num_items_in_batch"] = self.ctx.gather(_loss_mask(output).sum()).sum().to(old.dtype)
+            output["num_items_in_batch"] = self.ctx.gather(loss_mask(output).sum()).sum().to(old.dtype)
 
     # ------------------------------------------------------------------ replay
 
@@ -424,7 +424,7 @@ class QuatroRuntime:
             batch[REPLAY_STEP_KEY] = sampled
             out.append(batch)
         if "num_items_in_batch" in micro_batches[0]:  # recount the normaliser over the mixed rows (all ranks)
-            local = sum(_loss_mask(batch).sum() for batch in out)
+            local = sum(loss_mask(batch).sum() for batch in out)
             old = micro_batches[0]["num_items_in_batch"]
             total = self.ctx.gather(local).sum().to(dtype=old.dtype, device=old.device)
             for batch in out:
@@ -436,7 +436,7 @@ class QuatroRuntime:
 
         A collective: every rank calls it for every training micro-batch while replay is on.
         """
-        mask = _loss_mask(inputs)
+        mask = loss_mask(inputs)
         sampled = inputs.get(REPLAY_STEP_KEY)
         if sampled is None:  # a micro-batch mixed before replay was on (e.g. resumed from a run without it)
             sampled = torch.full((mask.shape[0],), -1, dtype=torch.long, device=mask.device)
@@ -538,7 +538,7 @@ def _would_filter_metrics(result: FilterResult) -> dict[str, float]:
 _FILTERED = frozenset(quatro_filtered(reason) for reason in FILTER_REASONS)
 
 
-def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+def loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
     """The tokens TRL's loss counts: completion mask, times the tool mask when there is one."""
     mask = inputs["completion_mask"]
     return mask * inputs["tool_mask"] if inputs.get("tool_mask") is not None else mask

@@ -255,3 +255,65 @@ def test_resume_is_exact_with_quatro_kl_entropy_filters_and_replay_on(tiny_model
         for a, b in zip(got, want, strict=True)
     ), (got, want)
     assert resumed.beta == straight.beta and resumed.entropy_coef == straight.entropy_coef
+
+
+def _cov_batch(rows: int = 8, length: int = 6) -> dict:
+    """A hand-made loss micro-batch: random prompts and completions, ragged completion masks, advantages of both
+    signs (TRL's loss needs nothing else at beta 0 and one iteration)."""
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, 200, (rows, n), generator=g)  # noqa: E731
+    completion_mask = torch.ones(rows, length, dtype=torch.long)
+    for r in range(rows):
+        completion_mask[r, 2 + r % (length - 2) :] = 0
+    return {
+        "prompt_ids": ids(5),
+        "prompt_mask": torch.ones(rows, 5, dtype=torch.long),
+        "completion_ids": ids(length),
+        "completion_mask": completion_mask,
+        "advantages": torch.linspace(-1.5, 1.5, rows),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+@pytest.mark.parametrize("mode", ["act", "observe"])
+def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_path, mode):
+    """The seam of the entropy floor's covariance clip: with the control at 1 the loss TRL computes is TRL's own loss
+    on the same batch with the advantage of exactly the tokens ``cov_clip_mask`` picks set to 0 (every sharpening
+    token at cov_clip 1), the micro-batch keeps its own advantages afterwards, and ``quatro/cov_clipped`` is the share
+    picked. In observe mode the loss is TRL's unchanged and the share is logged as ``quatro/cov_clipped_would``."""
+    from trl import GRPOTrainer
+
+    from steadyrl.guards.entropy_floor import cov_clip_mask
+
+    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(cov_clip=1.0)), observe=mode == "observe")
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
+    inputs = _cov_batch()
+    original = inputs["advantages"]
+    with torch.no_grad():
+        plain = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))  # steadyrl's hooks see no loss
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, 6)
+    chosen = cov_clip_mask(logps, original, inputs["completion_mask"], 1.0)
+    assert 0 < int(chosen.sum()) < int(inputs["completion_mask"].sum())
+    zeroed = dict(inputs, advantages=original.unsqueeze(1).expand(8, 6).masked_fill(chosen, 0.0))
+    with torch.no_grad():
+        by_hand = GRPOTrainer._compute_loss(trainer, trainer.model, zeroed)
+    assert not torch.allclose(by_hand, plain)  # the clip changes this loss: the equalities below can fail
+
+    trainer.quatro.entropy.control = 1.0  # the floor's controller at its top
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, inputs)
+    assert inputs["advantages"] is original  # the batch (replayed, or reused by num_iterations) is untouched
+    expected = plain if mode == "observe" else by_hand
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    name = "quatro/cov_clipped_would" if mode == "observe" else "quatro/cov_clipped"
+    share = float(chosen.sum()) / float(inputs["completion_mask"].sum())
+    assert trainer._metrics["train"][name][-1] == pytest.approx(share, rel=1e-12)
+
+    trainer.quatro.entropy.control = 0.0  # the floor off: TRL's loss, a share of 0
+    with torch.no_grad():
+        assert float(trainer._compute_loss(trainer.model, inputs)) == pytest.approx(float(plain), rel=1e-6)
+    assert trainer._metrics["train"][name][-1] == 0.0

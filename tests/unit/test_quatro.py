@@ -177,31 +177,38 @@ def test_kl_beta_stays_in_bounds(values):
 
 
 def test_entropy_floor_by_hand():
-    cfg = EntropyConfig(baseline_steps=2, floor_ratio=0.8, window=2, ki=0.1, kp=0.0, coef_max=0.03, hysteresis=1.1)
+    """The control u follows the gap in [0, 1]; the bonus is u x coef_max, the covariance clip's share u x cov_clip."""
+    cfg = EntropyConfig(
+        baseline_steps=2, floor_ratio=0.8, window=2, ki=2.4, kp=0.0, coef_max=0.03, cov_clip=0.5, hysteresis=1.1
+    )
     f = EntropyFloor(cfg)
     assert isinstance(f, Stateful)
     f.observe(1.0)
     assert math.isnan(f.metrics()["quatro/entropy_floor"]) and f.baseline is None
     f.observe(1.0)
     assert (f.baseline, f.floor) == (1.0, 0.8)
-    expected = [  # (entropy, window mean, active, bonus, at_cap)
+    expected = [  # (entropy, window mean, active, control, at_cap)
         (0.6, 0.8, False, 0.0, 0),  # mean == floor: not below it; the integral has not started
-        (0.6, 0.6, True, 0.025, 0),  # below: on; gap (0.8 - 0.6) / 0.8 = 0.25 -> 0.1 x 0.25
-        (0.7, 0.65, True, 0.03, 1),  # + 0.1 x 0.1875 = 0.04375 -> capped at 0.03, still below: counted
-        (0.9, 0.8, True, 0.03, 1),  # at the floor: gap 0, the bonus holds; not above floor x 1.1: still on
-        (0.95, 0.925, False, 0.014375, 1),  # above 0.88: off; gap -0.15625 -> the bonus gives back 0.015625
-        (1.0, 0.975, False, 0.0, 1),  # gap -0.21875: back to 0 (not below)
+        (0.6, 0.6, True, 0.6, 0),  # below: on; gap (0.8 - 0.6) / 0.8 = 0.25 -> 2.4 x 0.25
+        (0.7, 0.65, True, 1.0, 1),  # + 2.4 x 0.1875 = 1.05 -> capped at 1, still below: counted
+        (0.9, 0.8, True, 1.0, 1),  # at the floor: gap 0, the control holds; not above floor x 1.1: still on
+        (0.95, 0.925, False, 0.625, 1),  # above 0.88: off; gap -0.15625 -> the control gives back 0.375
+        (1.0, 0.975, False, 0.1, 1),  # gap -0.21875: -0.525
+        (1.0, 1.0, False, 0.0, 1),  # gap -0.25: back to 0 (not below)
         (1.0, 1.0, False, 0.0, 1),  # off and at 0: the integral rests
     ]
-    for value, mean, active, bonus, at_cap in expected:
+    for value, mean, active, control, at_cap in expected:
         assert f.observe(value) is None
         assert f.window_mean() == pytest.approx(mean, abs=1e-12)
         assert (f.active, f.clip_scale(), f.at_cap) == (active, 0.5 if active else 1.0, at_cap)
-        assert f.bonus == pytest.approx(bonus, abs=1e-12)
+        assert f.control == pytest.approx(control, abs=1e-12)
+        assert f.bonus == pytest.approx(0.03 * control, abs=1e-12)
+        assert f.cov_share == pytest.approx(0.5 * control, abs=1e-12)
     assert f.metrics() == {
         "quatro/entropy": 1.0,
         "quatro/entropy_floor": 0.8,
         "quatro/entropy_bonus": 0.0,
+        "quatro/entropy_control": 0.0,
         "quatro/floor_active": 0.0,
         "quatro/floor_held_off": 0.0,  # no reward observed: the learning gate never holds it off
     }
@@ -268,7 +275,7 @@ def test_entropy_bonus_grows_until_it_holds_then_gives_back():
     """A toy collapse: each step entropy falls by 0.05 and the bonus raises it by 2 x bonus. The default PI
     controller settles where the bonus cancels the pressure (0.025) with entropy at the floor, without the
     oscillation of an integral alone; once the pressure stops, the bonus goes back to 0."""
-    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1, coef_max=0.5))  # ki 0.05, kp 0.2
+    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1, coef_max=0.5))  # ki 0.1, kp 0.4 of the control
     entropy = 1.0
     f.observe(entropy)  # floor 0.8
     trace = []
@@ -329,12 +336,14 @@ def test_entropy_bonus_stays_within_its_bounds(values):
     for value in values:
         f.observe(value)
         assert 0.0 <= f.bonus <= 0.01 and math.isfinite(f.bonus)
+        assert 0.0 <= f.cov_share <= 1.0 and f.bonus == pytest.approx(0.01 * f.cov_share, abs=1e-15)
         assert f.clip_scale() == (0.5 if f.active else 1.0)
 
 
 def test_entropy_defaults():
     c = EntropyConfig()
-    assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp, c.coef_max) == (10, 0.8, 5, 0.05, 0.2, 0.01)
+    assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.8, 5, 0.1, 0.4)
+    assert (c.coef_max, c.cov_clip) == (0.01, 1.0)
 
 
 def test_entropy_config_validation():

@@ -77,13 +77,13 @@ def test_quatro_ppo_observes_once_per_generation_batch() -> None:
 
 @pytest.mark.parametrize(("loss_type", "clip_scale"), [("grpo", 0.5), ("cispo", None)])
 def test_quatro_entropy_floor_returns_bonus_and_clip_scale(loss_type: str, clip_scale: float | None) -> None:
-    cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.002, kp=0.0, clip_factor=0.5)
+    cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
     quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
     quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type=loss_type))
     for entropy in (1.0, 0.5):  # baseline 1.0 -> floor 0.8; then 0.5 < floor: active
         quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
         controls, _ = quatro.on_step_end()
-    # gap (0.8 - 0.5) / 0.8 = 0.375 -> bonus 0.002 x 0.375
+    # gap (0.8 - 0.5) / 0.8 = 0.375 -> control 0.2 x 0.375 = 0.075 -> bonus 0.01 x 0.075
     assert controls.entropy_coef == pytest.approx(0.00075) and controls.kl_factor is None
     assert controls.clip_scale == clip_scale
 
