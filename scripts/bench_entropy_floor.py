@@ -441,6 +441,12 @@ def plot_collapse(results: dict[tuple[str, int], dict[str, Any]], png: Path, lr:
     plt.close(fig)
 
 
+def variant_overrides(name: str, extra: list[str] | None) -> tuple[str, ...]:
+    """A variant's overrides, plus ``--set`` ones for every variant with QUATRO on (plain TRL's stay as they are)."""
+    overrides = VARIANTS[name][2]
+    return (*overrides, *(extra or ())) if QUATRO in overrides else overrides
+
+
 def main_collapse(args: argparse.Namespace) -> str:
     seeds, steps = (range(1), 12) if args.quick else (range(args.seeds), args.steps)
     names = [n.strip() for n in args.variants.split(",")] if args.variants else list(VARIANTS)
@@ -449,7 +455,7 @@ def main_collapse(args: argparse.Namespace) -> str:
     for seed in seeds:  # seed-major: a partial benchmark still compares both variants
         for name in names:
             out = root / f"{VARIANTS[name][0]}-s{seed}"
-            cmd = collapse_command(args.sft, out, VARIANTS[name][2], seed, steps, args.lr)
+            cmd = collapse_command(args.sft, out, variant_overrides(name, args.set), seed, steps, args.lr)
             returncode, wall = rerun_or_reuse(cmd, out, args.timeout, args.reuse)
             results[(name, seed)] = summarise_collapse(out, returncode, wall)
             r = results[(name, seed)]
@@ -558,7 +564,7 @@ def main_demo(args: argparse.Namespace) -> str:
     for name in DEMO_VARIANTS:
         for seed in seeds:
             out = root / f"demo-{VARIANTS[name][0]}-s{seed}"
-            cmd = demo_command(args.sft, out, VARIANTS[name][2], seed)
+            cmd = demo_command(args.sft, out, variant_overrides(name, args.set), seed)
             if seed == 0:
                 commands.append(_shown(cmd))
             results[(name, seed)] = summarise_demo(out, *rerun_or_reuse(cmd, out, args.timeout, args.reuse))
@@ -609,6 +615,10 @@ def main() -> None:
     ap.add_argument("--out-md", default=None, help="write the markdown (command + table) here; always printed")
     ap.add_argument("--png", default=None, help="entropy plot of the collapse runs (e.g. docs/img/entropy_floor.png)")
     ap.add_argument("--results", default=None, help="collapse mode: RESULTS.md-format JSON (docs/results/...)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="an override for every variant with QUATRO on (repeatable): guards.quatro.entropy.learning_gate=false",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.variants and set(n.strip() for n in args.variants.split(",")) - set(VARIANTS):
         ap.error(f"unknown variant in {args.variants!r}; valid: {', '.join(VARIANTS)}")

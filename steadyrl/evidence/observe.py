@@ -40,6 +40,7 @@ from steadyrl.metrics import (
     OPEFO_WOULD_ROLLBACK,
     QUATRO_BETA,
     QUATRO_CLIP_SCALE_WOULD,
+    QUATRO_COV_CLIPPED_WOULD,
     QUATRO_ENTROPY_BONUS_WOULD,
     QUATRO_FLOOR_ACTIVE_WOULD,
     QUATRO_KL_COEF_WOULD,
@@ -184,6 +185,10 @@ def _quatro(history: History, beta: float | None) -> LayerSummary:
         n_active = int(np.count_nonzero(active[np.isfinite(active)] > 0))
         clip = _last(history, QUATRO_CLIP_SCALE_WOULD)
         extra = f", clip scale down to {clip:g} while active" if clip is not None and n_active else ""
+        clipped = history.series(QUATRO_COV_CLIPPED_WOULD)[1]
+        clipped = clipped[np.isfinite(clipped)]
+        if len(clipped) and n_active:
+            extra += f", covariance clip on up to {100 * float(clipped.max()):.3g}% of the loss tokens"
         s.facts.append(
             f"entropy floor: would be active at {n_active} logged step(s), bonus up to {np.nanmax(bonus):.4g}{extra}"
         )

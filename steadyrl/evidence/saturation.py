@@ -4,7 +4,8 @@ silently).
 Each check reads counters the guards log and names the key to change:
 - the adaptive KL coefficient wanted to go past ``beta_max`` (``quatro/kl_at_max``) or below a ``beta_min`` under
   ``trainer.beta`` (``quatro/kl_at_min``) on a large share of the late window's steps;
-- the entropy floor's bonus sat at its cap (the largest value the run logged, ``coef_max`` once reached) while the
+- the entropy floor's control sat at 1 (``quatro/entropy_control``: the bonus at ``coef_max`` and the covariance
+  clip at ``cov_clip``; for runs from before the control, the bonus at the largest value the run logged) while the
   floor stayed active through the late window;
 - the quality filters (every reason but ``zero_variance``, whose rows carry no learning signal anyway) dropped more
   than ``max_filter_share`` of the rows in the late window;
@@ -101,23 +102,25 @@ def _kl_checks(history: History, c: SaturationConfig) -> list[SaturationCheck]:
 
 
 def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
-    steps, bonus = _late(history, M.QUATRO_ENTROPY_BONUS, c.window)
+    name = M.QUATRO_ENTROPY_CONTROL if history.series(M.QUATRO_ENTROPY_CONTROL)[1].size else M.QUATRO_ENTROPY_BONUS
+    steps, control = _late(history, name, c.window)
     _, active = _late(history, M.QUATRO_FLOOR_ACTIVE, c.window)
-    _, all_bonus = history.series(M.QUATRO_ENTROPY_BONUS)
-    cap = float(np.nanmax(all_bonus)) if all_bonus.size else 0.0
-    if len(bonus) < 2 or cap <= 0 or not len(active):
+    _, every = history.series(name)
+    cap = 1.0 if name == M.QUATRO_ENTROPY_CONTROL else (float(np.nanmax(every)) if every.size else 0.0)
+    if len(control) < 2 or cap <= 0 or not len(active):
         return None
-    at_cap = int(np.count_nonzero(np.isclose(bonus, cap)))
-    if at_cap < c.share * len(bonus) or active.mean() < c.share:
+    at_cap = int(np.count_nonzero(np.isclose(control, cap)))
+    if at_cap < c.share * len(control) or active.mean() < c.share:
         return None
+    what = "control" if name == M.QUATRO_ENTROPY_CONTROL else "bonus"
     return SaturationCheck(
-        "entropy bonus held at its cap",
-        M.QUATRO_ENTROPY_BONUS,
+        f"entropy floor's {what} held at its cap",
+        name,
         int(steps[0]),
         int(steps[-1]),
-        f"the floor stayed active and its bonus sat at {cap:.4g} on {at_cap} of the last {len(bonus)} steps",
-        "guards.quatro.entropy.coef_max: raise it (the bonus at its cap does not hold entropy), or lower "
-        "guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned",
+        f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps",
+        "guards.quatro.entropy.cov_clip / coef_max: raise them (at the cap the floor's levers do not hold entropy), "
+        "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned",
     )
 
 

@@ -332,6 +332,22 @@ def test_a_healthy_run_with_idle_controllers_has_no_saturation_finding():
     assert _saturation(rows) == []
 
 
+def test_the_entropy_floor_is_at_its_cap_when_its_control_is_at_1_not_at_the_largest_bonus_logged():
+    """With ``quatro/entropy_control`` logged the cap is control 1: a floor that settled at control 0.6 (bonus 0.006,
+    the largest it logged) is holding, not saturated; one at control 1 is reported with both levers' keys."""
+
+    def rows(control: float) -> list[dict]:
+        out = [{"step": t, "loss": 0.0, "quatro/floor_active": 1.0} for t in range(1, 61)]
+        for r in out:
+            r["quatro/entropy_control"] = min(0.1 * r["step"], control)
+            r["quatro/entropy_bonus"] = 0.01 * r["quatro/entropy_control"]
+        return out
+
+    assert _saturation(rows(0.6)) == []
+    changes = _saturation(rows(1.0))
+    assert len(changes) == 1 and changes[0].startswith("guards.quatro.entropy.cov_clip / coef_max: raise them")
+
+
 def test_kl_at_its_cap_entropy_bonus_at_its_cap_and_heavy_filtering_are_each_reported_with_the_key():
     rows = [{"step": t, "loss": 0.0} for t in range(1, 61)]
     for r in rows:
@@ -344,7 +360,7 @@ def test_kl_at_its_cap_entropy_bonus_at_its_cap_and_heavy_filtering_are_each_rep
         r["quatro/filtered/repetition"], r["quatro/filtered/zero_variance"] = 30.0, 8.0
     changes = _saturation(rows)
     assert any(c.startswith("guards.quatro.kl.beta_range") for c in changes)
-    assert any(c.startswith("guards.quatro.entropy.coef_max") for c in changes)
+    assert any(c.startswith("guards.quatro.entropy.cov_clip / coef_max") for c in changes)  # a run without control
     assert any(c.startswith("guards.quatro.filters.repetition:") for c in changes)
     text = format_findings(diagnose(History(rows)), History(rows))
     assert "WARNING [saturated_controller]" in text
