@@ -14,16 +14,21 @@ damps the loop: entropy integrates the levers' effect step after step, and an in
 oscillates.
 
 1. The covariance clip (``cov_clip``, 1.0): the policy gradient is taken off the ``u x cov_clip`` share of the
-   tokens that sharpen the policy. To first order a policy-gradient step changes a state's entropy by
+   tokens that sharpen the policy. A policy-gradient step on token ``a`` with advantage ``A`` moves the logits of
+   its softmax by ``lr x A x (e_a - pi)``, and since ``dH/dz_b = -pi_b (log pi_b + H)`` the entropy of that
+   distribution changes by ``-lr x A x [pi_a (log pi_a + H) - sum_b pi_b^2 (log pi_b + H)]``. The first term is
+   ``sharpening_score``, ``A x pi(a) x (log pi(a) + H)``, computed from what the loss already has (each token's
+   log-prob and the entropy of its distribution); the second, a covariance of ``pi`` and ``log pi`` under ``pi``
+   that needs the whole distribution, is left out. Averaged over ``a ~ pi`` the change is
    ``-lr x Cov(log pi(a), pi(a) A(a))`` (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
-   Reasoning Language Models"): tokens whose log-probability and advantage are both above the micro-batch's means
-   (a likely token reinforced) or both below (an unlikely one pushed further down) are the ones that lower it. Per
-   micro-batch, over its loss tokens, each token's ``(logp - mean logp) x (A - mean A)`` ranks it; the advantage of
-   the top ``ceil(share x n_positive)`` tokens with a positive product is set to 0 for that loss. Their KL and
-   entropy terms stay. At ``u = 1`` with ``cov_clip`` 1 no remaining token lowers entropy to first order, so the
-   lever can hold a collapse on its own, unlike a bonus of fixed size; the other tokens (an unlikely good token
-   raised, a likely bad one lowered) keep learning. ``TokenCovClip`` below does it; the trainer calls it in the
-   loss. The rank is per rank's micro-batch, as the loss is.
+   Reasoning Language Models", whose Clip-Cov centres log-probs and advantages on the batch instead of on each
+   token's own distribution). A positive score marks a likely token reinforced or an unlikely one pushed further
+   down: those lower entropy. Per micro-batch, the advantage of the top ``ceil(share x n_positive)`` tokens by
+   score is set to 0 for that loss; their KL and entropy terms stay. At ``u = 1`` with ``cov_clip`` 1 no token
+   left in the loss lowers its own distribution's entropy by its first term, so the lever grows with the
+   pressure it has to hold, where a bonus of fixed size does not; the other tokens (an unlikely good token raised,
+   a likely bad one lowered) keep learning. ``cov_clip_mask`` picks the tokens; the trainer applies it in the loss
+   (``SteadyGRPOTrainer._cov_clip``). The rank is per rank's micro-batch, as the loss is.
 2. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
    entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
    forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the
@@ -63,34 +68,37 @@ from steadyrl.metrics import (
 )
 
 
-def cov_clip_mask(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, share: float) -> torch.Tensor:
-    """The tokens whose advantage the covariance clip drops (module docstring, lever 1): a bool tensor shaped like
-    ``logps`` (batch, tokens), True for the top ``ceil(share x n)`` of the ``n`` loss tokens whose
-    ``(logp - mean logp) x (A - mean A)`` is positive, the means taken over the loss tokens (``mask`` > 0).
-
-    ``advantages`` is per row (batch,) or per token (batch, tokens). Non-finite log-probs are never chosen and do not
-    enter the means (the step guard deals with them). Ties at the cut are broken by position, so the count is exact.
-    """
-    if logps.dim() != 2:
-        raise ValueError(f"cov_clip_mask: logps must be (batch, tokens), got shape {tuple(logps.shape)}")
+def sharpening_score(logps: torch.Tensor, entropies: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Each token's first-order entropy cost of its policy-gradient term (module docstring, lever 1), up to the
+    learning rate: ``A x pi(a) x (log pi(a) + H)``, with ``H`` the entropy of the distribution it was drawn from.
+    Positive: the token's update lowers that entropy. ``advantages`` is per row (batch,) or per token."""
     lp = logps.detach().float()
     adv = advantages.detach().float()
     adv = adv.unsqueeze(1).expand_as(lp) if adv.dim() == 1 else adv
-    valid = (mask > 0) & torch.isfinite(lp) & torch.isfinite(adv)
-    chosen = torch.zeros_like(valid)
-    count = int(valid.sum())
-    if share <= 0 or count < 2:
-        return chosen
-    lp_c = torch.where(valid, lp - lp[valid].mean(), torch.zeros_like(lp))
-    adv_c = torch.where(valid, adv - adv[valid].mean(), torch.zeros_like(adv))
-    cov = lp_c * adv_c
-    positive = valid & (cov > 0)
+    return adv * lp.exp() * (lp + entropies.detach().float())
+
+
+def cov_clip_mask(
+    logps: torch.Tensor, entropies: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, share: float
+) -> torch.Tensor:
+    """The tokens whose advantage the covariance clip drops: a bool tensor shaped like ``logps`` (batch, tokens),
+    True for the top ``ceil(share x n)`` of the ``n`` loss tokens (``mask`` > 0) with a positive
+    ``sharpening_score``. Tokens with a non-finite score are never chosen (the step guard deals with them). Ties at
+    the cut are broken by position, so the count is exact."""
+    if logps.dim() != 2 or entropies.shape != logps.shape:
+        raise ValueError(
+            f"cov_clip_mask: logps and entropies must both be (batch, tokens), got {tuple(logps.shape)} and "
+            f"{tuple(entropies.shape)}"
+        )
+    score = sharpening_score(logps, entropies, advantages)
+    positive = (mask > 0) & torch.isfinite(score) & (score > 0)
+    chosen = torch.zeros_like(positive)
     n_positive = int(positive.sum())
-    k = min(math.ceil(share * n_positive), n_positive)
+    k = min(math.ceil(share * n_positive), n_positive) if share > 0 else 0
     if k == 0:
         return chosen
-    scores = torch.where(positive, cov, torch.full_like(cov, -math.inf)).flatten()
-    chosen.view(-1)[torch.topk(scores, k).indices] = True
+    ranked = torch.where(positive, score, torch.full_like(score, -math.inf)).flatten()
+    chosen.view(-1)[torch.topk(ranked, k).indices] = True
     return chosen
 
 

@@ -312,9 +312,9 @@ class SteadyGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         with self.ctx.timer("checks"):  # the checks and the floor on every log-prob forward are guard cost too
-            return self._guard_logps(logps), entropies, aux_loss
+            return self._guard_logps(logps, entropies), entropies, aux_loss
 
-    def _guard_logps(self, logps: torch.Tensor) -> torch.Tensor:
+    def _guard_logps(self, logps: torch.Tensor, entropies: torch.Tensor | None = None) -> torch.Tensor:
         """Finite counts, observe mode's would-clamp count, the log-prob floor, and the loss's ratio check."""
         if self.finite_checks:
             self._guard_metric(GEPO_NONFINITE_LOGPROBS, float((~torch.isfinite(logps)).sum()))
@@ -326,7 +326,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         if inputs is not None:  # the policy log-probs of a loss computation: the ratios it will form
             self.scratch.loss_inputs = None
             self.scratch.loss_logps = logps.detach()  # for QUATRO's replay ratio metric
-            self._cov_clip(inputs, logps)
+            self._cov_clip(inputs, logps, entropies)
             if self.finite_checks:
                 old = inputs.get("old_per_token_logps")
                 log_ratio = logps.detach() - (logps.detach() if old is None else old)
@@ -338,7 +338,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         floor = self.quatro.entropy if self.quatro is not None else None
         return floor is not None and floor.config.cov_clip > 0 and self.model.training
 
-    def _cov_clip(self, inputs: dict[str, Any], logps: torch.Tensor) -> None:
+    def _cov_clip(self, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor | None) -> None:
         """The entropy floor's covariance clip (``guards.quatro.entropy.cov_clip``, docs/DESIGN.md): zero the
         advantage of the sharpening tokens it picks, for this loss only (``_compute_loss`` puts the micro-batch's
         own advantages back). Logs the share of loss tokens picked; observe mode counts them and changes nothing."""
@@ -347,12 +347,12 @@ class SteadyGRPOTrainer(GRPOTrainer):
         assert self.quatro is not None and self.quatro.entropy is not None
         share = self.quatro.entropy.cov_share
         name = QUATRO_COV_CLIPPED_WOULD if self.quatro.observe else QUATRO_COV_CLIPPED
-        if share <= 0:
+        if share <= 0 or entropies is None:  # TRL's loss always computes the entropies (compute_entropy=True)
             self._guard_metric(name, 0.0)
             return
         mask = loss_mask(inputs)
         advantages = inputs["advantages"]
-        chosen = cov_clip_mask(logps, advantages, mask, share)
+        chosen = cov_clip_mask(logps, entropies, advantages, mask, share)
         self._guard_metric(name, float(chosen.sum()) / max(float((mask > 0).sum()), 1.0))
         if self.quatro.observe:
             return

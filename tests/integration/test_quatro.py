@@ -295,8 +295,10 @@ def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_
         plain = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))  # steadyrl's hooks see no loss
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, 6)
-    chosen = cov_clip_mask(logps, original, inputs["completion_mask"], 1.0)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attention, 6, compute_entropy=True
+        )
+    chosen = cov_clip_mask(logps, entropies, original, inputs["completion_mask"], 1.0)
     assert 0 < int(chosen.sum()) < int(inputs["completion_mask"].sum())
     zeroed = dict(inputs, advantages=original.unsqueeze(1).expand(8, 6).masked_fill(chosen, 0.0))
     with torch.no_grad():
