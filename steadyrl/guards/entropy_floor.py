@@ -46,7 +46,9 @@ a fall that is not buying reward: it stays off, bonus 0, while the training rewa
 of the last ``gate_window / 2`` steps' rewards exceeds the mean of the ``gate_window / 2`` before them by more than
 ``gate_z`` standard errors of that difference. The steps held off this way are counted (``held_off``,
 ``quatro/floor_held_off``). Until ``gate_window`` rewards are known (and for a trainer that reports none) the floor
-decides on entropy alone, as without the gate.
+decides on entropy alone, as without the gate. With ``clip_while_learning`` the gate holds off only the bonus and
+the narrower clip range: the controller keeps running and the covariance clip keeps acting under the floor while
+the reward rises (it cannot raise entropy, only stop the sharpening tokens' share of the update).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class EntropyConfig:
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
+    clip_while_learning: bool = False  # the gate holds off only the bonus and the clip range, not the covariance clip
     gate_window: int = 10  # steps of reward compared: the last half against the half before
     gate_z: float = 1.0  # "rising": the halves' mean difference above gate_z standard errors
 
@@ -178,8 +181,9 @@ class EntropyFloor:
 
     @property
     def bonus(self) -> float:
-        """Entropy bonus coefficient for TRL's ``entropy_coef``: control x ``coef_max`` (0 until the floor turns on)."""
-        return self.control * self.config.coef_max
+        """Entropy bonus coefficient for TRL's ``entropy_coef``: control x ``coef_max`` (0 until the floor turns on,
+        and while the learning gate holds the floor off)."""
+        return 0.0 if self.holding_off else self.control * self.config.coef_max
 
     @property
     def cov_share(self) -> float:
@@ -191,7 +195,7 @@ class EntropyFloor:
 
     def clip_scale(self) -> float:
         """Factor for PPO's clip epsilon: ``clip_factor`` while the floor is active, else 1."""
-        return self.config.clip_factor if self.active else 1.0
+        return self.config.clip_factor if self.active and not self.holding_off else 1.0
 
     def reward_rising(self) -> bool:
         """The learning gate: the last ``gate_window / 2`` rewards' mean above the mean of the ``gate_window / 2``
@@ -234,8 +238,9 @@ class EntropyFloor:
         if c.enabled and mean < self.floor and self.reward_rising():  # sharpening that buys reward: leave it
             self.held_off += 1
             self.holding_off = True
-            self.active, self.integral, self.control = False, 0.0, 0.0
-            return None
+            if not c.clip_while_learning:
+                self.active, self.integral, self.control = False, 0.0, 0.0
+                return None
         activated = c.enabled and not self.active and mean < self.floor
         if activated:
             self.active = True
@@ -296,6 +301,7 @@ class EntropyFloor:
             "check_steps": self._check_steps,
             "rewards": list(self._rewards),
             "held_off": self.held_off,
+            "holding_off": self.holding_off,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,4 +327,5 @@ class EntropyFloor:
         self._check_steps = int(state["check_steps"])
         self._rewards = deque((float(v) for v in state.get("rewards", [])), maxlen=self.config.gate_window)
         self.held_off = int(state.get("held_off", 0))  # absent in checkpoints from before the learning gate
+        self.holding_off = bool(state.get("holding_off", False))
         self.warning = None

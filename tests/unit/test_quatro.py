@@ -263,6 +263,28 @@ def test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls():
     assert list(again._rewards) == [] and again.held_off == 0
 
 
+def test_clip_while_learning_holds_off_only_the_bonus_and_the_clip_range():
+    """The same steps with ``clip_while_learning``: the gate still marks the held-off steps, where the bonus is 0 and
+    the clip range unscaled, but the controller never resets. Gap (0.8 - 0.5) / 0.8 = 0.375 every step: the integral
+    grows by ki x gap = 0.0375 per step, the control is the integral + kp x gap = + 0.15; after 11 steps 0.4125 and
+    0.5625, and the covariance clip's share is the control, held off or not."""
+    f = _gated(gate_z=0.9, clip_while_learning=True)
+    f.observe(1.0, 0.0)
+    rewards = (0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.9, 1.3)
+    held = (False, False, True, True, True, True, True, False, False, True, True)
+    for n, (reward, expect_held) in enumerate(zip(rewards, held, strict=True), 1):
+        f.observe(0.5, reward)
+        assert f.active and f.holding_off == expect_held, reward
+        assert f.integral == pytest.approx(0.0375 * n) and f.control == pytest.approx(0.0375 * n + 0.15)
+        assert f.cov_share == pytest.approx(f.control)
+        assert f.bonus == (0.0 if expect_held else pytest.approx(0.01 * f.control))
+        assert f.clip_scale() == (1.0 if expect_held else 0.5)
+    assert f.held_off == 7 and f.activations == 1
+    again = _gated(gate_z=0.9, clip_while_learning=True)
+    again.load_state_dict(f.state_dict())
+    assert again.holding_off and again.bonus == 0.0  # a resume between two held-off steps is exact
+
+
 def test_without_the_gate_a_rising_reward_does_not_hold_the_floor_off():
     f = _gated(learning_gate=False)
     f.observe(1.0, 0.0)
