@@ -313,6 +313,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_quatro.py::test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls",),
     ),
     Mutant(
+        "cov_clip_not_written_back",
+        "the covariance clip picks the sharpening tokens but the loss trains on the unclipped advantages",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                '        inputs["advantages"] = per_token.masked_fill(chosen, 0.0)',
+                "        pass",
+            ),
+        ),
+        (f"{IT}/test_quatro.py::test_the_loss_trains_on_the_covariance_clips_advantages",),
+    ),
+    Mutant(
+        "entropy_bonus_ignores_the_gate",
+        "with clip_while_learning the bonus still applies on the steps the learning gate holds the floor off",
+        (
+            (
+                "steadyrl/guards/entropy_floor.py",
+                "        return 0.0 if self.holding_off else self.control * self.config.coef_max",
+                "        return self.control * self.config.coef_max",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_clip_while_learning_holds_off_only_the_bonus_and_the_clip_range",),
+    ),
+    Mutant(
         "entropy_gate_not_fed",
         "the trainer never hands the training rewards to the entropy floor's learning gate",
         (
