@@ -268,7 +268,7 @@ def test_clip_while_learning_holds_off_only_the_bonus_and_the_clip_range():
     the clip range unscaled, but the controller never resets. Gap (0.8 - 0.5) / 0.8 = 0.375 every step: the integral
     grows by ki x gap = 0.0375 per step, the control is the integral + kp x gap = + 0.15; after 11 steps 0.4125 and
     0.5625, and the covariance clip's share is the control, held off or not."""
-    f = _gated(gate_z=0.9, clip_while_learning=True)
+    f = _gated(gate_z=0.9, clip_while_learning=True, cov_clip=1.0)
     f.observe(1.0, 0.0)
     rewards = (0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.9, 1.3)
     held = (False, False, True, True, True, True, True, False, False, True, True)
@@ -353,7 +353,7 @@ def test_entropy_state_round_trip():
 @settings(max_examples=50, deadline=None)
 @given(st.lists(finite_or_nan, max_size=80))
 def test_entropy_bonus_stays_within_its_bounds(values):
-    cfg = EntropyConfig(baseline_steps=3, window=5, ki=0.2, kp=0.5, coef_max=0.01)
+    cfg = EntropyConfig(baseline_steps=3, window=5, ki=0.2, kp=0.5, coef_max=0.01, cov_clip=1.0)
     f = EntropyFloor(cfg)
     for value in values:
         f.observe(value)
@@ -365,7 +365,7 @@ def test_entropy_bonus_stays_within_its_bounds(values):
 def test_entropy_defaults():
     c = EntropyConfig()
     assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.8, 5, 0.1, 0.4)
-    assert (c.coef_max, c.cov_clip) == (0.01, 1.0)
+    assert (c.coef_max, c.cov_clip) == (0.01, 0.0)
 
 
 def test_entropy_config_validation():
