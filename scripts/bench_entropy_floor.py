@@ -33,7 +33,8 @@ Demo (``--demo``). ``configs/tiny/grpo.yaml`` as it is (exact-match reward, lr 1
     python scripts/bench_entropy_floor.py --sft runs/demo-sft/final --demo --out-md demo.md
     python scripts/bench_entropy_floor.py --sft runs/demo-sft/final --quick     # 1 seed, 12 steps per variant
     ... --reuse        # tables and plot again from the finished runs in --out, training only what is missing
-    ... --set guards.quatro.entropy.clip_while_learning=true    # an override for every QUATRO variant (repeatable)
+    ... --set guards.quatro.entropy.cov_clip=1 --set guards.quatro.entropy.clip_while_learning=true
+                       # overrides for every QUATRO variant (repeatable): the covariance clip, on under the gate
 """
 
 from __future__ import annotations

@@ -412,8 +412,8 @@ CHANGE_FLOOR = (
 )
 CHANGE_FLOOR_ON = (
     "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01), cov_clip "
-    "(1.0 is every sharpening token) or the gain ki, or lower floor_ratio if the falling entropy is the task being "
-    "learned (docs/DESIGN.md: QUATRO: entropy floor)"
+    "(0, off, by default; 1.0 is every sharpening token) or the gain ki, or lower floor_ratio if the falling "
+    "entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
 )
 CHANGE_KL = (
     "guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early KL), "

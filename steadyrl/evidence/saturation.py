@@ -119,7 +119,8 @@ def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | N
         int(steps[0]),
         int(steps[-1]),
         f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps",
-        "guards.quatro.entropy.cov_clip / coef_max: raise them (at the cap the floor's levers do not hold entropy), "
+        "guards.quatro.entropy.cov_clip / coef_max: raise them (at the cap the floor's levers do not hold entropy; "
+        "cov_clip is 0, off, by default: it cost a real run that was still learning 20 points, docs/benchmarks.md), "
         "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned",
     )
 

@@ -142,6 +142,11 @@ class EntropyConfig:
             problems.append(f"cov_clip must be in [0, 1], got {self.cov_clip}")
         if self.coef_max == 0 and self.cov_clip == 0:
             problems.append("coef_max and cov_clip are both 0: the floor has no lever (set enabled: false instead)")
+        if self.clip_while_learning and self.cov_clip == 0:
+            problems.append(
+                "clip_while_learning needs the covariance clip, but cov_clip is 0 (its default): set cov_clip to a "
+                "share in (0, 1], or drop clip_while_learning"
+            )
         if not 0 < self.clip_factor <= 1:
             problems.append(f"clip_factor must be in (0, 1], got {self.clip_factor}")
         if not (math.isfinite(self.hysteresis) and self.hysteresis >= 1):

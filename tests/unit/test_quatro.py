@@ -280,7 +280,7 @@ def test_clip_while_learning_holds_off_only_the_bonus_and_the_clip_range():
         assert f.bonus == (0.0 if expect_held else pytest.approx(0.01 * f.control))
         assert f.clip_scale() == (1.0 if expect_held else 0.5)
     assert f.held_off == 7 and f.activations == 1
-    again = _gated(gate_z=0.9, clip_while_learning=True)
+    again = _gated(gate_z=0.9, clip_while_learning=True, cov_clip=1.0)
     again.load_state_dict(f.state_dict())
     assert again.holding_off and again.bonus == 0.0  # a resume between two held-off steps is exact
 
@@ -369,6 +369,9 @@ def test_entropy_defaults():
 
 
 def test_entropy_config_validation():
+    with pytest.raises(ValueError, match=r"clip_while_learning needs the covariance clip, but cov_clip is 0"):
+        EntropyConfig(clip_while_learning=True)
+    assert EntropyConfig(clip_while_learning=True, cov_clip=0.5).clip_while_learning
     with pytest.raises(ValueError, match=r"floor_ratio must be in \(0, 1\].*hysteresis must be finite and >= 1"):
         EntropyConfig(floor_ratio=1.5, hysteresis=0.9)
     with pytest.raises(ValueError, match=r"gate_window must be >= 4 .*, got 3; gate_z must be finite and >= 0"):
