@@ -227,6 +227,20 @@ def _check_quatro(cfg: RunConfig) -> None:
             "trainer.use_adaptive_entropy and guards.quatro.entropy both drive TRL's entropy_coef; keep one: set "
             "trainer.use_adaptive_entropy=false or guards.quatro.entropy.enabled=false"
         )
+    gate = q.entropy.gate_reward
+    if q.entropy.enabled and gate is not None:
+        names = [r.resolved_name for r in cfg.rewards]
+        if cfg.algorithm != "grpo":
+            raise ConfigError(
+                f"guards.quatro.entropy.gate_reward={gate!r} reads one reward function's column of a GRPO batch; "
+                f"{cfg.algorithm.upper()} trains on the weighted score of its rewards. Drop gate_reward (the gate then "
+                "reads that score)"
+            )
+        if gate not in names:
+            raise ConfigError(
+                f"guards.quatro.entropy.gate_reward={gate!r} is not a reward name; valid: {names} (a reward with "
+                "weight 0 is scored and logged but trains nothing: add one to watch a verifier)"
+            )
     rewrites = q.filters.enabled
     if rewrites and t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
         raise ConfigError(

@@ -51,6 +51,20 @@ of the last ``gate_window / 2`` steps' rewards exceeds the mean of the ``gate_wi
 decides on entropy alone, as without the gate. With ``clip_while_learning`` the gate holds off only the bonus and
 the narrower clip range: the controller keeps running and the covariance clip keeps acting under the floor while
 the reward rises (it cannot raise entropy, only stop the sharpening tokens' share of the update).
+
+Which reward the gate reads (``gate_reward``): by default the weighted training reward. A reward that pays for the
+collapse itself (the forced collapse of docs/entropy_floor.md: a reward for repeating one character) rises while
+entropy falls, exactly as a run that learns its task does (SmolLM2-135M seed 0: entropy 0.68 -> 0.07 nats while the
+reward goes 0.16 -> 0.98 and 60 % of the groups end with one reward), so on that reward no gate can tell the two
+apart. ``gate_reward`` names the reward the user trusts, for example a verifier with weight 0 that trains nothing;
+the gate then holds the floor off only while *that* reward rises, and a fall that buys only the proxy reward meets
+the floor.
+
+``follow_learning`` (off by default): on every step the gate sees its reward rise, the floor moves down to
+``floor_ratio`` x the window mean if that is lower (never up). Entropy spent while the trusted reward rose is not
+asked back once the reward stalls: the floor then holds the entropy the run had when it last learned, instead of
+pulling a run that has learned its format back to 0.8 x the entropy of its first steps. With both, the floor's
+rule is "entropy may fall only while the reward you trust rises".
 """
 
 from __future__ import annotations
@@ -123,6 +137,10 @@ class EntropyConfig:
     clip_while_learning: bool = False  # the gate holds off only the bonus and the clip range, not the covariance clip
     gate_window: int = 10  # steps of reward compared: the last half against the half before
     gate_z: float = 1.0  # "rising": the halves' mean difference above gate_z standard errors
+    # the reward the gate reads: a `rewards[].name` (weight 0 allowed: a verifier that only watches); None: the
+    # weighted training reward, which a reward that pays for the collapse itself also raises (module docstring)
+    gate_reward: str | None = None
+    follow_learning: bool = False  # while the gate's reward rises the floor follows entropy down (module docstring)
 
     def __post_init__(self) -> None:
         problems = []
@@ -155,6 +173,18 @@ class EntropyConfig:
             problems.append(f"gate_window must be >= 4 (two halves of at least 2 steps), got {self.gate_window}")
         if not (math.isfinite(self.gate_z) and self.gate_z >= 0):
             problems.append(f"gate_z must be finite and >= 0, got {self.gate_z}")
+        if self.gate_reward is not None and not self.learning_gate:
+            problems.append(
+                f"gate_reward={self.gate_reward!r} is read only by the learning gate, but learning_gate is false: set "
+                "learning_gate: true or drop gate_reward"
+            )
+        if self.follow_learning and not self.learning_gate:
+            problems.append(
+                "follow_learning moves the floor when the learning gate sees the reward rise, but "
+                "learning_gate is false: set learning_gate: true or drop follow_learning"
+            )
+        if self.gate_reward is not None and not (isinstance(self.gate_reward, str) and self.gate_reward):
+            problems.append(f"gate_reward must be a reward name (rewards[].name) or null, got {self.gate_reward!r}")
         if problems:
             raise ValueError("invalid EntropyConfig: " + "; ".join(problems))
 
@@ -186,6 +216,7 @@ class EntropyFloor:
         self._rewards: deque[float] = deque(maxlen=c.gate_window)  # per-step training reward means
         self.held_off = 0  # steps with the entropy under the floor while the reward was rising
         self.holding_off = False  # this step's
+        self.follows = 0  # steps on which follow_learning lowered the floor
 
     @property
     def bonus(self) -> float:
@@ -243,7 +274,11 @@ class EntropyFloor:
             return None
         assert self.floor is not None
         mean = self.window_mean()
-        if c.enabled and mean < self.floor and self.reward_rising():  # sharpening that buys reward: leave it
+        rising = self.reward_rising()
+        if c.enabled and rising and c.follow_learning and c.floor_ratio * mean < self.floor:
+            self.floor = c.floor_ratio * mean  # entropy spent on a rising reward is not given back
+            self.follows += 1
+        if c.enabled and mean < self.floor and rising:  # sharpening that buys reward: leave it
             self.held_off += 1
             self.holding_off = True
             if not c.clip_while_learning:
@@ -310,6 +345,7 @@ class EntropyFloor:
             "rewards": list(self._rewards),
             "held_off": self.held_off,
             "holding_off": self.holding_off,
+            "follows": self.follows,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -336,4 +372,5 @@ class EntropyFloor:
         self._rewards = deque((float(v) for v in state.get("rewards", [])), maxlen=self.config.gate_window)
         self.held_off = int(state.get("held_off", 0))  # absent in checkpoints from before the learning gate
         self.holding_off = bool(state.get("holding_off", False))
+        self.follows = int(state.get("follows", 0))  # absent before follow_learning
         self.warning = None

@@ -239,7 +239,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self.quatro is not None and self.quatro.wants_rewards and self.model.training:
             with self.ctx.timer(GUARD_PART_QUATRO_MEASURE):  # the entropy floor's learning gate
-                self.quatro.record_reward(weighted_rewards(rewards_per_func, self.reward_weights))
+                self.quatro.record_reward(self.quatro.gate_rewards(rewards_per_func, self.reward_weights))
         if self._rewrites_advantages():
             # rewards_per_func is already gathered over processes; gather the prompts to match its rows.
             with self.ctx.timer("pipeline"):

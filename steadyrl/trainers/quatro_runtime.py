@@ -112,6 +112,7 @@ from steadyrl.metrics import (
     quatro_filtered,
     quatro_would_filter,
 )
+from steadyrl.trainers.advantage_pipeline import weighted_rewards
 from steadyrl.trainers.context import RuntimeContext
 
 logger = logging.getLogger("steadyrl.quatro")
@@ -136,6 +137,7 @@ class QuatroSetup:
     entropy_coef: float = 0.0  # TRL's own coefficient, replaced by the floor's bonus
     use_adaptive_entropy: bool = False
     kl_from_rollouts: bool = False  # PPO: the KL is in the reward, measured at the rollout
+    reward_names: tuple[str, ...] = ()  # the reward functions' names, in the columns' order (GRPO)
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class QuatroRuntime:
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
         self._rewards: list[float] = []  # mean training reward per generation batch of this step (the floor's gate)
+        self.gate_column: int | None = None  # set in bind(): the reward column the gate reads (gate_reward); None: all
         # per kind of filter warning ("filters", "no_signal"): step of the last one logged, and the batches over
         # the share since then (counted in the next one)
         self._warned_at: dict[str, int] = {}
@@ -191,6 +194,14 @@ class QuatroRuntime:
             self.replay = ReplayBuffer(self.config.replay, seed=setup.seed + ctx.rank, pad_token_id=setup.pad_token_id)
         if self.config.kl is not None:
             self.kl = AdaptiveKL(self.config.kl, setup.beta)  # raises (naming the fix) on beta 0
+        gate_reward = self.entropy.config.gate_reward if self.entropy is not None else None
+        if gate_reward is not None:
+            if gate_reward not in setup.reward_names:
+                raise ValueError(
+                    f"guards.quatro.entropy.gate_reward={gate_reward!r} is not one of this trainer's reward functions "
+                    f"{list(setup.reward_names)}; name one of them (rewards[].name) or drop gate_reward"
+                )
+            self.gate_column = setup.reward_names.index(gate_reward)
         if self.entropy is not None and not self.observe:
             if setup.use_adaptive_entropy:
                 raise ValueError(
@@ -247,6 +258,13 @@ class QuatroRuntime:
     def wants_rewards(self) -> bool:
         """Whether the entropy floor's learning gate reads the training rewards (``record_reward``)."""
         return self.entropy is not None and self.entropy.config.learning_gate
+
+    def gate_rewards(self, rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(N, num_funcs) -> (N,): what the learning gate reads, the ``gate_reward`` column when one is named, else
+        TRL's weighted sum."""
+        if self.gate_column is not None:
+            return rewards_per_func[:, self.gate_column]
+        return weighted_rewards(rewards_per_func, weights)
 
     def record_reward(self, rewards: torch.Tensor) -> None:
         """A training generation batch's rewards, gathered over ranks ((N,), NaN = unscorable): their mean goes to

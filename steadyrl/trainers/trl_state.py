@@ -57,6 +57,7 @@ def bind_quatro(trainer: Any, quatro: QuatroRuntime) -> tuple[float, float] | No
         entropy_coef=trainer.entropy_coef,
         use_adaptive_entropy=trainer.use_adaptive_entropy,
         kl_from_rollouts=bool(getattr(trainer, "kl_in_reward", False)),
+        reward_names=tuple(getattr(trainer, "reward_func_names", ())),
     )
     quatro.bind(trainer.ctx, setup)
     if quatro.replay_on:

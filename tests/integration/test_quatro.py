@@ -136,6 +136,29 @@ def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(t
     assert len(per_step(history, "quatro/floor_held_off")) == 6
 
 
+def test_the_gate_reads_the_named_reward_not_the_trained_one(tiny_model_dir, tmp_path):
+    """``gate_reward`` names a weight-0 reward (``byte_mean``) next to the trained one (``repetition_reward``): the
+    gate's window holds the last 4 steps' means of *that* reward as TRL logs it, not the weighted training reward."""
+    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, gate_window=4, gate_reward="byte_mean")
+    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    trainer = SteadyGRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=[repetition_reward, byte_mean],
+        args=grpo_args(tmp_path / "named", max_steps=6, learning_rate=3e-2, max_completion_length=8,
+                       reward_weights=[1.0, 0.0]),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        quatro=quatro,
+    )  # fmt: skip
+    assert quatro.gate_column == 1
+    trainer.train()
+    history = trainer.state.log_history
+    watched, trained = per_step(history, "rewards/byte_mean/mean"), per_step(history, "reward")
+    assert len(watched) == len(trained) == 6
+    assert list(quatro.entropy._rewards) == pytest.approx(watched[-4:], rel=1e-5)
+    assert trained[-4:] != pytest.approx(watched[-4:], rel=1e-3)  # the two rewards differ: the test can tell them
+
+
 class Recorder:
     """Wraps ``_generate_and_score_completions`` to keep each generation batch's output."""
 

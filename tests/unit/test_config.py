@@ -231,6 +231,25 @@ def test_quatro_contradictions_name_the_fix(base: Path) -> None:
         load_config(base, [*replay_on, "guards.quatro.replay.capacity=0"])
 
 
+def test_entropy_gate_reward_must_name_a_grpo_reward(base: Path) -> None:
+    """``gate_reward`` names a reward of the run (weight 0 allowed); a typo, a PPO run or a gate that is off are
+    refused at load time with the fix."""
+    on = ["guards.quatro.enabled=true", "trainer.beta=0.04"]
+    watched = "rewards=[{name: proxy, fn: exact_match}, {name: verifier, fn: exact_match, weight: 0.0}]"
+    cfg = load_config(base, [*on, watched, "guards.quatro.entropy.gate_reward=verifier"])
+    assert cfg.guards.quatro.entropy.gate_reward == "verifier"
+    assert load_config(base, on).guards.quatro.entropy.gate_reward is None  # default: the weighted reward
+    with pytest.raises(ConfigError, match=r"'verfier' is not a reward name; valid: \['proxy', 'verifier'\]"):
+        load_config(base, [*on, watched, "guards.quatro.entropy.gate_reward=verfier"])
+    with pytest.raises(ConfigError, match=r"'verifier' is read only by the learning gate.*learning_gate: t"):
+        load_config(base, [*on, watched, "guards.quatro.entropy.gate_reward=verifier",
+                           "guards.quatro.entropy.learning_gate=false"])  # fmt: skip
+    ppo = [*on, watched, "algorithm=ppo", "trainer.num_generations=1", "guards.quatro.filters.enabled=false",
+           "guards.gepo.enabled=false", "guards.quatro.entropy.gate_reward=verifier"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"gate_reward='verifier' reads one reward function's column .* PPO"):
+        load_config(base, ppo)
+
+
 def test_opefo_section_validates_its_parts(base: Path) -> None:
     cfg = load_config(base, ["guards.opefo.enabled=true", "guards.opefo.rollback.storage=disk"])
     opefo = cfg.guards.opefo.to_config()

@@ -285,6 +285,38 @@ def test_clip_while_learning_holds_off_only_the_bonus_and_the_clip_range():
     assert again.holding_off and again.bonus == 0.0  # a resume between two held-off steps is exact
 
 
+def test_follow_learning_lowers_the_floor_only_while_the_reward_rises():
+    """Entropy falls 0.9 -> 0.5 while the reward climbs, then the reward stalls at 0.5. Floor 0.8 at first; from
+    the first step the gate sees a rise (step 3: halves (0, 0.1) against (0.2, 0.3)) it follows 0.8 x the entropy
+    down: 0.56, 0.48, 0.40, and stays there once the reward is flat, so entropy 0.5 is not asked back. Without
+    ``follow_learning`` the floor stays at 0.8 and turns on as soon as the reward stalls. A later rise at a higher
+    entropy never raises the floor. gate_z 0.9 as above."""
+    seq = [(0.9, 0.1), (0.8, 0.2), (0.7, 0.3), (0.6, 0.4), (0.5, 0.5), (0.5, 0.5), (0.5, 0.5), (0.5, 0.5)]
+    f, fixed = _gated(gate_z=0.9, follow_learning=True), _gated(gate_z=0.9)
+    for g in (f, fixed):
+        g.observe(1.0, 0.0)  # baseline 1.0, floor 0.8
+    floors, active, fixed_active = [], [], []
+    for entropy, reward in seq:
+        f.observe(entropy, reward)
+        fixed.observe(entropy, reward)
+        floors.append(f.floor)
+        active.append(f.active)
+        fixed_active.append(fixed.active)
+    assert floors == pytest.approx([0.8, 0.8, 0.56, 0.48, 0.40, 0.40, 0.40, 0.40])
+    assert f.follows == 3 and not any(active) and f.held_off == 0
+    assert fixed.floor == 0.8 and fixed_active[-1] and not any(fixed_active[:6])  # on once the reward is flat
+    f.observe(0.3, 0.5)  # a fall that buys nothing meets the followed floor
+    assert f.active and f.floor == pytest.approx(0.4)
+    for reward in (0.7, 0.9):
+        f.observe(0.9, reward)  # rising again, at a higher entropy: the floor stays
+    assert f.floor == pytest.approx(0.4) and f.follows == 3
+    again = _gated(gate_z=0.9, follow_learning=True)
+    again.load_state_dict(f.state_dict())
+    assert again.state_dict() == f.state_dict() and again.floor == pytest.approx(0.4) and again.follows == 3
+    with pytest.raises(ValueError, match=r"follow_learning moves the floor .* learning_gate is false"):
+        EntropyConfig(follow_learning=True, learning_gate=False)
+
+
 def test_without_the_gate_a_rising_reward_does_not_hold_the_floor_off():
     f = _gated(learning_gate=False)
     f.observe(1.0, 0.0)

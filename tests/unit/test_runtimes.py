@@ -95,6 +95,27 @@ def test_quatro_refuses_two_entropy_controllers() -> None:
         quatro.bind(FakeContext(), setup)
 
 
+def test_quatro_gate_reads_the_named_reward_column() -> None:
+    """``gate_reward`` picks that reward's column for the learning gate; without it the gate reads TRL's weighted
+    sum. A name the trainer does not have is refused at bind time with the names it has."""
+    rewards = torch.tensor([[1.0, 0.0], [0.5, 1.0], [0.0, math.nan]])
+    weights = torch.tensor([1.0, 0.0])  # the verifier (column 1) trains nothing
+    names = ("proxy", "verifier")
+    plain = QuatroRuntime(QuatroConfig(entropy=EntropyConfig()))
+    plain.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names))
+    assert plain.gate_column is None
+    assert plain.gate_rewards(rewards, weights).tolist() == [1.0, 0.5, 0.0]
+    named = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(gate_reward="verifier")))
+    named.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names))
+    gate = named.gate_rewards(rewards, weights)
+    assert named.gate_column == 1 and gate[:2].tolist() == [0.0, 1.0] and math.isnan(gate[2])
+    named.record_reward(gate)
+    assert named._rewards == [0.5]  # the NaN row is unscorable: mean of the finite ones
+    typo = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(gate_reward="verfier")))
+    with pytest.raises(ValueError, match=r"gate_reward='verfier' is not one of .* \['proxy', 'verifier'\]"):
+        typo.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names))
+
+
 def _only_repetition() -> FilterConfig:
     return FilterConfig(
         zscore=ZScoreConfig(enabled=False),
