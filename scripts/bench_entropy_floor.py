@@ -74,6 +74,9 @@ KL_OFF, FLOOR_OFF, FILTERS_OFF = (f"guards.quatro.{part}.enabled=false" for part
 SHORT_REPETITION = ("guards.quatro.filters.repetition.n=1", "guards.quatro.filters.repetition.max_repeat_share=0.3")
 # The default bonus cap is entropy_coef 0.01; this one is 5x higher (does the cap bind?).
 SMALL_CAP = ("guards.quatro.entropy.coef_max=0.05",)
+# The learning gate reads the weight-0 exact match (the verifier) instead of the repetition reward it trains on,
+# which rises with the collapse (steadyrl/guards/entropy_floor.py, "Which reward the gate reads").
+VERIFIER_GATE = ("guards.quatro.entropy.gate_reward=exact_match",)
 VARIANTS = {  # name -> (folder slug, colour, overrides)
     "plain TRL": ("plain", "C3", ()),
     "QUATRO": ("quatro", "C0", (QUATRO,)),
@@ -83,6 +86,11 @@ VARIANTS = {  # name -> (folder slug, colour, overrides)
     "QUATRO entropy floor only": ("floor-only", "C4", (QUATRO, KL_OFF, FILTERS_OFF)),
     "QUATRO entropy floor only, bonus cap 0.05": ("floor-cap0.05", "C6", (QUATRO, KL_OFF, FILTERS_OFF, *SMALL_CAP)),
     "QUATRO filters only": ("filters-only", "C5", (QUATRO, KL_OFF, FLOOR_OFF)),
+    "QUATRO entropy floor only, gate on exact match": (
+        "floor-verifier",
+        "C8",
+        (QUATRO, KL_OFF, FILTERS_OFF, *VERIFIER_GATE),
+    ),
 }
 MAIN_VARIANTS = ("plain TRL", "QUATRO", "QUATRO + short-answer repetition filter")
 DEMO_VARIANTS = ("plain TRL", "QUATRO")
