@@ -57,6 +57,7 @@ from steadyrl.metrics import (
     QUATRO_ENTROPY,
     QUATRO_FILTERED_PREFIX,
     QUATRO_FLOOR_ACTIVE,
+    QUATRO_FLOOR_HELD_OFF,
     QUATRO_KL_MEAN,
     REWARD,
     SAMPLING_LOGP_GAP,
@@ -92,6 +93,7 @@ CHECKED = (
     OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
     QUATRO_FLOOR_ACTIVE,
+    QUATRO_FLOOR_HELD_OFF,
     EVAL_ACCURACY,
     COMPLETIONS_MEAN_LENGTH,
     COMPLETIONS_CLIPPED_RATIO,
@@ -415,6 +417,11 @@ CHANGE_FLOOR_ON = (
     "(0, off, by default; 1.0 is every sharpening token) or the gain ki, or lower floor_ratio if the falling "
     "entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
 )
+CHANGE_GATE = (
+    "guards.quatro.entropy.gate_reward: the learning gate held the floor off while the training reward rose; if that "
+    "reward can be bought by the collapse itself (a proxy, a reward model, a format reward), name a reward you trust "
+    "for the gate (a verifier, weight 0 allowed) and set follow_learning: true (docs/DESIGN.md: QUATRO: entropy floor)"
+)
 CHANGE_KL = (
     "guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early KL), "
     "or trainer.beta: raise it 2-3x, to pull the policy back to the reference (docs/DESIGN.md: QUATRO: adaptive KL)"
@@ -449,6 +456,12 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
         detail = f"floor active at {len(active)} logged step(s) and entropy still fell"
         evidence.append(Evidence(QUATRO_FLOOR_ACTIVE, int(active[0]), int(active[-1]), detail))
     changes = [CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR, CHANGE_KL, "trainer.learning_rate: lower it"]
+    held_steps, held = _finite(history, QUATRO_FLOOR_HELD_OFF)
+    if np.count_nonzero(held):
+        off = held_steps[held > 0]
+        detail = f"the learning gate held the floor off at {len(off)} logged step(s): the training reward rose"
+        evidence.append(Evidence(QUATRO_FLOOR_HELD_OFF, int(off[0]), int(off[-1]), detail))
+        changes.insert(1, CHANGE_GATE)
     changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
     if signs and not rising:
         summary = f"entropy fell to {entropy.ratio:.0%} of its early mean with {', '.join(signs)}"

@@ -204,6 +204,13 @@ def test_entropy_collapse_is_named_with_kl_repetition_and_flat_reward():
     changes = diagnose(History(rows=rows))[0].changes
     assert any(c.startswith("guards.quatro.entropy.coef_max: the floor is on") for c in changes)
     assert not any("turn the entropy floor on" in c for c in changes)
+    assert not any("gate_reward" in c for c in changes)  # the gate never held it off
+    # the gate held the floor off at steps 41-60: the reward the gate reads is named as the thing to change
+    held = [{**r, "quatro/floor_held_off": float(40 < r["step"] <= 60)} if "entropy" in r else r for r in rows]
+    finding = diagnose(History(rows=held))[0]
+    gate = evidence_for(finding, "quatro/floor_held_off")
+    assert (gate.first_step, gate.last_step) == (41, 60) and "held the floor off at 20 logged step(s)" in gate.detail
+    assert finding.changes[1].startswith("guards.quatro.entropy.gate_reward: the learning gate held the floor off")
 
 
 def test_entropy_falling_while_reward_rises_is_only_a_warning():
