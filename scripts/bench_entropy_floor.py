@@ -86,7 +86,7 @@ VARIANTS = {  # name -> (folder slug, colour, overrides)
     "QUATRO entropy floor only": ("floor-only", "C4", (QUATRO, KL_OFF, FILTERS_OFF)),
     "QUATRO entropy floor only, bonus cap 0.05": ("floor-cap0.05", "C6", (QUATRO, KL_OFF, FILTERS_OFF, *SMALL_CAP)),
     "QUATRO filters only": ("filters-only", "C5", (QUATRO, KL_OFF, FLOOR_OFF)),
-    "QUATRO entropy floor only, gate on exact match": (
+    "QUATRO entropy floor only (gate on exact match)": (
         "floor-verifier",
         "C8",
         (QUATRO, KL_OFF, FILTERS_OFF, *VERIFIER_GATE),
