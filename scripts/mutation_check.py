@@ -342,11 +342,38 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/grpo.py",
-                "                self.quatro.record_reward(weighted_rewards(rewards_per_func, self.reward_weights))",
-                "                pass",
+                "self.quatro.record_reward(self.quatro.gate_rewards(rewards_per_func, self.reward_weights))",
+                "None",
             ),
         ),
         (f"{IT}/test_quatro.py::test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward",),
+    ),
+    Mutant(
+        "entropy_gate_reward_ignored",
+        "the learning gate reads the weighted training reward although gate_reward names another reward",
+        (
+            (
+                "steadyrl/trainers/quatro_runtime.py",
+                "        if self.gate_column is not None:\n            return rewards_per_func[:, self.gate_column]\n",
+                "",
+            ),
+        ),
+        (
+            f"{IT}/test_quatro.py::test_the_gate_reads_the_named_reward_not_the_trained_one",
+            "tests/unit/test_runtimes.py::test_quatro_gate_reads_the_named_reward_column",
+        ),
+    ),
+    Mutant(
+        "entropy_floor_does_not_follow",
+        "follow_learning never lowers the floor while the gate's reward rises",
+        (
+            (
+                "steadyrl/guards/entropy_floor.py",
+                "            self.floor = c.floor_ratio * mean  # entropy spent on a rising reward is not given back",
+                "            pass",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_follow_learning_lowers_the_floor_only_while_the_reward_rises",),
     ),
     Mutant(
         "repetition_skip_bound_loose",
