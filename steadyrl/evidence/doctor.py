@@ -55,6 +55,7 @@ from steadyrl.metrics import (
     OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
     QUATRO_ENTROPY,
+    QUATRO_ENTROPY_FLOOR,
     QUATRO_FILTERED_PREFIX,
     QUATRO_FLOOR_ACTIVE,
     QUATRO_FLOOR_HELD_OFF,
@@ -94,6 +95,7 @@ CHECKED = (
     OPEFO_ROLLBACKS,
     QUATRO_FLOOR_ACTIVE,
     QUATRO_FLOOR_HELD_OFF,
+    QUATRO_ENTROPY_FLOOR,
     EVAL_ACCURACY,
     COMPLETIONS_MEAN_LENGTH,
     COMPLETIONS_CLIPPED_RATIO,
@@ -413,14 +415,19 @@ CHANGE_FLOOR = (
     "QUATRO: entropy floor)"
 )
 CHANGE_FLOOR_ON = (
-    "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01), cov_clip "
-    "(0, off, by default; 1.0 is every sharpening token) or the gain ki, or lower floor_ratio if the falling "
-    "entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
+    "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01 by "
+    "default), cov_clip (0, off, by default; 1.0 is every sharpening token) or the gain ki, or lower floor_ratio if "
+    "the falling entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
 )
 CHANGE_GATE = (
     "guards.quatro.entropy.gate_reward: the learning gate held the floor off while the training reward rose; if that "
     "reward can be bought by the collapse itself (a proxy, a reward model, a format reward), name a reward you trust "
     "for the gate (a verifier, weight 0 allowed) and set follow_learning: true (docs/DESIGN.md: QUATRO: entropy floor)"
+)
+CHANGE_FOLLOWED = (
+    "nothing, if the held-out accuracy holds: the floor followed entropy down because the reward its learning gate "
+    "reads rose (follow_learning), so it accepted this fall as learning; set follow_learning: false to hold "
+    "floor_ratio x the early entropy instead (docs/DESIGN.md: QUATRO: entropy floor)"
 )
 CHANGE_KL = (
     "guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early KL), "
@@ -462,6 +469,16 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
         detail = f"the learning gate held the floor off at {len(off)} logged step(s): the training reward rose"
         evidence.append(Evidence(QUATRO_FLOOR_HELD_OFF, int(off[0]), int(off[-1]), detail))
         changes.insert(1, CHANGE_GATE)
+    floor_steps, floors = _finite(history, QUATRO_ENTROPY_FLOOR)
+    if len(floors) >= 2 and floors[-1] < floors[0]:  # the floor is fixed once set; only follow_learning lowers it
+        lowered = floor_steps[1:][np.diff(floors) < 0]
+        detail = (
+            f"the floor followed entropy down {floors[0]:.4g} -> {floors[-1]:.4g} (follow_learning: the learning "
+            "gate's reward rose)"
+        )
+        evidence.append(Evidence(QUATRO_ENTROPY_FLOOR, int(lowered[0]), int(lowered[-1]), detail))
+        if entropy.late.mean() >= floors[-1]:  # entropy sits at or above the floor it was allowed to fall to
+            changes.insert(0, CHANGE_FOLLOWED)
     changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
     if signs and not rising:
         summary = f"entropy fell to {entropy.ratio:.0%} of its early mean with {', '.join(signs)}"

@@ -220,6 +220,23 @@ def test_entropy_falling_while_reward_rises_is_only_a_warning():
             r["entropy"] = float(np.exp(-r["step"] / 60))  # 1.0 -> 0.04
     finding = only(diagnose(History(rows=rows)), "entropy_collapse")
     assert finding.severity == "warning" and "while reward still rises" in finding.summary
+    assert not any(c.startswith("nothing, if the held-out accuracy holds") for c in finding.changes)
+    # follow_learning lowered the floor at steps 61 and 121 (0.8 -> 0.3 -> 0.03): the fall was accepted as learning,
+    # and the first thing said is that nothing needs changing if the held-out accuracy holds
+    followed = [
+        {**r, "quatro/entropy_floor": 0.8 if r["step"] <= 60 else 0.3 if r["step"] <= 120 else 0.03}
+        if "entropy" in r
+        else r
+        for r in rows
+    ]
+    finding = only(diagnose(History(rows=followed)), "entropy_collapse")
+    floor = evidence_for(finding, "quatro/entropy_floor")
+    assert (floor.first_step, floor.last_step) == (61, 121) and "followed entropy down 0.8 -> 0.03" in floor.detail
+    assert finding.changes[0].startswith("nothing, if the held-out accuracy holds: the floor followed entropy down")
+    # a floor that followed, with entropy now under it: the fall was not all accepted, no all-clear
+    under = [{**r, "quatro/entropy_floor": 0.8 if r["step"] <= 60 else 0.3} if "entropy" in r else r for r in rows]
+    finding = only(diagnose(History(rows=under)), "entropy_collapse")
+    assert evidence_for(finding, "quatro/entropy_floor") and not finding.changes[0].startswith("nothing")
 
 
 def test_reward_hacking_is_named_with_the_eval_peak():
