@@ -477,7 +477,8 @@ def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
             "gate's reward rose)"
         )
         evidence.append(Evidence(QUATRO_ENTROPY_FLOOR, int(lowered[0]), int(lowered[-1]), detail))
-        if entropy.late.mean() >= floors[-1]:  # entropy sits at or above the floor it was allowed to fall to
+        # entropy at or above the floor it was allowed to fall to, and no sign of a collapse that makes it a problem
+        if entropy.late.mean() >= floors[-1] and (rising or not signs):
             changes.insert(0, CHANGE_FOLLOWED)
     changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
     if signs and not rising:

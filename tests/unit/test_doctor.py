@@ -211,6 +211,11 @@ def test_entropy_collapse_is_named_with_kl_repetition_and_flat_reward():
     gate = evidence_for(finding, "quatro/floor_held_off")
     assert (gate.first_step, gate.last_step) == (41, 60) and "held the floor off at 20 logged step(s)" in gate.detail
     assert finding.changes[1].startswith("guards.quatro.entropy.gate_reward: the learning gate held the floor off")
+    # a floor that followed entropy down does not make a collapse with flat reward and rising KL an all-clear
+    followed = [{**r, "quatro/entropy_floor": 0.9 if r["step"] <= 10 else 0.0} if "entropy" in r else r for r in rows]
+    finding = diagnose(History(rows=followed))[0]
+    assert finding.severity == "problem" and evidence_for(finding, "quatro/entropy_floor")
+    assert not any(c.startswith("nothing, if the held-out accuracy holds") for c in finding.changes)
 
 
 def test_entropy_falling_while_reward_rises_is_only_a_warning():
