@@ -325,6 +325,30 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_quatro.py::test_the_loss_trains_on_the_covariance_clips_advantages",),
     ),
     Mutant(
+        "pg_brake_not_applied",
+        "the entropy floor's policy-gradient brake computes its factor but the loss trains on the full advantages",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                '            inputs["advantages"] = inputs["advantages"] * scale',
+                "            pass",
+            ),
+        ),
+        (f"{IT}/test_quatro.py::test_the_loss_trains_on_the_braked_advantages",),
+    ),
+    Mutant(
+        "pg_brake_ignores_the_gate",
+        "the brake keeps damping the policy gradient while the learning gate holds the floor off",
+        (
+            (
+                "steadyrl/guards/entropy_floor.py",
+                "        if self.holding_off or self.config.pg_brake == 0:",
+                "        if self.config.pg_brake == 0:",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_policy_gradient_brake_by_hand",),
+    ),
+    Mutant(
         "entropy_bonus_ignores_the_gate",
         "with clip_while_learning the bonus still applies on the steps the learning gate holds the floor off",
         (

@@ -31,7 +31,16 @@ oscillates.
    pressure it has to hold, where a bonus of fixed size does not; the other tokens (an unlikely good token raised,
    a likely bad one lowered) keep learning. ``cov_clip_mask`` picks the tokens; the trainer applies it in the loss
    (``SteadyGRPOTrainer._cov_clip``). The rank is per rank's micro-batch, as the loss is.
-2. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
+2. The policy-gradient brake (``pg_brake``, 0: off by default): every advantage in the loss is multiplied by
+   ``pg_scale = 1 - u x pg_brake``, so at ``u = 1`` with ``pg_brake`` 1 the reward's policy gradient is gone and
+   only the bonus and the KL term move the policy. The bonus adds a force against the collapse; the brake takes
+   away the force that causes it. On a forced collapse (a reward that pays for repeating) no bonus the real runs
+   tolerate out-pulls the reward (docs/entropy_floor.md section 00: at 2.0 the reward still reaches 0.98), while
+   the brake scales the reward's pull down in proportion to how far entropy is under the floor, however strong
+   that pull is. It acts only while the floor does (never while the learning gate holds it off), and Adam's
+   momentum carries about 10 steps of the old direction after it engages. ``SteadyGRPOTrainer._compute_loss``
+   applies it to the micro-batch's advantages for that loss only (PPO's GAE advantages too).
+3. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
    entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
    forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the
    learning gate) it pushed entropy from 0.3 to 1.6 nats and held-out accuracy ended at 0.325 against plain's 0.575.
@@ -130,6 +139,7 @@ class EntropyConfig:
     kp: float = 0.4  # proportional gain: control per unit relative gap, on top of the integral
     coef_max: float = 0.01  # entropy bonus at control 1 (TRL's entropy_coef); 0.5 wrecked a real run (docstring)
     cov_clip: float = 0.0  # share of the sharpening tokens whose policy gradient is dropped at control 1; 0: off
+    pg_brake: float = 0.0  # share of every advantage taken off at control 1 (module docstring, lever 2); 0: off
     # (off by default: at 1 it cost SmolLM2-135M 0.625 -> 0.420 held-out accuracy, docs/entropy_floor.md section 0)
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
@@ -158,8 +168,12 @@ class EntropyConfig:
             problems.append(f"coef_max must be finite and >= 0, got {self.coef_max}")
         if not 0 <= self.cov_clip <= 1:
             problems.append(f"cov_clip must be in [0, 1], got {self.cov_clip}")
-        if self.coef_max == 0 and self.cov_clip == 0:
-            problems.append("coef_max and cov_clip are both 0: the floor has no lever (set enabled: false instead)")
+        if not (isinstance(self.pg_brake, (int, float)) and 0 <= self.pg_brake <= 1):
+            problems.append(f"pg_brake must be in [0, 1], got {self.pg_brake!r}")
+        elif self.coef_max == 0 and self.cov_clip == 0 and self.pg_brake == 0:
+            problems.append(
+                "coef_max, cov_clip and pg_brake are all 0: the floor has no lever (set enabled: false instead)"
+            )
         if self.clip_while_learning and self.cov_clip == 0:
             problems.append(
                 "clip_while_learning needs the covariance clip, but cov_clip is 0 (its default): set cov_clip to a "
@@ -228,6 +242,14 @@ class EntropyFloor:
     def cov_share(self) -> float:
         """Share of the sharpening tokens whose advantage the loss drops: control x ``cov_clip``."""
         return self.control * self.config.cov_clip
+
+    @property
+    def pg_scale(self) -> float:
+        """Factor on the loss's advantages: ``1 - control x pg_brake`` (exactly 1 with the brake off, until the floor
+        turns on, and while the learning gate holds it off)."""
+        if self.holding_off or self.config.pg_brake == 0:
+            return 1.0
+        return 1.0 - self.control * self.config.pg_brake
 
     def window_mean(self) -> float:
         return sum(self._window) / len(self._window) if self._window else math.nan
@@ -307,7 +329,8 @@ class EntropyFloor:
                             f"entropy floor active and the window entropy still fell over {c.window} steps "
                             f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, "
                             f"control {self.control:.4g}): it is not holding it yet; raise guards.quatro.entropy.ki "
-                            "(faster), cov_clip or coef_max (if the control sits at 1), or raise trainer.beta to pull "
+                            "(faster), pg_brake, cov_clip or coef_max (if the control sits at 1), or raise "
+                            "trainer.beta to pull "
                             "the policy back to the reference "
                             '(docs/DESIGN.md, "QUATRO: entropy floor")'
                         )

@@ -50,6 +50,8 @@ from steadyrl.metrics import (
     QUATRO_BETA,
     QUATRO_COV_CLIPPED,
     QUATRO_COV_CLIPPED_WOULD,
+    QUATRO_PG_SCALE,
+    QUATRO_PG_SCALE_WOULD,
 )
 from steadyrl.trainers import checkpoints, trl_state
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline, RewardBatch, weighted_rewards
@@ -359,6 +361,18 @@ class SteadyGRPOTrainer(GRPOTrainer):
         per_token = advantages.unsqueeze(1).expand_as(logps) if advantages.dim() == 1 else advantages
         inputs["advantages"] = per_token.masked_fill(chosen, 0.0)  # TRL takes (batch, tokens) advantages as they are
 
+    def _pg_brake(self, inputs: dict[str, Any]) -> None:
+        """The entropy floor's policy-gradient brake (``guards.quatro.entropy.pg_brake``, docs/DESIGN.md): this loss
+        trains on the micro-batch's advantages times ``pg_scale`` (``_compute_loss`` puts the originals back). Logs
+        the factor; observe mode logs it as ``quatro/pg_scale_would`` and changes nothing."""
+        floor = self.quatro.entropy if self.quatro is not None else None
+        if floor is None or floor.config.pg_brake == 0 or not self.model.training or "advantages" not in inputs:
+            return
+        scale = floor.pg_scale
+        self._guard_metric(QUATRO_PG_SCALE_WOULD if self.quatro.observe else QUATRO_PG_SCALE, scale)
+        if scale != 1.0 and not self.quatro.observe:
+            inputs["advantages"] = inputs["advantages"] * scale
+
     def _compute_loss(self, model, inputs):
         if not self.finite_checks and self.quatro is None:
             return super()._compute_loss(model, inputs)
@@ -366,6 +380,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self.scratch.loss_inputs = inputs if self.finite_checks or replay or self._cov_clip_on() else None
         self.scratch.loss_logps = None
         advantages = inputs.get("advantages")  # the covariance clip swaps in per-token ones for this loss only
+        self._pg_brake(inputs)
         try:
             loss = super()._compute_loss(model, inputs)
         finally:

@@ -299,6 +299,40 @@ def _cov_batch(rows: int = 8, length: int = 6) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["act", "observe"])
+def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode):
+    """The seam of the entropy floor's policy-gradient brake: at control 0.75 with pg_brake 1 the loss is TRL's own
+    loss on the same batch with every advantage x 0.25, the micro-batch keeps its own advantages afterwards, and
+    ``quatro/pg_scale`` is 0.25. Observe mode: TRL's loss unchanged, ``quatro/pg_scale_would`` 0.25. Control 0: TRL's
+    loss, factor 1."""
+    from trl import GRPOTrainer
+
+    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(pg_brake=1.0)), observe=mode == "observe")
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
+    inputs = _cov_batch()
+    original = inputs["advantages"]
+    with torch.no_grad():
+        plain = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))  # steadyrl's hooks see no loss
+        by_hand = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs, advantages=original * 0.25))
+    assert not torch.allclose(by_hand, plain)  # the brake changes this loss: the equalities below can fail
+
+    trainer.quatro.entropy.control = 0.75
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, inputs)
+    assert inputs["advantages"] is original  # the batch (replayed, or reused by num_iterations) is untouched
+    expected = plain if mode == "observe" else by_hand
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    name = "quatro/pg_scale_would" if mode == "observe" else "quatro/pg_scale"
+    assert trainer._metrics["train"][name][-1] == 0.25
+
+    trainer.quatro.entropy.control = 0.0
+    with torch.no_grad():
+        assert float(trainer._compute_loss(trainer.model, inputs)) == pytest.approx(float(plain), rel=1e-6)
+    assert trainer._metrics["train"][name][-1] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["act", "observe"])
 def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_path, mode):
     """The seam of the entropy floor's covariance clip: with the control at 1 the loss TRL computes is TRL's own loss
     on the same batch with the advantage of exactly the tokens ``cov_clip_mask`` picks set to 0 (every sharpening

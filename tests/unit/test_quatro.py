@@ -394,10 +394,36 @@ def test_entropy_bonus_stays_within_its_bounds(values):
         assert f.clip_scale() == (0.5 if f.active else 1.0)
 
 
+def test_policy_gradient_brake_by_hand():
+    """pg_scale = 1 - control x pg_brake: 1 before the floor turns on, 1 - 0.6 x 0.5 = 0.7 at the first step under
+    it (control ki x gap = 2.4 x 0.25), 0.5 at the cap, exactly 1 with the brake off (whatever the control) and
+    while the learning gate holds the floor off."""
+    cfg = dict(baseline_steps=2, floor_ratio=0.8, window=1, ki=2.4, kp=0.0, hysteresis=1.1)
+    braked, unbraked = EntropyFloor(EntropyConfig(pg_brake=0.5, **cfg)), EntropyFloor(EntropyConfig(**cfg))
+    for f in (braked, unbraked):
+        for value in (1.0, 1.0, 0.8):
+            f.observe(value)
+    assert braked.pg_scale == 1.0 and unbraked.pg_scale == 1.0  # at the floor, not below: off
+    for f in (braked, unbraked):
+        f.observe(0.6)
+    assert braked.control == pytest.approx(0.6) and braked.pg_scale == pytest.approx(0.7, abs=1e-12)
+    assert unbraked.control == pytest.approx(0.6) and unbraked.pg_scale == 1.0
+    braked.observe(0.6)
+    assert braked.control == 1.0 and braked.pg_scale == 0.5
+    # with clip_while_learning the controller keeps running while the gate holds the floor off: the brake does not
+    gated = _gated(gate_z=0.9, pg_brake=1.0, clip_while_learning=True, cov_clip=1.0)
+    gated.observe(1.0, 0.0)
+    for reward in (0.1, 0.2):  # fewer than 4 rewards: on by entropy alone
+        gated.observe(0.5, reward)
+    assert gated.active and gated.pg_scale == pytest.approx(1.0 - gated.control) and gated.pg_scale < 1.0
+    gated.observe(0.5, 0.3)  # the reward rises: held off, the full policy gradient
+    assert gated.holding_off and gated.control > 0 and gated.pg_scale == 1.0
+
+
 def test_entropy_defaults():
     c = EntropyConfig()
     assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.8, 5, 0.1, 0.4)
-    assert (c.coef_max, c.cov_clip) == (0.01, 0.0)
+    assert (c.coef_max, c.cov_clip, c.pg_brake) == (0.01, 0.0, 0.0)
 
 
 def test_entropy_config_validation():
@@ -408,6 +434,11 @@ def test_entropy_config_validation():
         EntropyConfig(floor_ratio=1.5, hysteresis=0.9)
     with pytest.raises(ValueError, match=r"gate_window must be >= 4 .*, got 3; gate_z must be finite and >= 0"):
         EntropyConfig(gate_window=3, gate_z=-1.0)
+    with pytest.raises(ValueError, match=r"pg_brake must be in \[0, 1\], got 1.5"):
+        EntropyConfig(pg_brake=1.5)
+    with pytest.raises(ValueError, match=r"coef_max, cov_clip and pg_brake are all 0: the floor has no lever"):
+        EntropyConfig(coef_max=0.0)
+    assert EntropyConfig(coef_max=0.0, pg_brake=1.0).pg_brake == 1.0  # the brake alone is a lever
 
 
 # ---------------------------------------------------------------------------------------------------- filters
