@@ -91,6 +91,11 @@ VARIANTS = {  # name -> (folder slug, colour, overrides)
         "C8",
         (QUATRO, KL_OFF, FILTERS_OFF, *VERIFIER_GATE),
     ),
+    "QUATRO entropy floor only (gate on exact match) + brake": (  # the policy-gradient brake at 1
+        "floor-verifier-brake",
+        "C9",
+        (QUATRO, KL_OFF, FILTERS_OFF, *VERIFIER_GATE, "guards.quatro.entropy.pg_brake=1.0"),
+    ),
 }
 MAIN_VARIANTS = ("plain TRL", "QUATRO", "QUATRO + short-answer repetition filter")
 DEMO_VARIANTS = ("plain TRL", "QUATRO")

@@ -44,6 +44,7 @@ from steadyrl.metrics import (
     QUATRO_ENTROPY_BONUS_WOULD,
     QUATRO_FLOOR_ACTIVE_WOULD,
     QUATRO_KL_COEF_WOULD,
+    QUATRO_PG_SCALE_WOULD,
     QUATRO_WOULD_FILTER_PREFIX,
     QUATRO_WOULD_FILTER_SHARE,
 )
@@ -189,6 +190,10 @@ def _quatro(history: History, beta: float | None) -> LayerSummary:
         clipped = clipped[np.isfinite(clipped)]
         if len(clipped) and n_active:
             extra += f", covariance clip on up to {100 * float(clipped.max()):.3g}% of the loss tokens"
+        braked = history.series(QUATRO_PG_SCALE_WOULD)[1]
+        braked = braked[np.isfinite(braked)]
+        if len(braked) and n_active:
+            extra += f", policy gradient scaled down to {float(braked.min()):.3g}x by the brake"
         s.facts.append(
             f"entropy floor: would be active at {n_active} logged step(s), bonus up to {np.nanmax(bonus):.4g}{extra}"
         )

@@ -39,6 +39,7 @@ from steadyrl.metrics import (
     QUATRO_FLOOR_ACTIVE_WOULD,
     QUATRO_KL_COEF,
     QUATRO_KL_COEF_WOULD,
+    QUATRO_PG_SCALE_WOULD,
     QUATRO_WOULD_FILTER_SHARE,
     gepo_would_skip,
     quatro_filtered,
@@ -353,6 +354,21 @@ def test_doctor_summary_says_what_each_observing_layer_would_have_done(tmp_path:
     text = format_observe_summary(history, tmp_path)
     assert "QUATRO" in text and "GEPO" not in text and "(trainer.beta 0.04 stayed)" in text
     assert format_observe_summary(History(rows=[{"step": 1, "loss": 0.1}])) == ""
+
+
+def test_doctor_summary_reports_the_entropy_floors_would_be_levers() -> None:
+    """The floor would have been active on 2 of 4 logged steps, with a bonus up to 0.006, the clip range down to 0.5
+    and the brake scaling the policy gradient down to 0.4x (its factor logged 1.0 while the floor was off)."""
+    rows = [
+        {"step": t, QUATRO_ENTROPY_BONUS_WOULD: bonus, QUATRO_FLOOR_ACTIVE_WOULD: active, QUATRO_PG_SCALE_WOULD: scale,
+         QUATRO_CLIP_SCALE_WOULD: 0.5}
+        for t, (bonus, active, scale) in enumerate([(0, 0, 1.0), (0.004, 1, 0.6), (0.006, 1, 0.4), (0, 0, 1.0)], 1)
+    ]  # fmt: skip
+    text = format_observe_summary(History(rows=rows))
+    assert (
+        "entropy floor: would be active at 2 logged step(s), bonus up to 0.006, clip scale down to 0.5 while active, "
+        "policy gradient scaled down to 0.4x by the brake" in text
+    )
 
 
 def test_gepo_section_observing_needs_enabled() -> None:
