@@ -5,7 +5,7 @@ Baseline = mean token entropy of the first ``baseline_steps`` (10) optimizer ste
 baseline, compared with the mean of a rolling ``window`` (5 steps). The floor turns on when the window mean falls
 below it, and off above floor x ``hysteresis``; while it is on ``clip_scale()`` is ``clip_factor`` (0.5).
 
-One proportional-integral controller drives two levers. Its output, the control ``u`` in ``[0, 1]``, follows the
+One proportional-integral controller drives three levers. Its output, the control ``u`` in ``[0, 1]``, follows the
 relative gap ``gap = (floor - mean) / floor``: every step once the floor has turned on, ``integral += ki x gap``
 and ``u = integral + kp x gap``, both kept in ``[0, 1]`` (``ki`` 0.1, ``kp`` 0.4 per unit of gap; the gains do not
 depend on either lever's cap). Below the floor the integral grows towards the control that holds entropy there,

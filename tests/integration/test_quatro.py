@@ -298,6 +298,32 @@ def _cov_batch(rows: int = 8, length: int = 6) -> dict:
     }
 
 
+def _loss_seam(model_dir, out, entropy: EntropyConfig, mode: str):
+    """A trainer with only QUATRO's entropy floor (acting or observing), in training mode, a hand-made micro-batch,
+    and TRL's own loss on that batch (computed without steadyrl's hooks)."""
+    from trl import GRPOTrainer
+
+    quatro = QuatroRuntime(QuatroConfig(entropy=entropy), observe=mode == "observe")
+    trainer, _ = _trainer(model_dir, out, quatro)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
+    inputs = _cov_batch()
+    with torch.no_grad():
+        plain = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))  # steadyrl's hooks see no loss
+    return trainer, inputs, plain
+
+
+def _floor_loss(trainer, inputs: dict, control: float) -> float:
+    """steadyrl's loss on ``inputs`` with the floor's control set; the batch (replayed, or reused by num_iterations)
+    keeps its own advantages afterwards."""
+    original = inputs["advantages"]
+    trainer.quatro.entropy.control = control
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, inputs)
+    assert inputs["advantages"] is original
+    return float(loss)
+
+
 @pytest.mark.parametrize("mode", ["act", "observe"])
 def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode):
     """The seam of the entropy floor's policy-gradient brake: at control 0.75 with pg_brake 1 the loss is TRL's own
@@ -306,23 +332,14 @@ def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode
     loss, factor 1."""
     from trl import GRPOTrainer
 
-    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(pg_brake=1.0)), observe=mode == "observe")
-    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
-    inputs = _cov_batch()
+    trainer, inputs, plain = _loss_seam(tiny_model_dir, tmp_path / mode, EntropyConfig(pg_brake=1.0), mode)
     original = inputs["advantages"]
     with torch.no_grad():
-        plain = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))  # steadyrl's hooks see no loss
         by_hand = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs, advantages=original * 0.25))
     assert not torch.allclose(by_hand, plain)  # the brake changes this loss: the equalities below can fail
 
-    trainer.quatro.entropy.control = 0.75
-    with torch.no_grad():
-        loss = trainer._compute_loss(trainer.model, inputs)
-    assert inputs["advantages"] is original  # the batch (replayed, or reused by num_iterations) is untouched
     expected = plain if mode == "observe" else by_hand
-    assert float(loss) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    assert _floor_loss(trainer, inputs, 0.75) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
     name = "quatro/pg_scale_would" if mode == "observe" else "quatro/pg_scale"
     assert trainer._metrics["train"][name][-1] == 0.25
 
@@ -342,14 +359,9 @@ def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_
 
     from steadyrl.guards.entropy_floor import cov_clip_mask
 
-    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(cov_clip=1.0)), observe=mode == "observe")
-    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
-    inputs = _cov_batch()
+    trainer, inputs, plain = _loss_seam(tiny_model_dir, tmp_path / mode, EntropyConfig(cov_clip=1.0), mode)
     original = inputs["advantages"]
     with torch.no_grad():
-        plain = GRPOTrainer._compute_loss(trainer, trainer.model, dict(inputs))  # steadyrl's hooks see no loss
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
@@ -362,12 +374,8 @@ def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_
         by_hand = GRPOTrainer._compute_loss(trainer, trainer.model, zeroed)
     assert not torch.allclose(by_hand, plain)  # the clip changes this loss: the equalities below can fail
 
-    trainer.quatro.entropy.control = 1.0  # the floor's controller at its top
-    with torch.no_grad():
-        loss = trainer._compute_loss(trainer.model, inputs)
-    assert inputs["advantages"] is original  # the batch (replayed, or reused by num_iterations) is untouched
     expected = plain if mode == "observe" else by_hand
-    assert float(loss) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
+    assert _floor_loss(trainer, inputs, 1.0) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)  # at its top
     name = "quatro/cov_clipped_would" if mode == "observe" else "quatro/cov_clipped"
     share = float(chosen.sum()) / float(inputs["completion_mask"].sum())
     assert trainer._metrics["train"][name][-1] == pytest.approx(share, rel=1e-12)
