@@ -52,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from steadyrl.environment import package_versions, source_commit  # noqa: E402
+from steadyrl.environment import machine_line, package_versions, source_commit  # noqa: E402
 from steadyrl.evidence.history import HistoryNotFoundError, load_history, to_float  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 from steadyrl.metrics import EVENT_ROLLBACK, EVENT_SKIP, GEPO_SKIPPED_STEPS, OPEFO_ROLLBACKS  # noqa: E402
@@ -269,13 +269,16 @@ def _ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def write_results(path: Path, cells: list[dict[str, Any]], command_line: str, notes: list[str]) -> None:
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    if torch.cuda.is_available():
+        machine = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    else:
+        machine = machine_line()
     record = {
         "benchmark": "gpu_smoke",
         "command": command_line,
         "commit": os.environ.get("STEADYRL_COMMIT") or source_commit(),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{torch.cuda.device_count()}x {device}, torch {torch.__version__}",
+        "machine": machine,
         "model": "tiny-llama-0.9m | smollm2-135m-instruct | qwen2.5-0.5b-shaped",
         "packages": package_versions(),
         "cells": cells,
