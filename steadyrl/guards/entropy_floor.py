@@ -8,7 +8,7 @@ below it, and off above floor x ``hysteresis``; while it is on ``clip_scale()`` 
 One proportional-integral controller drives three levers. Its output, the control ``u`` in ``[0, 1]``, follows the
 relative gap ``gap = (floor - mean) / floor``: every step once the floor has turned on, ``integral += ki x gap``
 and ``u = integral + kp x gap``, both kept in ``[0, 1]`` (``ki`` 0.1, ``kp`` 0.4 per unit of gap; the gains do not
-depend on either lever's cap). Below the floor the integral grows towards the control that holds entropy there,
+depend on any lever's cap). Below the floor the integral grows towards the control that holds entropy there,
 whatever the strength of the pressure that collapses it; above the floor it shrinks back. The proportional term
 damps the loop: entropy integrates the levers' effect step after step, and an integral alone on such a plant
 oscillates.
@@ -39,7 +39,11 @@ oscillates.
    the brake scales the reward's pull down in proportion to how far entropy is under the floor, however strong
    that pull is. It acts only while the floor does (never while the learning gate holds it off), and Adam's
    momentum carries about 10 steps of the old direction after it engages. ``SteadyGRPOTrainer._compute_loss``
-   applies it to the micro-batch's advantages for that loss only (PPO's GAE advantages too).
+   applies it to the micro-batch's advantages for that loss only (PPO's GAE advantages too). Measured on the
+   forced collapse (docs/entropy_floor.md, section 000): at ``coef_max`` 0.01 entropy ends 4x higher than without
+   it and the hack slows, but the band is not held, although the policy gradient was off on 49-88 of 200 steps.
+   Adam's second moment still carries the removed gradient's size, so the remaining small gradients move the
+   weights slowly. Off by default.
 3. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
    entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
    forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the
@@ -139,8 +143,9 @@ class EntropyConfig:
     kp: float = 0.4  # proportional gain: control per unit relative gap, on top of the integral
     coef_max: float = 0.01  # entropy bonus at control 1 (TRL's entropy_coef); 0.5 wrecked a real run (docstring)
     cov_clip: float = 0.0  # share of the sharpening tokens whose policy gradient is dropped at control 1; 0: off
-    pg_brake: float = 0.0  # share of every advantage taken off at control 1 (module docstring, lever 2); 0: off
     # (off by default: at 1 it cost SmolLM2-135M 0.625 -> 0.420 held-out accuracy, docs/entropy_floor.md section 0)
+    pg_brake: float = 0.0  # share of every advantage taken off at control 1 (module docstring, lever 2); 0: off
+    # (off by default: it slows a forced collapse and does not hold it, docs/entropy_floor.md section 000)
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
