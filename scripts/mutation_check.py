@@ -313,6 +313,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_quatro.py::test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls",),
     ),
     Mutant(
+        "gepo_bound_on_host",
+        "GEPO's clamp bound is a CPU tensor (no device): every layer on died at step 0 on an H200 (7cd9895)",
+        (
+            (
+                "steadyrl/guards/robust_advantage.py",
+                "torch.tensor(0.0, dtype=out_dtype)).item()",
+                "torch.tensor(0.0, dtype=out_dtype))",
+            ),
+        ),
+        (f"{IT}/test_device_audit.py::test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor",),
+    ),
+    Mutant(
         "cov_clip_not_written_back",
         "the covariance clip picks the sharpening tokens but the loss trains on the unclipped advantages",
         (

@@ -111,7 +111,9 @@ def robust_group_advantages(
     adv = clip_scale * torch.tanh((r - centre) / scale / clip_scale)
     adv = torch.where(scorable & informative, adv, torch.zeros_like(adv))
     adv = adv.to(out_dtype)
-    bound = torch.nextafter(torch.tensor(clip_scale, dtype=out_dtype), torch.tensor(0.0, dtype=out_dtype))
+    # The largest value of out_dtype below clip_scale, as a Python number: clamp() takes it on any device (a CPU
+    # tensor bound failed on CUDA, the H200 smoke run of 7cd9895).
+    bound = torch.nextafter(torch.tensor(clip_scale, dtype=out_dtype), torch.tensor(0.0, dtype=out_dtype)).item()
     return adv.clamp(-bound, bound)
 
 

@@ -108,6 +108,18 @@ def test_ratios_are_every_layer_on_over_plain_per_stage():
     assert g._ratios(cells) == [{"scenario": "a", "peak_allocated_ratio": 1.25, "step_time_ratio": 1.25}]
 
 
+def test_a_stage_the_deadline_stopped_is_not_run_not_passed():
+    """The H200 run of 7cd9895 wrote passed: true for the four stages its deadline kept from starting."""
+    g = _script()
+    not_run = g._cell(_stage(g), {"returncode": None, "died": False, "failures": [], "ran": False, "note": "x"})
+    ran = g._cell(_stage(g), {"returncode": 0, "died": False, "failures": []})
+    failed = g._cell(_stage(g), {"returncode": 1, "died": True, "failures": ["exit status 1"]})
+    assert (not_run["passed"], ran["passed"], failed["passed"]) == (None, True, False)
+    assert "ran" not in not_run["metrics"]
+    assert g.summary([ran, failed, not_run]) == "1 passed, 1 failed, 1 not run"
+    assert g.summary([ran, ran]) == "2 passed, 0 failed"
+
+
 def test_cpu_mode_drops_half_precision_and_launches_zero2_over_gloo(tmp_path):
     g = _script()
     stage = next(s for s in g.tiny_stages(tmp_path / "m") if s.name == "fp16-zero2-nan")
