@@ -325,6 +325,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_device_audit.py::test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor",),
     ),
     Mutant(
+        "replay_metrics_reduced_on_host",
+        "replay's metric sums go into the cross-rank sum as a CPU tensor (NCCL refuses it on GPUs)",
+        (
+            (
+                "steadyrl/trainers/quatro_runtime.py",
+                "        local_t = torch.tensor(local, dtype=torch.float64, device=self.ctx.device)",
+                "        local_t = torch.tensor(local, dtype=torch.float64)",
+            ),
+        ),
+        (f"{IT}/test_device_audit.py::test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor",),
+    ),
+    Mutant(
         "cov_clip_not_written_back",
         "the covariance clip picks the sharpening tokens but the loss trains on the unclipped advantages",
         (

@@ -12,8 +12,10 @@ follows that mark through every op whose tensor inputs are all host, and records
 tensor with any other tensor (one that came from the model, the data, TRL, or a call that named a device).
 
 It is stricter than CUDA in one way: CUDA lets a 0-dim CPU tensor into most element-wise ops, the audit does not
-(naming the device there costs nothing). It misses what it cannot see: host tensors made by TRL or by
-``.cpu()``, and ops that autograd runs in C++ (backward).
+(naming the device there costs nothing). It also checks what steadyrl sends into its collectives
+(``RuntimeContext.reduce_sum``/``gather``, the identity on one process): NCCL takes device tensors only. It misses
+what it cannot see: host tensors made by TRL, collectives called on ``torch.distributed`` directly, and ops that
+autograd runs in C++ (backward).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import steadyrl
+from steadyrl.trainers.context import RuntimeContext
 
 PACKAGE = str(Path(steadyrl.__file__).resolve().parent)
 FACTORIES = {
@@ -51,7 +54,10 @@ class Mix:
     host_from: tuple[str, ...]
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.op} mixes a host tensor (made at {', '.join(self.host_from)}) with a device one"
+        made = ", ".join(self.host_from)
+        if self.op.endswith("(a collective)"):
+            return f"{self.where}: {self.op} gets a host tensor (made at {made}); NCCL takes device tensors only"
+        return f"{self.where}: {self.op} mixes a host tensor (made at {made}) with a device one"
 
 
 def _steadyrl_frame(depth: int) -> str | None:
@@ -89,11 +95,34 @@ class HostTensorAudit(TorchFunctionMode):
             return out
 
         self._real_load, torch.load = real_load, load
+        real_init = RuntimeContext.__init__
+        audit = self
+
+        def init(ctx: RuntimeContext, *args: Any, **kwargs: Any) -> None:
+            """Every RuntimeContext made while the audit runs checks what its collectives get."""
+            real_init(ctx, *args, **kwargs)
+            ctx.reduce_sum = audit._collective(ctx.reduce_sum, "reduce_sum")
+            ctx.gather = audit._collective(ctx.gather, "gather")
+
+        self._real_init, RuntimeContext.__init__ = real_init, init
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         torch.load = self._real_load
+        RuntimeContext.__init__ = self._real_init
         super().__exit__(*exc)
+
+    def _collective(self, fn: Any, name: str) -> Any:
+        """A collective (the identity on one process) that records a host tensor sent into it: NCCL takes device
+        tensors only, so on GPUs it raises there."""
+
+        def checked(t: torch.Tensor) -> torch.Tensor:
+            origin = self._origin(t)
+            if origin is not None:
+                self.mixes.add(Mix(_steadyrl_frame(2) or "outside steadyrl", f"{name} (a collective)", (origin,)))
+            return fn(t)
+
+        return checked
 
     def _origin(self, t: torch.Tensor) -> str | None:
         entry = self._host.get(id(t))
