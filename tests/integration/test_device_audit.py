@@ -43,7 +43,8 @@ def test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor(tiny_model_dir, 
     # two updates per generation (old log-probs, the replay importance ratio); bf16 weights, as on a GPU (the CPU
     # has no bf16 autocast here, so the weights and the optimizer state themselves are bf16)
     grpo = [*base, "guards.quatro.replay.enabled=true", "guards.quatro.filters.near_duplicate.enabled=true",
-            "guards.quatro.filters.dropped_rows=exclude", "trainer.num_iterations=2", "model.dtype=bfloat16"]  # fmt: skip
+            "guards.quatro.filters.dropped_rows=exclude", "trainer.num_iterations=2",
+            "model.dtype=bfloat16"]  # fmt: skip
     run = tmp_path / "grpo"
     monkeypatch.setenv(FAULT_STEP_ENV, "2")
     _train(audit, "configs/tiny/grpo-guarded.yaml", *grpo, f"trainer.output_dir={run}", "trainer.max_steps=4",
