@@ -63,7 +63,9 @@ of the last ``gate_window / 2`` steps' rewards exceeds the mean of the ``gate_wi
 ``quatro/floor_held_off``). Until ``gate_window`` rewards are known (and for a trainer that reports none) the floor
 decides on entropy alone, as without the gate. With ``clip_while_learning`` the gate holds off only the bonus and
 the narrower clip range: the controller keeps running and the covariance clip keeps acting under the floor while
-the reward rises (it cannot raise entropy, only stop the sharpening tokens' share of the update).
+the reward rises (it cannot raise entropy, only stop the sharpening tokens' share of the update). With
+``keep_integral_while_held`` a held-off step still sets every lever to 0, but the integral is kept (not grown): on a
+sparse verifier that ticks up by chance, each tick otherwise restarts the controller from 0.
 
 Which reward the gate reads (``gate_reward``): by default the weighted training reward. A reward that pays for the
 collapse itself (the forced collapse of docs/entropy_floor.md: a reward for repeating one character) rises while
@@ -150,6 +152,9 @@ class EntropyConfig:
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
     clip_while_learning: bool = False  # the gate holds off only the bonus and the clip range, not the covariance clip
+    # a held-off step sets the control to 0 but keeps the integral, so the controller resumes where it was when the
+    # gate lets go (off: the integral restarts at 0, as measured in docs/entropy_floor.md section 000)
+    keep_integral_while_held: bool = False
     gate_window: int = 10  # steps of reward compared: the last half against the half before
     gate_z: float = 1.0  # "rising": the halves' mean difference above gate_z standard errors
     # the reward the gate reads: a `rewards[].name` (weight 0 allowed: a verifier that only watches); None: the
@@ -309,7 +314,9 @@ class EntropyFloor:
             self.held_off += 1
             self.holding_off = True
             if not c.clip_while_learning:
-                self.active, self.integral, self.control = False, 0.0, 0.0
+                self.active, self.control = False, 0.0
+                if not c.keep_integral_while_held:
+                    self.integral = 0.0
                 return None
         activated = c.enabled and not self.active and mean < self.floor
         if activated:

@@ -263,6 +263,29 @@ def test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls():
     assert list(again._rewards) == [] and again.held_off == 0
 
 
+def test_keep_integral_while_held_resumes_the_controller_where_the_gate_stopped_it():
+    """The steps of the test above with ``keep_integral_while_held``. Gap (0.8 - 0.5) / 0.8 = 0.375: each active
+    step adds ki x gap = 0.0375 to the integral, and the control is the integral + kp x gap (0.15). Two active steps
+    (0.075), five held off (control 0, bonus 0, integral kept at 0.075), two active (0.1125, then 0.15, controls
+    0.2625 and 0.30), two held off (0.15 kept). Without the option the integral is 0 after every held-off step."""
+    kept, reset = _gated(gate_z=0.9, keep_integral_while_held=True), _gated(gate_z=0.9)
+    for f in (kept, reset):
+        f.observe(1.0, 0.0)
+    rewards = (0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.9, 1.3)
+    integral = (0.0375, 0.075, 0.075, 0.075, 0.075, 0.075, 0.075, 0.1125, 0.15, 0.15, 0.15)
+    reset_integral = (0.0375, 0.075, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0375, 0.075, 0.0, 0.0)
+    held = (False, False, True, True, True, True, True, False, False, True, True)
+    for reward, expect, expect_reset, expect_held in zip(rewards, integral, reset_integral, held, strict=True):
+        kept.observe(0.5, reward)
+        reset.observe(0.5, reward)
+        assert kept.holding_off == reset.holding_off == expect_held, reward
+        assert kept.integral == pytest.approx(expect), reward
+        assert kept.control == (0.0 if expect_held else pytest.approx(expect + 0.15)), reward
+        assert kept.bonus == (0.0 if expect_held else pytest.approx(0.01 * (expect + 0.15))), reward
+        assert reset.integral == pytest.approx(expect_reset), reward
+    assert kept.state_dict()["integral"] == pytest.approx(0.15)
+
+
 def test_clip_while_learning_holds_off_only_the_bonus_and_the_clip_range():
     """The same steps with ``clip_while_learning``: the gate still marks the held-off steps, where the bonus is 0 and
     the clip range unscaled, but the controller never resets. Gap (0.8 - 0.5) / 0.8 = 0.375 every step: the integral
