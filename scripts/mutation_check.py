@@ -337,6 +337,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_device_audit.py::test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor",),
     ),
     Mutant(
+        "held_integral_reset_anyway",
+        "keep_integral_while_held is read but a held-off step still resets the entropy controller's integral",
+        (
+            (
+                "steadyrl/guards/entropy_floor.py",
+                "                if not c.keep_integral_while_held:",
+                "                if True:",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_keep_integral_while_held_resumes_the_controller_where_the_gate_stopped_it",),
+    ),
+    Mutant(
         "cov_clip_not_written_back",
         "the covariance clip picks the sharpening tokens but the loss trains on the unclipped advantages",
         (
