@@ -44,6 +44,7 @@ def test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor(tiny_model_dir, 
     # has no bf16 autocast here, so the weights and the optimizer state themselves are bf16)
     grpo = [*base, "guards.quatro.replay.enabled=true", "guards.quatro.filters.near_duplicate.enabled=true",
             "guards.quatro.filters.dropped_rows=exclude", "trainer.num_iterations=2",
+            "guards.opefo.floor.interval=1", "guards.opefo.floor.sample_size=1024",  # the floor, sampled, each step
             "model.dtype=bfloat16"]  # fmt: skip
     run = tmp_path / "grpo"
     monkeypatch.setenv(FAULT_STEP_ENV, "2")
