@@ -128,6 +128,11 @@ class HostTensorAudit(TorchFunctionMode):
         entry = self._host.get(id(t))
         return entry[1] if entry is not None and entry[0]() is t else None
 
+    def _device_origin(self, device: Any) -> str | None:
+        """Where the host tensor was made whose ``.device`` this object is; None for any other device."""
+        entry = self._host_devices.get(id(device))
+        return entry[1] if entry is not None and entry[0] is device else None
+
     def _mark(self, out: Any, origin: str) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -152,8 +157,8 @@ class HostTensorAudit(TorchFunctionMode):
                 if where is not None:
                     self.host_made += 1
                     self._mark(out, where)
-            elif id(device) in self._host_devices and self._host_devices[id(device)][0] is device:
-                self._mark(out, self._host_devices[id(device)][1])
+            elif (origin := self._device_origin(device)) is not None:
+                self._mark(out, origin)
             return out
         if func in CROSS_DEVICE:
             return out
@@ -191,7 +196,7 @@ class HostTensorAudit(TorchFunctionMode):
                 target = "cpu" if told[0].split(":")[0] == "cpu" else "device"
             elif isinstance(told[0], torch.Tensor):
                 target = "host" if self._origin(told[0]) is not None else "device"
-            elif id(told[0]) in self._host_devices and self._host_devices[id(told[0])][0] is told[0]:
+            elif self._device_origin(told[0]) is not None:
                 target = "host"
             else:
                 target = "device"
