@@ -44,6 +44,17 @@ oscillates.
    it and the hack slows, but the band is not held, although the policy gradient was off on 49-88 of 200 steps.
    Adam's second moment still carries the removed gradient's size, so the remaining small gradients move the
    weights slowly. Off by default.
+   2b. The brake's moments (``brake_moments``, 0: off by default; needs ``pg_brake``): Adam divides each update
+   by the square root of its second-moment average, and with ``beta2`` 0.999 that average keeps the size of the
+   policy gradient the brake has just removed for hundreds of steps, so the small gradients left (the bonus, the
+   KL term) barely move the weights, and Adam's first moment keeps pushing the old direction for about 10 steps.
+   With ``brake_moments`` at ``m`` the moments follow the brake: after each step the trainer multiplies every
+   ``exp_avg`` by ``r = max(pg_scale, m) / max(pg_scale_before, m)`` and every ``exp_avg_sq`` by ``r**2``
+   (``moment_rescale``; ``scale_moments``), the state Adam would hold had every gradient it averaged been braked
+   as this step's is. Adam is scale-invariant, so with the moments scaled the brake no longer shrinks the update:
+   it changes its direction, from the reward's towards the bonus's and the KL term's, by the factor ``1 / r``
+   (at most ``1 / m``). When the brake lets go the moments are scaled back up by the same factors. GRPO only (PPO's
+   critic shares the optimizer, and its loss is not braked).
 3. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
    entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
    forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the
@@ -98,6 +109,7 @@ from steadyrl.metrics import (
     QUATRO_ENTROPY_FLOOR,
     QUATRO_FLOOR_ACTIVE,
     QUATRO_FLOOR_HELD_OFF,
+    QUATRO_MOMENT_SCALE,
 )
 
 
@@ -148,6 +160,8 @@ class EntropyConfig:
     # (off by default: at 1 it cost SmolLM2-135M 0.625 -> 0.420 held-out accuracy, docs/entropy_floor.md section 0)
     pg_brake: float = 0.0  # share of every advantage taken off at control 1 (module docstring, lever 2); 0: off
     # (off by default: it slows a forced collapse and does not hold it, docs/entropy_floor.md section 000)
+    # With the brake: Adam's moments follow its factor, floored at this value (module docstring, lever 2b); 0: off
+    brake_moments: float = 0.0
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
@@ -183,6 +197,13 @@ class EntropyConfig:
         elif self.coef_max == 0 and self.cov_clip == 0 and self.pg_brake == 0:
             problems.append(
                 "coef_max, cov_clip and pg_brake are all 0: the floor has no lever (set enabled: false instead)"
+            )
+        if not (isinstance(self.brake_moments, (int, float)) and 0 <= self.brake_moments < 1):
+            problems.append(f"brake_moments must be in [0, 1), got {self.brake_moments!r}")
+        elif self.brake_moments > 0 and self.pg_brake == 0:
+            problems.append(
+                f"brake_moments={self.brake_moments} rescales Adam's moments with the policy-gradient brake's factor, "
+                "but pg_brake is 0 (its default): set pg_brake to a share in (0, 1], or drop brake_moments"
             )
         if self.clip_while_learning and self.cov_clip == 0:
             problems.append(
@@ -241,6 +262,7 @@ class EntropyFloor:
         self.held_off = 0  # steps with the entropy under the floor while the reward was rising
         self.holding_off = False  # this step's
         self.follows = 0  # steps on which follow_learning lowered the floor
+        self.moment_scale = 1.0  # the brake factor Adam's moments follow now (brake_moments; 1: as the gradients)
 
     @property
     def bonus(self) -> float:
@@ -260,6 +282,18 @@ class EntropyFloor:
         if self.holding_off or self.config.pg_brake == 0:
             return 1.0
         return 1.0 - self.control * self.config.pg_brake
+
+    def moment_rescale(self) -> float:
+        """``brake_moments`` (module docstring, lever 2b): the factor for Adam's ``exp_avg`` (its square for
+        ``exp_avg_sq``) that moves the moments from the brake factor they follow to this step's, ``max(pg_scale,
+        brake_moments) / moment_scale``; it records the new scale. 1.0 with ``brake_moments`` off. Call once per
+        optimizer step, after ``observe``, and apply the factor before the next step's update."""
+        low = self.config.brake_moments
+        if low == 0:
+            return 1.0
+        target = max(self.pg_scale, low)
+        factor, self.moment_scale = target / self.moment_scale, target
+        return factor
 
     def window_mean(self) -> float:
         return sum(self._window) / len(self._window) if self._window else math.nan
@@ -358,6 +392,7 @@ class EntropyFloor:
             QUATRO_ENTROPY_CONTROL: self.control,
             QUATRO_FLOOR_ACTIVE: 1.0 if self.active else 0.0,
             **({QUATRO_FLOOR_HELD_OFF: 1.0 if self.holding_off else 0.0} if self.config.learning_gate else {}),
+            **({QUATRO_MOMENT_SCALE: self.moment_scale} if self.config.brake_moments > 0 else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -381,6 +416,7 @@ class EntropyFloor:
             "held_off": self.held_off,
             "holding_off": self.holding_off,
             "follows": self.follows,
+            "moment_scale": self.moment_scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -408,4 +444,5 @@ class EntropyFloor:
         self.held_off = int(state.get("held_off", 0))  # absent in checkpoints from before the learning gate
         self.holding_off = bool(state.get("holding_off", False))
         self.follows = int(state.get("follows", 0))  # absent before follow_learning
+        self.moment_scale = float(state.get("moment_scale", 1.0))  # absent before brake_moments
         self.warning = None

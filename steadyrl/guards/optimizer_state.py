@@ -1,4 +1,5 @@
-"""Helpers over an optimizer's Adam state shared by OPEFO's pieces, and the injected collectives.
+"""Helpers over an optimizer's Adam state shared by OPEFO's pieces and QUATRO's ``brake_moments``, and the injected
+collectives.
 
 Nothing here knows about processes: every cross-rank operation goes through ``reduce_sum(t)`` (summed over ranks)
 and ``all_gather(t)`` (1-D tensors of any lengths concatenated in rank order), the identity by default;
@@ -7,6 +8,7 @@ and ``all_gather(t)`` (1-D tensors of any lengths concatenated in rank order), t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -209,3 +211,21 @@ def distributed_ops(group: Any = None, device: torch.device | str | None = None)
         return torch.cat([p[:n] for p, n in zip(parts, lengths, strict=True)]).to(t.device)
 
     return reduce_sum, all_gather
+
+
+def scale_moments(optimizer: torch.optim.Optimizer, factor: float) -> int:
+    """Multiply every Adam first moment (``exp_avg``) by ``factor`` and every second moment (``exp_avg_sq``,
+    ``max_exp_avg_sq``) by ``factor**2``, in place: the state Adam would hold had every gradient it averaged been
+    ``factor`` times as large. Per rank (each rank scales the entries it holds; no collective). Returns the number
+    of state tensors scaled."""
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"scale_moments: factor must be finite and > 0, got {factor}")
+    scaled = 0
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key in MOMENT_KEYS:
+                t = state.get(key)
+                if isinstance(t, torch.Tensor) and t.numel():
+                    t.mul_(factor if key == "exp_avg" else factor * factor)
+                    scaled += 1
+    return scaled

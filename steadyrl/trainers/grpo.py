@@ -31,6 +31,7 @@ from trl import GRPOTrainer
 
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard, Stepping
 from steadyrl.guards.entropy_floor import cov_clip_mask
+from steadyrl.guards.optimizer_state import scale_moments
 from steadyrl.guards.spike import SpikeGuard
 from steadyrl.metrics import (
     GEPO_NONFINITE_LOGPROBS,
@@ -69,7 +70,7 @@ from steadyrl.trainers.checkpoints import (  # noqa: F401  (re-exported: the che
 from steadyrl.trainers.context import RuntimeContext, identity
 from steadyrl.trainers.guard_memory import held_tensor_bytes, run_storages
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
-from steadyrl.trainers.opefo_runtime import OpefoRuntime
+from steadyrl.trainers.opefo_runtime import OpefoRuntime, keeps_adam_moments, optimizer_chain
 from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, loss_mask
 from steadyrl.trainers.scratch import HookScratch
 from steadyrl.trainers.step_gate import StepGate
@@ -493,11 +494,22 @@ class _GuardClock(TrainerCallback):
     def __init__(self, trainer: SteadyGRPOTrainer) -> None:
         self.trainer = trainer
         self._last_guard_seconds = 0.0
+        self._moments: torch.optim.Optimizer | None = None  # the Adam whose moments brake_moments rescales
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         if (t.step_guards or t.observe_step_guards) and t.is_deepspeed_enabled:
             t.gate.install_deepspeed(t.optimizer)
+        floor = t.quatro.entropy if t.quatro is not None else None
+        if floor is not None and floor.config.brake_moments > 0 and not t.quatro.observe:
+            base = optimizer_chain(t.optimizer)[-1]
+            if not keeps_adam_moments(base):
+                raise TypeError(
+                    f"guards.quatro.entropy.brake_moments rescales Adam's moments (exp_avg, exp_avg_sq), but the "
+                    f"optimizer is {type(base).__module__}.{type(base).__name__}. Use AdamW "
+                    "(trainer.optim=adamw_torch) or set guards.quatro.entropy.brake_moments=0"
+                )
+            self._moments = base
         if t.opefo is not None:
             t.opefo.attach(t.ctx, t.optimizer, lambda: t.model.named_parameters(), t.args.output_dir, t.guard_state)
 
@@ -524,6 +536,8 @@ class _GuardClock(TrainerCallback):
             with t.ctx.timer(GUARD_PART_QUATRO_CONTROLLERS):
                 controls, metrics = t.quatro.on_step_end()
                 t.apply_quatro(controls)
+                if self._moments is not None and (factor := t.quatro.take_moment_factor()) != 1.0:
+                    scale_moments(self._moments, factor)  # before the next update, whose loss the brake scales
                 if t.quatro.kl is not None:
                     metrics[QUATRO_BETA] = t.beta  # the effective coefficient, every factor included
                 t.ctx.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})

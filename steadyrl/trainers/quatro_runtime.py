@@ -105,6 +105,8 @@ from steadyrl.metrics import (
     QUATRO_KL_COEF,
     QUATRO_KL_COEF_WOULD,
     QUATRO_KL_FACTOR,
+    QUATRO_MOMENT_SCALE,
+    QUATRO_MOMENT_SCALE_WOULD,
     QUATRO_REPLAY_AGE_MEAN,
     QUATRO_REPLAY_FRAC,
     QUATRO_REPLAY_RATIO_MEAN,
@@ -163,6 +165,7 @@ class QuatroRuntime:
         self.replay: ReplayBuffer | None = None  # made in bind(): seeded per rank, pads with the tokenizer's id
         self.ctx = RuntimeContext()
         self.scales_clip = False  # set in bind(): the loss type's epsilon is PPO's clip range
+        self._moment_factor = 1.0  # brake_moments: this step's factor for Adam's moments (take_moment_factor)
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
@@ -321,16 +324,24 @@ class QuatroRuntime:
             elif warning is not None:
                 logger.warning("step %d: %s", step, warning)
                 self.ctx.emit_event(EVENT_ENTROPY_FLOOR_WARNING, message=warning)
+            self._moment_factor = self.entropy.moment_rescale()
             metrics.update(self.entropy.metrics())
         if self.observe:
             metrics = self._would_metrics(metrics)
         return self.controls(), metrics
+
+    def take_moment_factor(self) -> float:
+        """The factor this step's ``brake_moments`` puts on Adam's ``exp_avg`` (squared on ``exp_avg_sq``), for the
+        trainer to apply before the next update; 1.0 when off, unchanged, or observing. Reading it clears it."""
+        factor, self._moment_factor = self._moment_factor, 1.0
+        return 1.0 if self.observe else factor
 
     def _would_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Observe mode: the values QUATRO would set under their ``_would`` names; measurements keep theirs."""
         would = self.would_controls()
         renamed = {QUATRO_KL_COEF: QUATRO_KL_COEF_WOULD, QUATRO_ENTROPY_BONUS: QUATRO_ENTROPY_BONUS_WOULD}
         renamed[QUATRO_FLOOR_ACTIVE] = QUATRO_FLOOR_ACTIVE_WOULD
+        renamed[QUATRO_MOMENT_SCALE] = QUATRO_MOMENT_SCALE_WOULD
         out = {renamed.get(k, k): v for k, v in metrics.items() if k != QUATRO_KL_FACTOR}
         if self.entropy is not None:
             out[QUATRO_CLIP_SCALE_WOULD] = would.clip_scale if would.clip_scale is not None else 1.0

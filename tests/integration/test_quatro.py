@@ -349,6 +349,50 @@ def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode
     assert trainer._metrics["train"][name][-1] == 1.0
 
 
+class MomentSpy(TrainerCallback):
+    """Adam's moments right after each optimizer step and again after steadyrl's step-end work (it runs first)."""
+
+    def __init__(self):
+        self.after_step, self.after_guards = [], []
+
+    @staticmethod
+    def _moments(optimizer):
+        from steadyrl.trainers.opefo_runtime import optimizer_chain
+
+        base = optimizer_chain(optimizer)[-1]
+        return [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in base.state.values()]
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.after_step.append(self._moments(optimizer))
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.after_guards.append(self._moments(optimizer))
+
+
+@pytest.mark.parametrize("mode", ["act", "observe"])
+def test_the_optimizer_steps_on_the_moments_the_brake_scaled(tiny_model_dir, tmp_path, mode):
+    """The seam of ``brake_moments``: whatever factor the floor returns after a step (here 0.5, 1, 2.5, fixed so the
+    test does not wait for a collapse; the floor's own factors are checked by hand in tests/unit/test_quatro.py),
+    every exp_avg the next update starts from is that factor x the one the step left, every exp_avg_sq its square
+    x. Observe mode: the moments are the step's, untouched."""
+    quatro = QuatroRuntime(
+        QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1)), observe=mode == "observe"
+    )
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro, max_steps=3)
+    factors = iter([0.5, 1.0, 2.5])
+    trainer.quatro.entropy.moment_rescale = lambda: next(factors)
+    spy = MomentSpy()
+    trainer.add_callback(spy)
+    trainer.train()
+    assert len(spy.after_step) == len(spy.after_guards) == 3
+    for factor, stepped, guarded in zip((0.5, 1.0, 2.5), spy.after_step, spy.after_guards, strict=True):
+        expected = 1.0 if mode == "observe" else factor
+        assert stepped and len(stepped) == len(guarded)
+        for (m, v), (m2, v2) in zip(stepped, guarded, strict=True):
+            assert torch.equal(m2, m * expected) and torch.equal(v2, v * (expected * expected))
+        assert any(bool(m.abs().sum() > 0) for m, _ in stepped)  # real moments: the equalities can fail
+
+
 @pytest.mark.parametrize("mode", ["act", "observe"])
 def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_path, mode):
     """The seam of the entropy floor's covariance clip: with the control at 1 the loss TRL computes is TRL's own loss

@@ -443,10 +443,63 @@ def test_policy_gradient_brake_by_hand():
     assert gated.holding_off and gated.control > 0 and gated.pg_scale == 1.0
 
 
+def test_brake_moments_follow_the_brake_by_hand():
+    """brake_moments 0.6 with pg_brake 0.5 (the floor of the brake test above): the moments' factor is
+    max(pg_scale, 0.6) over the scale they follow. 1 at the floor; 0.7 at the first step under it (pg_scale 0.7);
+    0.6 / 0.7 at the cap (pg_scale 0.5 is under 0.6); on the way out 0.8 / 0.6 (control 0.4) and 1 / 0.8. The
+    factors multiply back to 1, so the moments end where the gradients are. Off: 1.0 every step, no metric."""
+    cfg = dict(baseline_steps=2, floor_ratio=0.8, window=1, ki=2.4, kp=0.0, hysteresis=1.1, pg_brake=0.5)
+    floor, off = EntropyFloor(EntropyConfig(brake_moments=0.6, **cfg)), EntropyFloor(EntropyConfig(**cfg))
+    factors, scales = [], []
+    for value in (1.0, 1.0, 0.8, 0.6, 0.6, 1.0, 1.0, 1.0):
+        for f in (floor, off):
+            f.observe(value)
+        factors.append(floor.moment_rescale())
+        scales.append(floor.metrics()["quatro/moment_scale"])
+        assert off.moment_rescale() == 1.0 and "quatro/moment_scale" not in off.metrics()
+    expected = [1.0, 1.0, 1.0, 0.7, 0.6 / 0.7, 0.8 / 0.6, 1.0 / 0.8, 1.0]
+    assert factors == pytest.approx(expected, rel=1e-12)
+    assert scales == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.6, 0.8, 1.0, 1.0], rel=1e-12)
+    assert math.prod(factors) == pytest.approx(1.0, rel=1e-12)
+    state = floor.state_dict()
+    floor.observe(0.6)
+    assert floor.moment_rescale() == pytest.approx(0.7) and floor.moment_scale == pytest.approx(0.7)
+    floor.load_state_dict(state)  # a resume (or a rollback) restores the scale the restored moments follow
+    assert floor.moment_scale == 1.0
+
+
+def test_scale_moments_is_the_state_of_scaled_gradients():
+    """Adam fed gradients g for two steps, its moments then scaled by 0.25 and fed 0.25 x g, takes the same steps
+    as an Adam fed 0.25 x g from the start: scale_moments gives the state Adam would hold had every gradient it
+    averaged been that factor times as large (Adam is scale-invariant up to eps). exp_avg x 0.25, exp_avg_sq x
+    0.0625. A bad factor is refused."""
+    from steadyrl.guards.optimizer_state import scale_moments
+
+    torch.manual_seed(0)
+    grads = [torch.randn(3, 4) for _ in range(4)]
+    w = [torch.nn.Parameter(torch.ones(3, 4)) for _ in range(2)]
+    adams = [torch.optim.AdamW([p], lr=0.1, eps=1e-12, weight_decay=0.0) for p in w]
+    for i, g in enumerate(grads):
+        for j, (p, adam) in enumerate(zip(w, adams, strict=True)):
+            p.grad = g * (0.25 if j == 1 or i >= 2 else 1.0)
+            adam.step()
+        if i == 1:
+            state = adams[0].state[w[0]]
+            before = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+            assert scale_moments(adams[0], 0.25) == 2
+            assert torch.equal(state["exp_avg"], before[0] * 0.25)
+            assert torch.equal(state["exp_avg_sq"], before[1] * 0.0625)
+            assert torch.allclose(state["exp_avg"], adams[1].state[w[1]]["exp_avg"], rtol=1e-6)
+    assert torch.allclose(w[0], w[1], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(w[0], torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"factor must be finite and > 0, got 0\.0"):
+        scale_moments(adams[0], 0.0)
+
+
 def test_entropy_defaults():
     c = EntropyConfig()
     assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.8, 5, 0.1, 0.4)
-    assert (c.coef_max, c.cov_clip, c.pg_brake) == (0.01, 0.0, 0.0)
+    assert (c.coef_max, c.cov_clip, c.pg_brake, c.brake_moments) == (0.01, 0.0, 0.0, 0.0)
 
 
 def test_entropy_config_validation():
@@ -462,6 +515,10 @@ def test_entropy_config_validation():
     with pytest.raises(ValueError, match=r"coef_max, cov_clip and pg_brake are all 0: the floor has no lever"):
         EntropyConfig(coef_max=0.0)
     assert EntropyConfig(coef_max=0.0, pg_brake=1.0).pg_brake == 1.0  # the brake alone is a lever
+    with pytest.raises(ValueError, match=r"brake_moments=0.1 rescales Adam's moments .* but pg_brake is 0"):
+        EntropyConfig(brake_moments=0.1)
+    with pytest.raises(ValueError, match=r"brake_moments must be in \[0, 1\), got 1.0"):
+        EntropyConfig(pg_brake=1.0, brake_moments=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------- filters
