@@ -373,6 +373,30 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_quatro.py::test_the_loss_trains_on_the_braked_advantages",),
     ),
     Mutant(
+        "brake_moments_not_applied",
+        "the entropy floor computes brake_moments' factor but the optimizer steps on the unscaled Adam moments",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                "                    scale_moments(self._moments, factor)  # before the next update, whose loss the",
+                "                    pass  # before the next update, whose loss the",
+            ),
+        ),
+        (f"{IT}/test_quatro.py::test_the_optimizer_steps_on_the_moments_the_brake_scaled",),
+    ),
+    Mutant(
+        "brake_moments_drift",
+        "the floor returns the factor for the moments but forgets the scale they now follow (the next factor is wrong)",
+        (
+            (
+                "steadyrl/guards/entropy_floor.py",
+                "        factor, self.moment_scale = target / self.moment_scale, target",
+                "        factor = target / self.moment_scale",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_brake_moments_follow_the_brake_by_hand",),
+    ),
+    Mutant(
         "pg_brake_ignores_the_gate",
         "the brake keeps damping the policy gradient while the learning gate holds the floor off",
         (
