@@ -123,7 +123,9 @@ def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | N
         "cov_clip is 0, off, by default: it cost a real run that was still learning 20 points, docs/benchmarks.md), "
         "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; pg_brake (0, "
         "off, by default) takes the reward's policy gradient away in proportion to the control, and while the "
-        "control sits at 1 with pg_brake 1 the run learns nothing from its reward",
+        "control sits at 1 with pg_brake 1 the run learns nothing from its reward; brake_moments (0, off, by "
+        "default; 0.01 with pg_brake 1 held a forced collapse, docs/entropy_floor.md) scales Adam's moments with the "
+        "brake so the bonus and the KL term move the weights at full speed",
     )
 
 
