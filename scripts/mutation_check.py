@@ -385,6 +385,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_quatro.py::test_the_optimizer_steps_on_the_moments_the_brake_scaled",),
     ),
     Mutant(
+        "brake_moments_scale_the_critic",
+        "under PPO brake_moments also scales the critic's Adam moments, whose value loss the brake does not scale",
+        (
+            (
+                "steadyrl/guards/optimizer_state.py",
+                "            if group.get(UNBRAKED_GROUP, False):",
+                "            if False:",
+            ),
+        ),
+        (f"{IT}/test_ppo.py::test_brake_moments_scale_the_policys_moments_and_leave_the_critics",),
+    ),
+    Mutant(
         "brake_moments_drift",
         "the floor returns the factor for the moments but forgets the scale they now follow (the next factor is wrong)",
         (

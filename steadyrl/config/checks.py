@@ -392,12 +392,8 @@ def _check_ppo(cfg: RunConfig) -> None:
     # guards.quatro.kl works for PPO: it adapts the reward's KL coefficient from the rollout's KL (SteadyPPOTrainer)
     # guards.quatro.replay works for PPO: a replayed row keeps its GAE advantages, old values and returns
     q = cfg.guards.quatro
-    if q.enabled and q.entropy.enabled and q.entropy.brake_moments > 0:
-        raise ConfigError(
-            "guards.quatro.entropy.brake_moments rescales every Adam moment with the brake's factor, but PPO's critic "
-            "shares the optimizer and its value loss is not braked. Set guards.quatro.entropy.brake_moments=0 (the "
-            "brake itself, pg_brake, works for PPO)"
-        )
+    # guards.quatro.entropy.pg_brake / brake_moments work for PPO: the brake scales the GAE advantages, and the
+    # critic's param groups (UNBRAKED_GROUP) keep their Adam moments
     if q.enabled and q.filters.enabled and q.filters.zero_variance.enabled:
         raise ConfigError(
             "guards.quatro.filters.zero_variance drops prompt groups whose rewards carry no *relative* signal, a GRPO "

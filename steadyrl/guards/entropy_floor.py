@@ -53,8 +53,8 @@ oscillates.
    (``moment_rescale``; ``scale_moments``), the state Adam would hold had every gradient it averaged been braked
    as this step's is. Adam is scale-invariant, so with the moments scaled the brake no longer shrinks the update:
    it changes its direction, from the reward's towards the bonus's and the KL term's, by the factor ``1 / r``
-   (at most ``1 / m``). When the brake lets go the moments are scaled back up by the same factors. GRPO only (PPO's
-   critic shares the optimizer, and its loss is not braked).
+   (at most ``1 / m``). When the brake lets go the moments are scaled back up by the same factors. PPO's critic
+   shares the optimizer, and its value loss is not braked: its param groups keep their moments (``UNBRAKED_GROUP``).
 3. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
    entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
    forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the

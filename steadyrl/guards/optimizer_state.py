@@ -213,19 +213,27 @@ def distributed_ops(group: Any = None, device: torch.device | str | None = None)
     return reduce_sum, all_gather
 
 
+UNBRAKED_GROUP = "steadyrl_unbraked"  # a param-group key: True on groups whose loss the floor's brake does not scale
+
+
 def scale_moments(optimizer: torch.optim.Optimizer, factor: float) -> int:
     """Multiply every Adam first moment (``exp_avg``) by ``factor`` and every second moment (``exp_avg_sq``,
     ``max_exp_avg_sq``) by ``factor**2``, in place: the state Adam would hold had every gradient it averaged been
-    ``factor`` times as large. Per rank (each rank scales the entries it holds; no collective). Returns the number
-    of state tensors scaled."""
+    ``factor`` times as large. Param groups marked ``UNBRAKED_GROUP`` (PPO's critic, whose value loss the brake does
+    not scale) keep theirs. Per rank (each rank scales the entries it holds, a ZeRO partition included; no
+    collective). Returns the number of state tensors scaled."""
     if not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"scale_moments: factor must be finite and > 0, got {factor}")
     scaled = 0
     with torch.no_grad():
-        for state in optimizer.state.values():
-            for key in MOMENT_KEYS:
-                t = state.get(key)
-                if isinstance(t, torch.Tensor) and t.numel():
-                    t.mul_(factor if key == "exp_avg" else factor * factor)
-                    scaled += 1
+        for group in optimizer.param_groups:
+            if group.get(UNBRAKED_GROUP, False):
+                continue
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key in MOMENT_KEYS:
+                    t = state.get(key)
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        t.mul_(factor if key == "exp_avg" else factor * factor)
+                        scaled += 1
     return scaled

@@ -58,6 +58,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from steadyrl.config.schema import PPOSection
+from steadyrl.guards.optimizer_state import UNBRAKED_GROUP
 from steadyrl.metrics import (
     PPO_BETA,
     PPO_CLIPFRAC_VALUE,
@@ -169,7 +170,10 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
             mine = [p for p in group["params"] if id(p) in critic_ids]
             if mine:
                 group["params"] = [p for p in group["params"] if id(p) not in critic_ids]
-                critic_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine, "lr": lr})
+                kept = {k: v for k, v in group.items() if k != "params"}
+                # UNBRAKED_GROUP: the entropy floor's brake scales the policy's loss, not the value loss, so
+                # brake_moments leaves the critic's Adam moments alone
+                critic_groups.append({**kept, "params": mine, "lr": lr, UNBRAKED_GROUP: True})
         optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
         for group in critic_groups:
             optimizer.add_param_group(group)
