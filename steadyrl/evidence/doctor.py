@@ -416,10 +416,11 @@ CHANGE_FLOOR = (
 )
 CHANGE_FLOOR_ON = (
     "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01 by "
-    "default), cov_clip (0, off, by default; 1.0 is every sharpening token), pg_brake (0, off, by default; 1.0 "
-    "takes the reward's policy gradient away while the control is at 1; with brake_moments 0.01 Adam's moments "
-    "follow it, so the bonus and the KL term pull entropy back at full speed) or the gain ki, or lower floor_ratio "
-    "if the falling entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)"
+    "default), cov_clip (0, off, by default; 1.0 is every sharpening token), pg_brake (1.0 by "
+    "default: the reward's policy gradient goes while the control is at 1; with brake_moments 0.01, the default, "
+    "Adam's moments follow it, so the bonus and the KL term pull entropy back at full speed; check both are set) "
+    "or the gain ki, or lower floor_ratio if the falling entropy is the task being learned (docs/DESIGN.md: "
+    "QUATRO: entropy floor)"
 )
 CHANGE_GATE = (
     "guards.quatro.entropy.gate_reward: the learning gate held the floor off while the training reward rose; if that "

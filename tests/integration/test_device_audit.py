@@ -13,6 +13,7 @@ import torch
 
 from steadyrl.cli import main
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV
+from steadyrl.guards import rollout_filters
 from tests.integration.device_audit import HostTensorAudit, Mix
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,9 @@ def _steps(run) -> list[int]:
 
 
 def test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor(tiny_model_dir, tmp_path, monkeypatch):
+    # A tensor steadyrl cached in an earlier test was made outside any audit, so the audit would count it as a
+    # device tensor and report a false mix (the n-gram filters' powers of the id base, cached per device).
+    rollout_filters._powers.cache_clear()
     audit = HostTensorAudit()
     base = [f"model.path={tiny_model_dir}", *SMALL, *ON]
     # the paths the shipped config leaves off, too: replay, the near-duplicate filter, the filters' loss mask, and

@@ -403,7 +403,8 @@ def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_
 
     from steadyrl.guards.entropy_floor import cov_clip_mask
 
-    trainer, inputs, plain = _loss_seam(tiny_model_dir, tmp_path / mode, EntropyConfig(cov_clip=1.0), mode)
+    clip_only = EntropyConfig(cov_clip=1.0, pg_brake=0.0)  # the brake (on by default) would scale this loss too
+    trainer, inputs, plain = _loss_seam(tiny_model_dir, tmp_path / mode, clip_only, mode)
     original = inputs["advantages"]
     with torch.no_grad():
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)

@@ -211,6 +211,7 @@ def test_entropy_floor_by_hand():
         "quatro/entropy_control": 0.0,
         "quatro/floor_active": 0.0,
         "quatro/floor_held_off": 0.0,  # no reward observed: the learning gate never holds it off
+        "quatro/moment_scale": 1.0,  # brake_moments (on by default): nobody asked for a rescale here
     }
     assert f.activations == 1
 
@@ -422,7 +423,7 @@ def test_policy_gradient_brake_by_hand():
     it (control ki x gap = 2.4 x 0.25), 0.5 at the cap, exactly 1 with the brake off (whatever the control) and
     while the learning gate holds the floor off."""
     cfg = dict(baseline_steps=2, floor_ratio=0.8, window=1, ki=2.4, kp=0.0, hysteresis=1.1)
-    braked, unbraked = EntropyFloor(EntropyConfig(pg_brake=0.5, **cfg)), EntropyFloor(EntropyConfig(**cfg))
+    braked, unbraked = EntropyFloor(EntropyConfig(pg_brake=0.5, **cfg)), EntropyFloor(EntropyConfig(pg_brake=0, **cfg))
     for f in (braked, unbraked):
         for value in (1.0, 1.0, 0.8):
             f.observe(value)
@@ -449,7 +450,10 @@ def test_brake_moments_follow_the_brake_by_hand():
     0.6 / 0.7 at the cap (pg_scale 0.5 is under 0.6); on the way out 0.8 / 0.6 (control 0.4) and 1 / 0.8. The
     factors multiply back to 1, so the moments end where the gradients are. Off: 1.0 every step, no metric."""
     cfg = dict(baseline_steps=2, floor_ratio=0.8, window=1, ki=2.4, kp=0.0, hysteresis=1.1, pg_brake=0.5)
-    floor, off = EntropyFloor(EntropyConfig(brake_moments=0.6, **cfg)), EntropyFloor(EntropyConfig(**cfg))
+    floor, off = (
+        EntropyFloor(EntropyConfig(brake_moments=0.6, **cfg)),
+        EntropyFloor(EntropyConfig(brake_moments=0, **cfg)),
+    )
     factors, scales = [], []
     for value in (1.0, 1.0, 0.8, 0.6, 0.6, 1.0, 1.0, 1.0):
         for f in (floor, off):
@@ -499,7 +503,7 @@ def test_scale_moments_is_the_state_of_scaled_gradients():
 def test_entropy_defaults():
     c = EntropyConfig()
     assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.8, 5, 0.1, 0.4)
-    assert (c.coef_max, c.cov_clip, c.pg_brake, c.brake_moments) == (0.01, 0.0, 0.0, 0.0)
+    assert (c.coef_max, c.cov_clip, c.pg_brake, c.brake_moments) == (0.01, 0.0, 1.0, 0.01)
 
 
 def test_entropy_config_validation():
@@ -513,10 +517,13 @@ def test_entropy_config_validation():
     with pytest.raises(ValueError, match=r"pg_brake must be in \[0, 1\], got 1.5"):
         EntropyConfig(pg_brake=1.5)
     with pytest.raises(ValueError, match=r"coef_max, cov_clip and pg_brake are all 0: the floor has no lever"):
-        EntropyConfig(coef_max=0.0)
+        EntropyConfig(coef_max=0.0, pg_brake=0.0)
     assert EntropyConfig(coef_max=0.0, pg_brake=1.0).pg_brake == 1.0  # the brake alone is a lever
-    with pytest.raises(ValueError, match=r"brake_moments=0.1 rescales Adam's moments .* but pg_brake is 0"):
-        EntropyConfig(brake_moments=0.1)
+    inert = EntropyFloor(EntropyConfig(pg_brake=0.0, baseline_steps=1, window=1))  # brake_moments 0.01: nothing
+    for value in (1.0, 0.5, 0.4):  # to follow without the brake (pg_scale stays 1), so the moments stay as they are
+        inert.observe(value)
+        assert inert.control >= 0 and inert.pg_scale == 1.0 and inert.moment_rescale() == 1.0
+    assert inert.control > 0
     with pytest.raises(ValueError, match=r"brake_moments must be in \[0, 1\), got 1.0"):
         EntropyConfig(pg_brake=1.0, brake_moments=1.0)
 
