@@ -546,6 +546,19 @@ def results_from_cells(doc: dict[str, Any]) -> dict[tuple[str, str, int], dict[s
     return out
 
 
+def pooled_cells(files: list[str]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """``results_from_cells`` of several results JSONs, pooled: their runs must not overlap (same variant,
+    scenario and seed in two files is refused, naming both)."""
+    pooled: dict[tuple[str, str, int], dict[str, Any]] = {}
+    origin: dict[tuple[str, str, int], str] = {}
+    for file in files:
+        for key, run in results_from_cells(json.loads(Path(file).read_text())).items():
+            if key in pooled:
+                raise SystemExit(f"--bars-results: {key[0]} / {key[1]} / seed {key[2]} is in {origin[key]} and {file}")
+            pooled[key], origin[key] = run, file
+    return pooled
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", default=None, help="SFT checkpoint shared by every run (e.g. runs/tiny-sft/final)")
@@ -587,8 +600,10 @@ def main() -> None:
     ap.add_argument(
         "--bars-results",
         default=None,
+        nargs="+",
         metavar="FILE",
-        help="train nothing: print issue 13's bars (paired by seed) from this results JSON's cells",
+        help="train nothing: print issue 13's bars (paired by seed) from these results JSONs' cells; several files "
+        "pool their seeds (e.g. seeds 0-2 from one invocation, 3-8 from another; a run in two files is an error)",
     )
     ap.add_argument(
         "--merge",
@@ -608,7 +623,7 @@ def main() -> None:
         if bad:
             ap.error(f"unknown {sorted(bad)}; valid: {', '.join(valid)}")
     if args.bars_results:
-        print(bars_table(results_from_cells(json.loads(Path(args.bars_results).read_text())), scenarios))
+        print(bars_table(pooled_cells(args.bars_results), scenarios))
         return
     if args.plot_results:
         if not args.png:
