@@ -394,7 +394,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            if False:",
             ),
         ),
-        (f"{IT}/test_ppo.py::test_brake_moments_scale_the_policys_moments_and_leave_the_critics",),
+        (
+            f"{IT}/test_ppo.py::test_brake_moments_scale_the_policys_moments_and_leave_the_critics",
+            f"{IT}/test_ppo_launch.py::test_brake_moments_under_zero2_scale_the_policys_partition_and_leave_the_critics",
+        ),
     ),
     Mutant(
         "brake_moments_drift",

@@ -178,3 +178,69 @@ class SignalAtStep(TrainerCallback):
         if self.repeat is not None:
             time.sleep(self.repeat)
             self._send()
+
+
+class GroupMomentSpy(TrainerCallback):
+    """Adam's moments per param group (unbraked flag, this rank's states) right after each optimizer step and
+    after steadyrl's step-end work (its guard clock runs first). Under ZeRO-2 the states are this rank's partition."""
+
+    def __init__(self) -> None:
+        self.after_step: list = []
+        self.after_guards: list = []
+
+    @staticmethod
+    def _moments(optimizer) -> list:
+        from steadyrl.guards.optimizer_state import UNBRAKED_GROUP
+
+        base = _optimizer_chain(optimizer)[-1]
+        return [
+            (bool(g.get(UNBRAKED_GROUP)), [(base.state[p]["exp_avg"].clone(), base.state[p]["exp_avg_sq"].clone())
+                                           for p in g["params"] if p in base.state])
+            for g in base.param_groups
+        ]  # fmt: skip
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.after_step.append(self._moments(optimizer))
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self.after_guards.append(self._moments(optimizer))
+
+
+FORCED_MOMENT_FACTORS = (0.5, 2.0)
+
+
+class ForcedBrakeMoments(GroupMomentSpy):
+    """Launch tests: the entropy floor's ``brake_moments`` factor is forced to ``FORCED_MOMENT_FACTORS`` (patched on
+    the class in this process, so no collapse is needed), and each rank writes its GroupMomentSpy record to
+    ``output_dir/brake_spy/rank{RANK}.pt``."""
+
+    def __init__(self) -> None:
+        from steadyrl.guards.entropy_floor import EntropyFloor
+
+        super().__init__()
+        factors = iter(FORCED_MOMENT_FACTORS)
+        EntropyFloor.moment_rescale = lambda self: next(factors)
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        out = Path(args.output_dir) / "brake_spy"
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"after_step": self.after_step, "after_guards": self.after_guards}
+        torch.save(record, out / f"rank{int(os.environ.get('RANK', '0'))}.pt")
+
+
+def assert_brake_moments_scaled(after_step: list, after_guards: list, factors=FORCED_MOMENT_FACTORS) -> None:
+    """Per step: the braked (policy) groups' exp_avg equal the stepped ones times the factor and exp_avg_sq times its
+    square, exactly; the unbraked (critic) groups' are unchanged. Both kinds of group must be present, and every
+    group's moments non-zero at some step, so the equalities can fail. (At step 1 a ZeRO-2 rank's share of the
+    critic can be all zero: the zero-initialised value head passes no gradient to the backbone yet.)"""
+    assert len(after_step) == len(after_guards) == len(factors)
+    moved = [False] * len(after_step[0])
+    for factor, stepped, guarded in zip(factors, after_step, after_guards, strict=True):
+        assert {critic for critic, _ in stepped} == {False, True}  # policy and critic groups
+        for i, ((critic, before), (_, after)) in enumerate(zip(stepped, guarded, strict=True)):
+            expected = 1.0 if critic else factor
+            assert before and len(before) == len(after)
+            for (m, v), (m2, v2) in zip(before, after, strict=True):
+                assert torch.equal(m2, m * expected) and torch.equal(v2, v * (expected * expected))
+            moved[i] = moved[i] or any(bool(m.abs().sum() > 0) for m, _ in before)
+    assert all(moved), moved

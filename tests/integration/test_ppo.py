@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer
 from trl import GRPOConfig
 
 import steadyrl.trainers.ppo as ppo_module
@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     small_dataset,
     weights,
 )
+from tests.integration.rank_dump import FORCED_MOMENT_FACTORS, GroupMomentSpy, assert_brake_moments_scaled
 
 pytestmark = pytest.mark.slow
 
@@ -394,32 +395,6 @@ def test_ppo_resume_is_exact_with_replay_on(tiny_model_dir, tmp_path):
         assert per_step(resumed_rows, key) == per_step(after, key) != [], key
 
 
-class GroupMomentSpy(TrainerCallback):
-    """Adam's moments per param group (critic flag, states) right after each optimizer step and after steadyrl's
-    step-end work (it runs first)."""
-
-    def __init__(self):
-        self.after_step, self.after_guards = [], []
-
-    @staticmethod
-    def _moments(optimizer):
-        from steadyrl.guards.optimizer_state import UNBRAKED_GROUP
-        from steadyrl.trainers.opefo_runtime import optimizer_chain
-
-        base = optimizer_chain(optimizer)[-1]
-        return [
-            (bool(g.get(UNBRAKED_GROUP)), [(base.state[p]["exp_avg"].clone(), base.state[p]["exp_avg_sq"].clone())
-                                           for p in g["params"] if p in base.state])
-            for g in base.param_groups
-        ]  # fmt: skip
-
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.after_step.append(self._moments(optimizer))
-
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        self.after_guards.append(self._moments(optimizer))
-
-
 def test_brake_moments_scale_the_policys_moments_and_leave_the_critics(tiny_model_dir, tmp_path):
     """PPO with ``brake_moments``: the factor the floor returns after a step (here 0.5, then 2.0, fixed so the test
     does not wait for a collapse) scales the policy's exp_avg (its square: exp_avg_sq); the critic's param groups,
@@ -429,17 +404,9 @@ def test_brake_moments_scale_the_policys_moments_and_leave_the_critics(tiny_mode
 
     quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1)))
     trainer = _trainer(tiny_model_dir, tmp_path / "run", guards={"quatro": quatro}, max_steps=2)
-    factors = iter([0.5, 2.0])
+    factors = iter(FORCED_MOMENT_FACTORS)
     trainer.quatro.entropy.moment_rescale = lambda: next(factors)
     spy = GroupMomentSpy()
     trainer.add_callback(spy)
     trainer.train()
-    assert len(spy.after_step) == len(spy.after_guards) == 2
-    for factor, stepped, guarded in zip((0.5, 2.0), spy.after_step, spy.after_guards, strict=True):
-        assert {critic for critic, _ in stepped} == {False, True}  # policy and critic groups (decay / no decay each)
-        for (critic, before), (_, after) in zip(stepped, guarded, strict=True):
-            expected = 1.0 if critic else factor
-            assert before and len(before) == len(after)
-            for (m, v), (m2, v2) in zip(before, after, strict=True):
-                assert torch.equal(m2, m * expected) and torch.equal(v2, v * (expected * expected))
-            assert any(bool(m.abs().sum() > 0) for m, _ in before)  # real moments: the equalities can fail
+    assert_brake_moments_scaled(spy.after_step, spy.after_guards)  # decay / no-decay groups of policy and critic

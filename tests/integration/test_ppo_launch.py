@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.integration.helpers import assert_same_weights
+from tests.integration.rank_dump import assert_brake_moments_scaled
 from tests.integration.test_launch import launch
 
 pytestmark = pytest.mark.slow
@@ -80,3 +81,33 @@ def test_lora_ppo_under_zero2_trains_adapters_and_critic_only(tiny_model_dir, tm
     lora_b = [v for k, v in rank0.items() if "lora_B" in k]
     assert lora_b and any(torch.count_nonzero(v) > 0 for v in lora_b)
     assert torch.count_nonzero(rank0["critic.value_head.summary.weight"]) > 0
+
+
+def test_brake_moments_under_zero2_scale_the_policys_partition_and_leave_the_critics(tiny_model_dir, tmp_path):
+    """PPO under DeepSpeed ZeRO-2 with the entropy floor's ``brake_moments`` (its factor forced to 0.5 then 2.0 by
+    ForcedBrakeMoments): on each rank, the policy's partition of Adam's moments is scaled by the factor (its square
+    for exp_avg_sq) and the critic's is left as the step made it. This rests on DeepSpeed keeping the
+    ``steadyrl_unbraked`` key on the param groups it builds from flat partitions; the ranks still agree."""
+    out = tmp_path / "ppo"
+    dumps, _ = launch(
+        "zero2.yaml",
+        tiny_model_dir,
+        out,
+        "trainer.num_generations=1",
+        "trainer.num_iterations=1",
+        "trainer.beta=0.04",
+        "ppo.critic_lr=3.0e-3",
+        "eval.every=0",
+        "guards.quatro.enabled=true",
+        "guards.quatro.kl.enabled=false",
+        "guards.quatro.filters.zero_variance.enabled=false",
+        "guards.quatro.entropy.pg_brake=1.0",
+        "guards.quatro.entropy.brake_moments=0.01",
+        "callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:ForcedBrakeMoments]",
+        config="ppo.yaml",
+    )
+    assert [d["zero_stage"] for d in dumps] == [2, 2]
+    assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
+    for rank in (0, 1):
+        spy = torch.load(out / "brake_spy" / f"rank{rank}.pt", weights_only=False)
+        assert_brake_moments_scaled(spy["after_step"], spy["after_guards"])
