@@ -11,6 +11,15 @@ from tests.integration.test_launch import launch
 
 pytestmark = pytest.mark.slow
 
+# one completion per prompt (the critic is the baseline), one PPO epoch, KL in the reward, no periodic eval
+PPO_LAUNCH = (
+    "trainer.num_generations=1",
+    "trainer.num_iterations=1",
+    "trainer.beta=0.04",
+    "ppo.critic_lr=3.0e-3",
+    "eval.every=0",
+)
+
 
 @pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])
 def test_ppo_two_processes_agree_on_policy_and_critic(tiny_model_dir, tmp_path, accelerate_config):
@@ -19,11 +28,7 @@ def test_ppo_two_processes_agree_on_policy_and_critic(tiny_model_dir, tmp_path, 
         accelerate_config,
         tiny_model_dir,
         out,
-        "trainer.num_generations=1",
-        "trainer.num_iterations=1",
-        "trainer.beta=0.04",
-        "ppo.critic_lr=3.0e-3",
-        "eval.every=0",
+        *PPO_LAUNCH,
         config="ppo.yaml",
     )
     assert [d["world_size"] for d in dumps] == [2, 2] and [d["global_step"] for d in dumps] == [2, 2]
@@ -55,11 +60,7 @@ def test_lora_ppo_under_zero2_trains_adapters_and_critic_only(tiny_model_dir, tm
         "zero2.yaml",
         tiny_model_dir,
         tmp_path / "lora",
-        "trainer.num_generations=1",
-        "trainer.num_iterations=1",
-        "trainer.beta=0.04",
-        "ppo.critic_lr=3.0e-3",
-        "eval.every=0",
+        *PPO_LAUNCH,
         "peft.r=4",
         "peft.lora_alpha=8",
         "peft.lora_dropout=0.0",
@@ -93,11 +94,7 @@ def test_brake_moments_under_zero2_scale_the_policys_partition_and_leave_the_cri
         "zero2.yaml",
         tiny_model_dir,
         out,
-        "trainer.num_generations=1",
-        "trainer.num_iterations=1",
-        "trainer.beta=0.04",
-        "ppo.critic_lr=3.0e-3",
-        "eval.every=0",
+        *PPO_LAUNCH,
         "guards.quatro.enabled=true",
         "guards.quatro.kl.enabled=false",
         "guards.quatro.filters.zero_variance.enabled=false",
