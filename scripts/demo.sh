@@ -3,9 +3,13 @@
 # from that checkpoint with every steadyrl layer at its shipped default (configs/tiny/grpo-guarded.yaml), then
 # the fault demo: the same GRPO for 60 steps twice with one NaN micro-batch at step 12, plain TRL against
 # steadyrl. Prints greedy eval accuracy after SFT and after GRPO, the doctor's verdict and the fault outcomes.
-# Usage: bash scripts/demo.sh        (expects .venv from scripts/setup.sh)
+# Usage: bash scripts/demo.sh [--results docs/results/demo.json]   (expects .venv from scripts/setup.sh; --results
+# also writes the numbers it printed, with the commit it ran at, to that file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+results=""
+if [ "${1:-}" = "--results" ]; then results=${2:?--results needs a path}; fi
+at_commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$([ -n "$(git status --porcelain 2>/dev/null)" ] && echo -dirty)"
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false STEADYRL_PROGRESS=1
 rm -rf runs/tiny-sft runs/tiny-grpo runs/fault-demo
@@ -40,3 +44,6 @@ print(f"right number in any format (numeric_match): SFT {num[0]:.2f}, GRPO {num[
 print(f"accuracy after SFT: {sft:.2f}")
 print(f"accuracy after GRPO: {grpo:.2f}")
 PY
+if [ -n "$results" ]; then
+  python scripts/demo_results.py --out "$results" --wall-s "$(( $(date +%s) - start ))" --commit "$at_commit"
+fi

@@ -488,6 +488,176 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/unit/test_rollout_filters_vectorised.py::test_repetition_pass_is_skipped_only_when_no_row_can_be_dropped",
         ),
     ),
+    Mutant(
+        "ppo_dropped_rows_whitened",
+        "PPO whitens and trains unscorable and filtered rows as reward 0 (advantage about -0.7 instead of 0)",
+        (
+            (
+                "steadyrl/trainers/ppo.py",
+                "advantages = whiten(advantages, mask, stats=self._global_mean_var(advantages, mask))",
+                "advantages = whiten(advantages, token_mask, stats=self._global_mean_var(advantages, token_mask))",
+            ),
+            (
+                "steadyrl/trainers/ppo.py",
+                "        advantages = advantages * mask  # rows",
+                "        advantages = advantages  # rows",
+            ),
+        ),
+        (f"{IT}/test_ppo.py::test_unscorable_and_filtered_rows_train_nothing",),
+    ),
+    Mutant(
+        "ppo_value_weight_ignored",
+        "PPO's value loss weights unscorable and filtered rows like trained ones",
+        (("steadyrl/trainers/ppo.py", 'mask = mask * inputs["value_weight"][:, None]', "mask = mask"),),
+        (f"{IT}/test_ppo.py::test_unscorable_and_filtered_rows_train_nothing",),
+    ),
+    Mutant(
+        "resize_keeps_rank_state",
+        "a resume on another number of processes loads each rank's rollout buffer (one rank skips generation: hang)",
+        (
+            (
+                "steadyrl/trainers/checkpoints.py",
+                "    if saved is not None and saved != num_processes:",
+                "    if False:",
+            ),
+        ),
+        (f"{IT}/test_launch.py::test_resume_on_another_number_of_processes_drops_per_rank_state_on_every_rank",),
+    ),
+    Mutant(
+        "beta0_refused",
+        "the shipped guards refuse TRL's default beta 0 instead of leaving the KL controller inactive",
+        (("steadyrl/trainers/quatro_runtime.py", "if self.config.kl is not None and setup.beta == 0.0:", "if False:"),),
+        ("tests/unit/test_runtimes.py::test_trls_default_beta_0_leaves_the_kl_controller_inactive",),
+    ),
+    Mutant(
+        "user_entropy_coef_replaced",
+        "the entropy floor's bonus replaces a user's trainer.entropy_coef instead of adding to it",
+        (
+            (
+                "steadyrl/trainers/quatro_runtime.py",
+                "entropy_coef=self.base_entropy_coef + self.entropy.bonus",
+                "entropy_coef=self.entropy.bonus",
+            ),
+        ),
+        ("tests/unit/test_runtimes.py::test_a_users_entropy_coef_is_kept_and_the_floors_bonus_adds_to_it",),
+    ),
+    Mutant(
+        "ignored_keys_accepted",
+        "a key the algorithm never reads (guards on SFT, eval.on_start without eval.every) is accepted silently",
+        (("steadyrl/config/schema.py", "        check_ignored_keys(cfg, tree, origins)", "        pass"),),
+        ("tests/unit/test_ignored_keys.py",),
+    ),
+    Mutant(
+        "ignored_keys_default_off_parks",
+        "a setting under a guard layer that is off by default (guards.gepo.monitor.*, GEPO never on) is accepted",
+        (("steadyrl/config/ignored.py", 'if _written(tree, f"{dotted}.enabled") or (', "if True or ("),),
+        ("tests/unit/test_ignored_keys.py::test_gepo_monitor_needs_gepo_on_unless_the_config_switches_gepo_off",),
+    ),
+    Mutant(
+        "revision_not_on_tokenizer",
+        "model.revision reaches the weights but not the tokenizer and config steadyrl loads",
+        (
+            (
+                "steadyrl/trainers/build.py",
+                "AutoTokenizer.from_pretrained(model_path, **model_files_kwargs(cfg))",
+                "AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)",
+            ),
+        ),
+        ("tests/unit/test_model_revision.py::test_grpo_tokenizer_config_and_weights_load_the_same_revision",),
+    ),
+    Mutant(
+        "revision_not_on_reward_tokenizer",
+        "the reward stage loads the tokenizer of the default revision under weights of model.revision",
+        (
+            (
+                "steadyrl/trainers/reward_model.py",
+                "    tokenizer = _load_tokenizer(model_path, **hub_kwargs)",
+                "    tokenizer = _load_tokenizer(model_path)",
+            ),
+        ),
+        ("tests/unit/test_model_revision.py::test_reward_stage_tokenizer_loads_the_weights_revision",),
+    ),
+    Mutant(
+        "revision_not_on_critic_config",
+        "the PPO critic reads the config of the default revision of the policy it starts from",
+        (
+            (
+                "steadyrl/ppo/value.py",
+                "config = AutoConfig.from_pretrained(path, **hub)",
+                "config = AutoConfig.from_pretrained(path)",
+            ),
+        ),
+        ("tests/unit/test_model_revision.py::test_ppo_critic_from_the_policy_loads_its_revision",),
+    ),
+    Mutant(
+        "reward_timeout_not_enforced",
+        "a reward call on the main thread runs past its timeout: the watchdog never interrupts it",
+        (
+            (
+                "steadyrl/rewards/guarded.py",
+                "signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)",
+                "pass",
+            ),
+        ),
+        (
+            "tests/unit/test_reward_timeout.py::test_a_reward_that_never_answers_is_stopped_within_its_timeout",
+            "tests/unit/test_reward_timeout.py::test_a_stopped_call_leaves_nothing_running",
+        ),
+    ),
+    Mutant(
+        "reward_timeout_off_main_not_enforced",
+        "a reward call off the main thread runs past its timeout: the watchdog never raises in it",
+        (("steadyrl/rewards/guarded.py", "_async_raise(self.caller.ident, self.token)", "pass"),),
+        ("tests/unit/test_reward_timeout.py::test_a_timeout_off_the_main_thread_stops_the_call_too",),
+    ),
+    Mutant(
+        "checkpoint_staging_left_behind",
+        "a checkpoint save that failed (a full disk) leaves its staged folder, and the disk space, behind",
+        (("steadyrl/trainers/checkpoints.py", "shutil.rmtree(staged, ignore_errors=True)", "pass"),),
+        ("tests/unit/test_disk_full.py::test_a_full_disk_at_each_checkpoint_write_site",),
+    ),
+    Mutant(
+        "checkpoint_write_error_uncaught",
+        "a full disk while a checkpoint is written ends the run with a raw traceback and a staged folder",
+        (
+            (
+                "steadyrl/trainers/checkpoints.py",
+                "    except SAVE_ERRORS as exc:\n        error = exc\n    errors = _every_rank",
+                "    except ZeroDivisionError as exc:\n        error = exc\n    errors = _every_rank",
+            ),
+        ),
+        ("tests/unit/test_disk_full.py::test_a_full_disk_at_each_checkpoint_write_site",),
+    ),
+    Mutant(
+        "checkpoint_other_rank_failure_ignored",
+        "the main process publishes a checkpoint although another rank failed to write its part",
+        (("steadyrl/trainers/checkpoints.py", "    return list(gather_object([text]))", "    return [text]"),),
+        ("tests/unit/test_disk_full.py::test_another_ranks_failure_stops_this_one_and_nothing_is_published",),
+    ),
+    Mutant(
+        "checkpoint_crash_leftovers_kept",
+        "a staged folder left by a crashed save of another step is never removed",
+        (
+            (
+                "steadyrl/trainers/checkpoints.py",
+                "remove_staged_leftovers(staging_root)",
+                "None",
+            ),
+        ),
+        ("tests/unit/test_disk_full.py::test_a_staged_folder_left_by_a_crash_is_removed_at_the_next_save",),
+    ),
+    Mutant(
+        "metrics_row_error_stops_the_run",
+        "a metrics row that cannot be written (a full disk) raises out of the logging callback",
+        (
+            (
+                "steadyrl/callbacks/metrics_log.py",
+                "        except OSError as exc:\n            self.lost_rows += 1",
+                "        except ZeroDivisionError as exc:\n            self.lost_rows += 1",
+            ),
+        ),
+        ("tests/unit/test_disk_full.py::test_a_metrics_row_on_a_full_disk_is_counted_and_warned_about",),
+    ),
 )
 
 

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from steadyrl.callbacks.preemption import Preempted, resume_hint
     from steadyrl.rewards.guarded import RewardError
+    from steadyrl.trainers.checkpoints import CheckpointSaveError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"steadyrl: config error: {exc}", file=sys.stderr)
         return 1
-    except RewardError as exc:  # a reward function's policy gave up (README "When things go wrong")
+    except (RewardError, CheckpointSaveError) as exc:  # a reward's policy gave up, a checkpoint save failed
+        # (README "When things go wrong"): the message names the cause and the last complete checkpoint
         print(f"steadyrl: stopped: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:  # a signal stopped the run after a checkpoint (config `preemption`)

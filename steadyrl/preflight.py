@@ -270,6 +270,14 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
             measured[f"{name} (last step)"] = float(values[-1])
         else:
             measured[f"{name} (mean per step)"] = float(values.mean())
+    g = cfg.guards
+    off = {  # a value for a guard the config leaves off would be an ignored key (a config error): not proposed
+        "guards.quatro.kl.target": not (g.quatro.enabled and g.quatro.kl.enabled),
+        "guards.gepo.spike.abs_threshold": not g.gepo.enabled,
+        "guards.quatro.entropy.floor_ratio": not (g.quatro.enabled and g.quatro.entropy.enabled),
+    }
+    for key in [k for k in proposed if off.get(k)]:
+        notes.append(f"{key} measured at {proposed.pop(key)} but not proposed: that guard is off in this config")
     return measured, proposed
 
 

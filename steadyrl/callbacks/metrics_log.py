@@ -10,11 +10,19 @@ fsync'd, on the main process only:
 Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON has no NaN);
 ``steadyrl.evidence.history`` reads them back as floats. A line cut short by a crash is started afresh by the
 next write, so one torn line never glues onto the next row.
+
+A row that cannot be written (``OSError``: a full disk) is counted and warned about, and the run goes on. A row is
+evidence, not state: the Trainer still holds its logged rows (not guard events) in ``log_history``, written into the
+next checkpoint's ``trainer_state.json``, and a disk that stays full stops the run at that checkpoint with a message
+(``steadyrl.trainers.checkpoints``), while stopping here would end a healthy run over a log line that a moment of
+free space would have written. Once writing works again, a ``{"event": "metrics_rows_lost", "rows": n}`` row marks
+the gap.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -23,6 +31,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from steadyrl.evidence.history import METRICS_FILE
+
+logger = logging.getLogger(__name__)
 
 
 def encode_value(value: Any) -> Any:
@@ -58,6 +68,7 @@ class MetricsLog(TrainerCallback):
         self.filename = filename
         self.path: Path | None = Path(output_dir) / filename if output_dir is not None else None
         self.is_main = int(os.environ.get("RANK", "0")) == 0  # refined by the Trainer's state at every call
+        self.lost_rows = 0  # rows not written since the last write that worked (module docstring)
 
     def _sync(self, args: Any, state: Any) -> None:
         self.is_main = bool(state.is_world_process_zero)
@@ -77,12 +88,27 @@ class MetricsLog(TrainerCallback):
         self.write({"step": int(step), "event": kind, **fields})
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append one row as a JSON line and fsync it (main process only; no-op before the path is known)."""
+        """Append one row as a JSON line and fsync it (main process only; no-op before the path is known). A row that
+        cannot be written is counted in ``lost_rows`` and warned about; the run goes on (module docstring)."""
         if not self.is_main or self.path is None:
             return
         line = json.dumps(encode_value(row), allow_nan=False) + "\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a+b") as f:
+        if self.lost_rows:
+            gap = {"step": row.get("step", 0), "event": "metrics_rows_lost", "rows": self.lost_rows}
+            line = json.dumps(gap) + "\n" + line
+        try:
+            self._append(self.path, line)
+        except OSError as exc:
+            self.lost_rows += 1
+            if self.lost_rows == 1:  # once per streak: a full disk would otherwise warn at every logging step
+                self._warn(self.path, exc)
+            return
+        self.lost_rows = 0
+
+    @staticmethod
+    def _append(path: Path, line: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+b") as f:
             if f.tell() > 0:  # a torn last line (the process died mid-write) gets its own line ending
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
@@ -90,3 +116,15 @@ class MetricsLog(TrainerCallback):
             f.write(line.encode())
             f.flush()
             os.fsync(f.fileno())
+
+    @staticmethod
+    def _warn(path: Path, exc: OSError) -> None:
+        from steadyrl.trainers.checkpoints import free_space, last_checkpoint_note
+
+        run_dir = path.parent
+        logger.warning(
+            "could not append a row to %s: %s: %s (%s free on the disk of %s). Training goes on: the rows not "
+            "written are counted (a metrics_rows_lost row follows once writing works again) and the Trainer's "
+            "log_history keeps the logged ones; a disk that stays full stops the run at the next checkpoint.%s",
+            path, type(exc).__name__, exc, free_space(run_dir), run_dir, last_checkpoint_note(run_dir),
+        )  # fmt: skip

@@ -16,7 +16,7 @@ CUDA, numpy and Python RNG states are saved before it and restored after it.
 
 Left out: sampled (pass@k) eval; ZeRO-3 and FSDP, whose sharded parameters need every rank in each forward
 (lockstep generation) -- these raise. The model as callbacks receive it (``Trainer.model``) is the bare
-model under DDP and DeepSpeed ZeRO-1/2, whose parameters are replicated, so each rank generates on its own.
+model under DDP and DeepSpeed ZeRO-2, whose parameters are replicated, so each rank generates on its own.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def _bare_model(model: torch.nn.Module) -> torch.nn.Module:
     while isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
         model = model.module
     if "FullyShardedDataParallel" in type(model).__name__ or "FSDP" in type(model).__name__:
-        raise NotImplementedError("PeriodicEval: FSDP shards parameters across ranks; use DDP or ZeRO-1/2")
+        raise NotImplementedError("PeriodicEval: FSDP shards parameters across ranks; use DDP or ZeRO-2")
     if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise NotImplementedError("PeriodicEval: DeepSpeed ZeRO-3 shards parameters across ranks; use ZeRO-1/2")
+        raise NotImplementedError("PeriodicEval: DeepSpeed ZeRO-3 shards parameters across ranks; use ZeRO-2")
     return model
 
 

@@ -1,14 +1,16 @@
 """The config tree: ``RunConfig`` (typed sections, strict validation, contradiction checks).
 
 The pieces live beside it: ``sections`` (model, data, rewards, peft, eval, ppo), ``guard_sections`` (one shape per
-guard layer), ``typed`` (tree -> dataclasses, the ``trainer`` keys against TRL), ``checks`` (contradictions).
+guard layer), ``typed`` (tree -> dataclasses, the ``trainer`` keys against TRL), ``ignored`` (which algorithm reads
+which key), ``checks`` (contradictions).
 This module re-exports their public names, the import path the rest of steadyrl and user code use.
 
-``RunConfig.from_tree`` turns a merged YAML tree into typed sections. Unknown keys, wrong types and
-contradictions raise ``ConfigError`` naming the key, the file that set it and the fix, before any model or
-dataset is loaded. The ``trainer`` section is passed through unchanged to TRL's ``GRPOConfig`` (``SFTConfig`` for
-``algorithm: sft``, ``RewardConfig`` for ``algorithm: reward``, steadyrl's ``SteadyPPOConfig`` -- GRPOConfig that
-accepts ``num_generations: 1`` -- for ``algorithm: ppo``); its keys are checked against that class's fields.
+``RunConfig.from_tree`` turns a merged YAML tree into typed sections. Unknown keys, wrong types, keys the run would
+never read (``ignored``) and contradictions raise ``ConfigError`` naming the key, the file that set it and the fix,
+before any model or dataset is loaded. The ``trainer`` section is passed through unchanged to TRL's ``GRPOConfig``
+(``SFTConfig`` for ``algorithm: sft``, ``RewardConfig`` for ``algorithm: reward``, steadyrl's ``SteadyPPOConfig`` --
+GRPOConfig that accepts ``num_generations: 1`` -- for ``algorithm: ppo``); its keys are checked against that class's
+fields.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from steadyrl.config.guard_sections import (
     QuatroReplaySection,
     QuatroSection,
 )
+from steadyrl.config.ignored import READ_BY, check_ignored_keys
 from steadyrl.config.loader import ConfigError, Origins, load_object
 from steadyrl.config.sections import (
     ALGORITHMS,
@@ -77,6 +80,7 @@ class RunConfig:
                 _where("algorithm", origins) + f"unknown algorithm {cfg.algorithm!r}; valid: {list(ALGORITHMS)}"
             )
         _check_trainer_keys(cfg, origins)
+        check_ignored_keys(cfg, tree, origins)  # keys this algorithm would accept and never read
         return cfg
 
     def to_tree(self) -> dict[str, Any]:
@@ -87,6 +91,7 @@ class RunConfig:
 __all__ = [
     "ALGORITHMS",
     "DTYPES",
+    "READ_BY",
     "RENAMED_TRAINER_KEYS",
     "DataSection",
     "EvalSection",
@@ -107,6 +112,7 @@ __all__ = [
     "RewardSection",
     "RunConfig",
     "check_contradictions",
+    "check_ignored_keys",
     "did_you_mean",
     "load_object",
     "rename_for_installed",

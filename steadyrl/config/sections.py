@@ -14,6 +14,7 @@ from steadyrl.config.loader import FieldValueError
 
 ALGORITHMS = ("grpo", "sft", "reward", "ppo")
 ON_ERROR = ("raise", "retry", "skip")  # rewards[].on_error
+REWARD_TIMEOUT_S = 60.0  # rewards[].timeout default (steadyrl.rewards.guarded)
 ON_BAD_ROW = ("error", "skip")  # data.on_bad_row
 
 
@@ -66,7 +67,10 @@ class RewardSection:
     on_error: str = "raise"  # raise | retry | skip
     retries: int = 2  # retry, skip: more attempts after a failed one
     backoff: float = 1.0  # seconds before the first retry, doubled for each next one
-    timeout: float | None = None  # seconds one attempt may take (a late one counts as failed); null = wait
+    # seconds one attempt may take: a late one is stopped and counts as failed (on_error decides). 60 s is far above
+    # a healthy call (a verifier scores a batch in well under a second) and far below the 30 min after which a
+    # hung rank fails DDP with a message that does not name the reward; null = wait forever
+    timeout: float | None = REWARD_TIMEOUT_S
     max_consecutive_errors: int = 3  # skip: this many skipped calls in a row stop the run
 
     def __post_init__(self) -> None:
@@ -79,7 +83,7 @@ class RewardSection:
             raise FieldValueError("timeout", f"must be > 0 seconds (or null = wait), got {self.timeout}")
         if self.max_consecutive_errors < 1:
             raise FieldValueError("max_consecutive_errors", f"must be >= 1, got {self.max_consecutive_errors}")
-        if self.fn is None and (self.on_error != "raise" or self.timeout is not None):
+        if self.fn is None and (self.on_error != "raise" or self.timeout not in (None, REWARD_TIMEOUT_S)):
             key = "on_error" if self.on_error != "raise" else "timeout"
             raise FieldValueError(key, "applies to `fn` rewards only; a reward `model` runs in this process")
 

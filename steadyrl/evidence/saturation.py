@@ -120,7 +120,7 @@ def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | N
         int(steps[-1]),
         f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps",
         "guards.quatro.entropy.cov_clip / coef_max: raise them (at the cap the floor's levers do not hold entropy; "
-        "cov_clip is 0, off, by default: it cost a real run that was still learning 20 points, docs/benchmarks.md), "
+        "cov_clip is 0, off, by default), "
         "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; pg_brake (1 "
         "by default) takes the reward's policy gradient away in proportion to the control, so while the control "
         "sits at 1 the run learns nothing from its reward; brake_moments (0.01 by default) scales Adam's moments "

@@ -14,8 +14,8 @@ damps the loop: entropy integrates the levers' effect step after step, and an in
 oscillates.
 
 1. The covariance clip (``cov_clip``, 0: off by default, opt in with a share in (0, 1]; at 1 it cost a healthy
-   SmolLM2-135M run 0.625 -> 0.420 held-out accuracy and did not hold a forced collapse either, docs/entropy_floor.md
-   section 0): the policy gradient is taken off the ``u x cov_clip`` share of the
+   SmolLM2-135M run 0.625 -> 0.420 held-out accuracy and did not hold a forced collapse either,
+   docs/entropy_floor_log.md section 0): the policy gradient is taken off the ``u x cov_clip`` share of the
    tokens that sharpen the policy. A policy-gradient step on token ``a`` with advantage ``A`` moves the logits of
    its softmax by ``lr x A x (e_a - pi)``, and since ``dH/dz_b = -pi_b (log pi_b + H)`` the entropy of that
    distribution changes by ``-lr x A x [pi_a (log pi_a + H) - sum_b pi_b^2 (log pi_b + H)]``. The first term is
@@ -35,12 +35,12 @@ oscillates.
    ``pg_scale = 1 - u x pg_brake``, so at ``u = 1`` with ``pg_brake`` 1 the reward's policy gradient is gone and
    only the bonus and the KL term move the policy. The bonus adds a force against the collapse; the brake takes
    away the force that causes it. On a forced collapse (a reward that pays for repeating) no bonus the real runs
-   tolerate out-pulls the reward (docs/entropy_floor.md section 00: at 2.0 the reward still reaches 0.98), while
+   tolerate out-pulls the reward (docs/entropy_floor_log.md section 00: at 2.0 the reward still reaches 0.98), while
    the brake scales the reward's pull down in proportion to how far entropy is under the floor, however strong
    that pull is. It acts only while the floor does (never while the learning gate holds it off), and Adam's
    momentum carries about 10 steps of the old direction after it engages. ``SteadyGRPOTrainer._compute_loss``
    applies it to the micro-batch's advantages for that loss only (PPO's GAE advantages too). Measured on the
-   forced collapse (docs/entropy_floor.md, section 000): at ``coef_max`` 0.01 entropy ends 4x higher than without
+   forced collapse (docs/entropy_floor_log.md, section 000): at ``coef_max`` 0.01 entropy ends 4x higher than without
    it and the hack slows, but the band is not held, although the policy gradient was off on 49-88 of 200 steps.
    Adam's second moment still carries the removed gradient's size, so the remaining small gradients move the
    weights slowly; 2b is what makes it hold. On by default with 2b (both were off up to d25b1e6).
@@ -57,7 +57,7 @@ oscillates.
    (at most ``1 / m``). When the brake lets go the moments are scaled back up by the same factors. PPO's critic
    shares the optimizer, and its value loss is not braked: its param groups keep their moments (``UNBRAKED_GROUP``).
 3. TRL's entropy bonus: ``bonus = u x coef_max`` (0.01), in TRL's ``entropy_coef`` units (loss - coef x mean token
-   entropy). Why the cap is 0.01 and not more (docs/entropy_floor.md, section 0): at 0.5 the bonus alone kept a
+   entropy). Why the cap is 0.01 and not more (docs/entropy_floor_log.md, section 0): at 0.5 the bonus alone kept a
    forced collapse's entropy 20x above plain TRL's but oscillated, and on SmolLM2-135M's healthy run (before the
    learning gate) it pushed entropy from 0.3 to 1.6 nats and held-out accuracy ended at 0.325 against plain's 0.575.
 
@@ -80,7 +80,7 @@ the reward rises (it cannot raise entropy, only stop the sharpening tokens' shar
 sparse verifier that ticks up by chance, each tick otherwise restarts the controller from 0.
 
 Which reward the gate reads (``gate_reward``): by default the weighted training reward. A reward that pays for the
-collapse itself (the forced collapse of docs/entropy_floor.md: a reward for repeating one character) rises while
+collapse itself (the forced collapse of docs/entropy_floor_log.md: a reward for repeating one character) rises while
 entropy falls, exactly as a run that learns its task does (SmolLM2-135M seed 0: entropy 0.68 -> 0.07 nats while the
 reward goes 0.16 -> 0.98 and 60 % of the groups end with one reward), so on that reward no gate can tell the two
 apart. ``gate_reward`` names the reward the user trusts, for example a verifier with weight 0 that trains nothing;
@@ -158,18 +158,18 @@ class EntropyConfig:
     kp: float = 0.4  # proportional gain: control per unit relative gap, on top of the integral
     coef_max: float = 0.01  # entropy bonus at control 1 (TRL's entropy_coef); 0.5 wrecked a real run (docstring)
     cov_clip: float = 0.0  # share of the sharpening tokens whose policy gradient is dropped at control 1; 0: off
-    # (off by default: at 1 it cost SmolLM2-135M 0.625 -> 0.420 held-out accuracy, docs/entropy_floor.md section 0)
+    # (off by default: at 1 it cost SmolLM2-135M 0.625 -> 0.420 held-out accuracy, docs/entropy_floor_log.md section 0)
     pg_brake: float = 1.0  # share of every advantage taken off at control 1 (module docstring, lever 2); 0: off
     # Adam's moments follow the brake's factor, floored at this value (module docstring, lever 2b); 0: off. With the
     # brake at 1 they held a forced collapse in 3 seeds of 3, where the brake alone did not, at no measured cost on
-    # healthy tiny and SmolLM2-135M runs (docs/entropy_floor.md section 0000). Inert with pg_brake 0.
+    # healthy tiny and SmolLM2-135M runs (docs/entropy_floor_log.md section 0000). Inert with pg_brake 0.
     brake_moments: float = 0.01
     clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
     hysteresis: float = 1.05  # release when the window mean > floor x hysteresis
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
     clip_while_learning: bool = False  # the gate holds off only the bonus and the clip range, not the covariance clip
     # a held-off step sets the control to 0 but keeps the integral, so the controller resumes where it was when the
-    # gate lets go (off: the integral restarts at 0, as measured in docs/entropy_floor.md section 000)
+    # gate lets go (off: the integral restarts at 0, as measured in docs/entropy_floor_log.md section 000)
     keep_integral_while_held: bool = False
     gate_window: int = 10  # steps of reward compared: the last half against the half before
     gate_z: float = 1.0  # "rising": the halves' mean difference above gate_z standard errors

@@ -42,6 +42,7 @@ REPLAY_ROW_KEYS: dict[str, tuple[str, float | None]] = {
     "tool_mask": ("completion", 1),
     "old_values": ("completion", 0.0),  # PPO: the critic's values at sampling time (B, T)
     "returns": ("completion", 0.0),  # PPO: GAE returns (B, T)
+    "value_weight": ("completion", 1.0),  # PPO: (B,) per row, 0 = the row trains no value (unscorable, filtered)
 }
 
 

@@ -24,10 +24,8 @@ What this simplifies or leaves out:
   (both estimate sigma). The centre stays the median by default (``mad_zero_centre: median``): the majority's
   rows train with exactly 0 and the group's advantages sum to the minority's alone. ``mad_zero_centre: mean``
   takes the mean with the std, the centre that goes with that scale: a pass/fail group then gets TRL's own
-  ``(r - mean) / std``, soft clipped. Measured with every layer on (tiny model, 6 seeds, paired by seed;
-  docs/benchmarks.md, 2026-12-02): the mean centre made GEPO's runs plain TRL's (clean 0.0 ± 0.3 points against
-  plain TRL) and lost the median's gain on the repetition reward (-1.5 ± 0.6 points against the median), so the
-  median stays the default. The fallback is not outlier-robust: a huge
+  ``(r - mean) / std``, soft clipped; the median stays the default (docs/DESIGN.md, "GEPO: robust advantages").
+  The fallback is not outlier-robust: a huge
   outlier in such a group inflates the std and mutes the minority, and with the mean centre it also pushes the
   majority down together (the tanh still bounds the outlier); heavy-tailed rewards rarely give a MAD of 0,
   discrete ones do.

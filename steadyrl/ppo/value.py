@@ -159,7 +159,8 @@ class CriticModel(nn.Module):
         if (path / VALUE_HEAD_FILE).is_file():
             critic = cls._load_saved(path, **model_kwargs)
         else:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=model_kwargs.get("trust_remote_code", False))
+            hub = {k: v for k, v in model_kwargs.items() if k in ("revision", "trust_remote_code")}
+            config = AutoConfig.from_pretrained(path, **hub)
             if _is_reward_model(config):
                 critic = cls._from_reward_model(path, init_std, reward_stats, **model_kwargs)
             else:

@@ -10,8 +10,20 @@ live on the entry itself (``RewardSection``):
 - ``on_error: skip``: the same retries; when every attempt fails the call's completions are scored ``None``
   (TRL turns them into NaN: unscorable, which GEPO's advantages and GRADE's scaler leave out) and the run goes on.
   ``max_consecutive_errors`` skipped calls in a row stop it.
-- ``timeout``: seconds one attempt may take; a late attempt counts as a failure. Python cannot stop a thread, so the
-  late call is abandoned in a daemon thread and its answer is dropped.
+- ``timeout`` (default 60 s, ``null`` = wait forever): seconds one attempt may take. A late attempt is stopped (a
+  ``RewardTimeout`` naming the reward and the rank is raised inside it) and counts as a failure of the policy above,
+  so a hung reward server ends the run with a message instead of stalling it (under DDP, every rank until the
+  collective timeout).
+
+How a late call is stopped (``_Deadline``): the call runs in the calling thread, as without a timeout, and a
+watchdog thread waits out the deadline. On the main thread (where TRL calls a reward function) the watchdog sends
+the main thread ``SIGURG``, whose handler raises: a signal also breaks a blocking sleep, socket read or lock wait,
+and ``SIGURG`` (default: ignored) stays clear of ``SIGALRM``, which math-verify's own per-expression timeouts use on
+the main thread (``math_answer`` keeps them). Off the main thread the watchdog raises asynchronously in the calling
+thread (``PyThreadState_SetAsyncExc``), which takes effect when the call next runs Python code. Either way nothing is
+left running: the late call itself unwinds. What Python cannot interrupt, a C extension that never returns, is
+logged as an error naming the reward and rank; only a subprocess could kill it, which would cost a fork and pickled
+inputs and outputs on every call and lose the call's side effects (``log_metric``, a stateful reward).
 
 A return that is not one number (or ``None``) per completion is always an error, whatever ``on_error`` says: the
 same inputs would give the same wrong answer on a retry. The message names the function, the type and an example.
@@ -25,8 +37,11 @@ are not wrapped. Left out: the consecutive-failure count is not checkpointed (a 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import numbers
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +61,85 @@ class RewardError(RuntimeError):
 
 
 class RewardTimeout(TimeoutError):
-    """One attempt at a reward call took longer than the entry's ``timeout``."""
+    """One attempt at a reward call took longer than the entry's ``timeout``; the attempt was stopped."""
+
+
+class _Expired(BaseException):
+    """Raised inside a late reward call. A BaseException, so that the reward's own ``except Exception`` (math-verify's
+    ``parse`` has one) cannot swallow it; ``call_with_timeout`` turns it into a RewardTimeout."""
+
+
+DEADLINE_SIGNAL = signal.SIGURG  # default action: ignore; math-verify uses SIGALRM, preemption TERM/INT/USR/HUP
+STUCK_AFTER_S = 5.0  # seconds past the deadline before a call that did not stop is logged as stuck
+
+
+def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``ident`` when it next runs Python code; None drops one not yet raised."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
+
+
+class _Deadline:
+    """``with _Deadline(seconds, what):`` raises ``self.token`` inside the block when it runs past ``seconds``
+    (module docstring). The token is raised at most once; ``__exit__`` stops the watchdog and restores the signal
+    handler whichever way the block ends."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = seconds, what
+        self.token = type("RewardDeadline", (_Expired,), {})  # this call's own: a nested deadline has another
+        self.caller = threading.current_thread()
+        self.on_main = self.caller is threading.main_thread() and hasattr(signal, "pthread_kill")
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.armed, self.fired, self.previous = True, False, None
+        self.watchdog = threading.Thread(target=self._watch, name="steadyrl-reward-deadline", daemon=True)
+
+    def __enter__(self) -> _Deadline:
+        if self.on_main:
+            self.previous = signal.signal(DEADLINE_SIGNAL, self._handler)
+        self.watchdog.start()
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:  # main thread, between two bytecodes of the call
+        if self.fired and self.armed:
+            self.armed = False
+            raise self.token
+        if callable(self.previous):  # a stray SIGURG, or an outer deadline's
+            self.previous(signum, frame)
+
+    def _watch(self) -> None:
+        if self.done.wait(self.seconds):
+            return
+        with self.lock:
+            if not self.armed:  # the call returned just now
+                return
+            self.fired = True
+            if self.on_main:
+                signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)
+            else:
+                self.armed = False
+                _async_raise(self.caller.ident, self.token)
+        if not self.done.wait(STUCK_AFTER_S):
+            logger.error(
+                "%s is still running %g s after its timeout of %g s: it is inside code that does not return to "
+                "Python (a C extension or a blocking call) or that catches BaseException, and stops when it returns",
+                self.what, STUCK_AFTER_S, self.seconds,
+            )  # fmt: skip
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            with self.lock:
+                self.armed = False
+                if self.fired and not self.on_main:
+                    _async_raise(self.caller.ident, None)  # the call returned first: drop the pending raise
+        finally:  # the token is raised at most once, so this part always runs to the end
+            self.done.set()
+            self.watchdog.join()
+            if self.on_main:  # None: a handler installed outside Python, which Python cannot put back
+                signal.signal(DEADLINE_SIGNAL, signal.SIG_DFL if self.previous is None else self.previous)
+
+
+def process_rank() -> int:
+    """This process's rank in the launch (``RANK``, set by torchrun and accelerate), 0 when launched alone."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _example(value: Any) -> str:
@@ -84,38 +177,31 @@ def check_scores(name: str, out: Any, expected: int | None) -> list[Any]:
     return list(out)
 
 
-def call_with_timeout(fn: Callable[..., Any], timeout: float | None, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """``fn(*args, **kwargs)``; with a ``timeout`` it runs in a daemon thread and a late answer raises RewardTimeout."""
+def call_with_timeout(
+    fn: Callable[..., Any], timeout: float | None, args: tuple, kwargs: dict[str, Any], name: str = "reward"
+) -> Any:
+    """``fn(*args, **kwargs)`` in this thread; past ``timeout`` seconds the call is stopped and RewardTimeout (naming
+    ``name`` and this process's rank) is raised. ``timeout=None`` waits forever."""
     if timeout is None:
         return fn(*args, **kwargs)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller's thread below
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="steadyrl-reward-call", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise RewardTimeout(f"no answer within {timeout:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    rank = process_rank()
+    deadline = _Deadline(timeout, f"reward {name!r} on rank {rank}")
+    try:
+        with deadline:
+            return fn(*args, **kwargs)
+    except deadline.token:
+        raise RewardTimeout(
+            f"no answer within {timeout:g} s (reward {name!r} on rank {rank}; the call was stopped)"
+        ) from None
 
 
 def last_checkpoint_note(output_dir: str | Path | None) -> str:
-    """The sentence that tells the user where the run can resume from."""
+    """The sentence that tells the user where the run can resume from (``checkpoints.last_checkpoint_note``)."""
     if output_dir is None:
         return ""
-    from steadyrl.trainers.checkpoints import find_resume_checkpoint
+    from steadyrl.trainers.checkpoints import last_checkpoint_note as note
 
-    found = find_resume_checkpoint(output_dir, verify=False)
-    if found is None:
-        return f" No complete checkpoint in {output_dir} yet."
-    return f" Last complete checkpoint: {found} (trainer.resume_from_checkpoint: auto resumes from it)."
+    return note(output_dir)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -152,7 +238,7 @@ class GuardedReward:
             if attempt:
                 self.sleep(p.backoff * 2 ** (attempt - 1))
             try:
-                out = call_with_timeout(self.fn, p.timeout, args, kwargs)
+                out = call_with_timeout(self.fn, p.timeout, args, kwargs, name)
             except Exception as exc:  # a reward service can fail in any way; the policy decides
                 errors, last = errors + 1, exc
                 logger.warning("reward %r failed (attempt %d of %d): %s", name, attempt + 1, attempts, _error_text(exc))

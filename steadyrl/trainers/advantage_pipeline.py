@@ -157,9 +157,13 @@ def compare_advantages(
 
 
 class SequenceRewardPipeline(AdvantagePipeline):
-    """PPO: step 2 gives the *sequence reward* of each row (unscorable and filtered rows 0), no group statistics."""
+    """PPO: step 2 gives the *sequence reward* of each row, no group statistics. An unscorable or filtered row is
+    NaN: ``SteadyPPOTrainer`` gives it advantage 0 and leaves it out of the whitening and the value loss."""
 
     def advantages(
         self, rewards: torch.Tensor, keep: torch.Tensor | None, num_generations: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        return torch.nan_to_num(rewards, nan=0.0), {}
+        out = rewards.clone()
+        if keep is not None:
+            out[~keep.to(out.device)] = float("nan")
+        return out, {}

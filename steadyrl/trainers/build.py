@@ -67,6 +67,17 @@ def _model_init_kwargs(cfg: RunConfig, trainer_kwargs: dict[str, Any]) -> dict[s
     return init_kwargs
 
 
+def model_files_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """``revision`` and ``trust_remote_code`` for every other load of the model's files (tokenizer, config): the
+    values its weights load with (``trainer.model_init_kwargs`` over ``trainer.trust_remote_code`` over ``model``)."""
+    trainer_kwargs = dict(cfg.trainer)
+    init_kwargs = _model_init_kwargs(cfg, trainer_kwargs)
+    out = {"trust_remote_code": init_kwargs.get("trust_remote_code", trainer_kwargs["trust_remote_code"])}
+    if init_kwargs.get("revision") is not None:
+        out["revision"] = init_kwargs["revision"]
+    return out
+
+
 def trl_args(cfg: RunConfig) -> Any:
     """The TRL config object: the ``trainer`` section unchanged, plus model-loading kwargs from ``model``."""
     from steadyrl.config.schema import trl_config_class
@@ -95,6 +106,10 @@ def _cpu_process_group(kwargs: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or kwargs.get("deepspeed")
+    if world_size_from_env() <= 1 and kwargs.get("ddp_backend") and not deepspeed:
+        # one process has no process group; transformers would try to start one and fail (e.g. a config written
+        # for 2 processes, resumed on 1)
+        logger.warning("trainer.ddp_backend=%s has no effect with one process; ignored", kwargs.pop("ddp_backend"))
     if world_size_from_env() <= 1 or torch.cuda.is_available() or deepspeed:
         return
     kwargs["use_cpu"] = True
@@ -114,6 +129,8 @@ def resolve_resume(cfg: RunConfig) -> str | None:
     if state.is_main_process:
         try:
             answer[0] = _resume_path(cfg)
+            if answer[0] is not None:
+                _check_resume_world_size(Path(answer[0]), state.num_processes, cfg)
         except ConfigError as exc:
             answer[1] = str(exc)
     if state.num_processes > 1:
@@ -121,6 +138,24 @@ def resolve_resume(cfg: RunConfig) -> str | None:
     if answer[1] is not None:
         raise ConfigError(answer[1])
     return answer[0]
+
+
+def _check_resume_world_size(folder: Path, processes: int, cfg: RunConfig) -> None:
+    """DeepSpeed ZeRO partitions the optimizer state per rank and cannot load it on another number of processes;
+    refuse before any model is loaded. (DDP resumes, dropping per-rank state: ``checkpoints.load_steady_state``.)"""
+    from steadyrl.config.checks import _deepspeed_config, _deepspeed_launch
+    from steadyrl.trainers.checkpoints import saved_num_processes
+
+    saved = saved_num_processes(folder)
+    if saved is None or saved == processes or not (_deepspeed_launch() or _deepspeed_config(cfg) is not None):
+        return
+    raise ConfigError(
+        f"trainer.resume_from_checkpoint: {folder} was written by {saved} processes and this DeepSpeed run has "
+        f"{processes}; ZeRO's optimizer partitions only load on the same number. Launch with --num_processes "
+        f"{saved}, or convert it with DeepSpeed's universal checkpoint (python -m "
+        "deepspeed.checkpoint.ds_to_universal) and load that, or start a new run from its weights "
+        f"(model.path={folder}, trainer.resume_from_checkpoint=null)"
+    )
 
 
 def _resume_path(cfg: RunConfig) -> str | None:
@@ -195,7 +230,7 @@ def checked_rows(
     for name, fn in rewards.items():
         for column in sorted(required_columns(fn)) if callable(fn) else []:
             needs.setdefault(column, []).append(name)
-    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    model_config = AutoConfig.from_pretrained(model_path, **model_files_kwargs(cfg))
     context = getattr(model_config, "max_position_embeddings", None)
     d = cfg.data
     local = Path(d.path).suffix in (".jsonl", ".json", ".parquet", ".csv")
@@ -229,7 +264,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
             check_reward_columns(name, fn, train_ds.column_names)
     _write_resolved(cfg, state)
     model_path = _model_path(cfg, state)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, **model_files_kwargs(cfg))
     if cfg.data.chat_template is not None:
         template = Path(cfg.data.chat_template)
         tokenizer.chat_template = template.read_text() if template.is_file() else cfg.data.chat_template

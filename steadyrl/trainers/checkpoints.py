@@ -10,6 +10,11 @@ file damaged *after* the save (a truncated copy, a flipped bit) is found on resu
 checkpoint that verifies. Rotation (``save_total_limit``) counts complete checkpoints only, so the newest
 complete one is never deleted; leftovers of a crashed save are removed.
 
+A save that fails (a full disk, most often) ends the run with a ``CheckpointSaveError`` on every rank naming the
+error and its path, the free space and the last complete checkpoint; the staged folder is removed (it would hold
+the disk space the next attempt needs) and the complete checkpoints are untouched, so ``resume: auto`` picks the
+last one as if the failed save had never started. A staged folder left by a crash is removed at the next save.
+
 Files steadyrl adds to a checkpoint: ``steadyrl_state.pt`` (main process: every stateful guard's ``state_dict``
 and the step gate's counters) and ``steadyrl_rank{rank}.pt`` (each rank: TRL's rollout buffer and micro-step
 counter, and the per-rank guard state: OPEFO's error-feedback residual, QUATRO's replay buffer).
@@ -39,6 +44,13 @@ GUARD_STATE_FILE = "steadyrl_state.pt"
 RANK_STATE_FILE = "steadyrl_rank{rank}.pt"
 COMPLETE_MARKER = "steadyrl_complete.json"
 STAGING_DIR = ".staging"
+# what a failed write raises: OSError (ENOSPC, EIO, EDQUOT) from open/write/fsync/rename, RuntimeError from
+# torch.save ("PytorchStreamWriter failed writing file") and safetensors on a full disk
+SAVE_ERRORS = (OSError, RuntimeError)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the run stops with the last complete checkpoint untouched."""
 
 
 @dataclass
@@ -89,18 +101,88 @@ def save_atomically(
     write: Callable[[Path, Path], None],
 ) -> None:
     """Stage, write, mark, rename, rotate. ``write(staging_root, folder)`` writes ``folder`` =
-    ``staging_root/checkpoint-N`` (on every rank); ``run_dir`` is where ``checkpoint-N`` is published."""
+    ``staging_root/checkpoint-N`` (on every rank); ``run_dir`` is where ``checkpoint-N`` is published.
+
+    When a write fails on any rank (``SAVE_ERRORS``), every rank raises CheckpointSaveError (``save_failure_message``)
+    after the main process removed the staged folder; nothing is published.
+    """
     name = f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
     staging_root = run_dir / STAGING_DIR
-    if accelerator.is_main_process and (staging_root / name).exists():
-        shutil.rmtree(staging_root / name)  # left by a save that crashed
-    accelerator.wait_for_everyone()
-    write(staging_root, staging_root / name)
-    accelerator.wait_for_everyone()
+    staged = staging_root / name
     if accelerator.is_main_process:
-        publish_checkpoint(staging_root / name, run_dir / name, global_step, accelerator.num_processes)
-        rotate_complete_checkpoints(run_dir, save_total_limit)
+        remove_staged_leftovers(staging_root)  # left by a save that crashed (this step's or another's)
     accelerator.wait_for_everyone()
+    error: BaseException | None = None
+    try:
+        write(staging_root, staged)
+    except SAVE_ERRORS as exc:
+        error = exc
+    errors = _every_rank(accelerator, error)  # the barrier before publishing: all ranks learn of any failure
+    if not any(errors):
+        if accelerator.is_main_process:
+            try:
+                publish_checkpoint(staged, run_dir / name, global_step, accelerator.num_processes)
+                rotate_complete_checkpoints(run_dir, save_total_limit)
+            except SAVE_ERRORS as exc:
+                error = exc
+        errors = _every_rank(accelerator, error)
+    if any(errors):
+        if accelerator.is_main_process:
+            shutil.rmtree(staged, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        raise CheckpointSaveError(save_failure_message(run_dir, staged, errors)) from error
+
+
+def _every_rank(accelerator: Any, error: BaseException | None) -> list[str | None]:
+    """Every rank's error text (None: that rank wrote its part), on every rank; a barrier when launched together."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    if accelerator.num_processes == 1:
+        return [text]
+    from accelerate.utils import gather_object
+
+    return list(gather_object([text]))
+
+
+def remove_staged_leftovers(staging_root: Path) -> None:
+    """Delete the staged ``checkpoint-N`` folders in ``staging_root`` (main process, before a save): a save that
+    crashed left them, nothing reads them, and on a nearly full disk their space is what the next save needs."""
+    if staging_root.is_dir():
+        for _, folder in _checkpoint_folders(staging_root):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def free_space(path: Path) -> str:
+    """The free space on the disk holding ``path`` (its nearest existing folder), e.g. ``"1.5 GiB"``."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return "unknown"
+    return f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+
+
+def last_checkpoint_note(output_dir: str | os.PathLike[str]) -> str:
+    """The sentence that tells the user where the run can resume from (with a leading space)."""
+    found = find_resume_checkpoint(output_dir, verify=False)
+    if found is None:
+        return f" No complete checkpoint in {output_dir} yet."
+    return f" Last complete checkpoint: {found} (trainer.resume_from_checkpoint: auto resumes from it)."
+
+
+def save_failure_message(run_dir: Path, staged: Path, errors: list[str | None]) -> str:
+    """What a failed save tells the user: each failing rank's error (which names the file where the OS said which),
+    the folder being written, the free space, whether the partial folder is gone and the last complete checkpoint."""
+    failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+    what = failed[0][1] if len(errors) == 1 else "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+    removed = (
+        f"The partial {staged} could not be removed: delete it to free its space."
+        if staged.exists()
+        else "The partial checkpoint was removed."
+    )
+    return (
+        f"{staged.name} was not saved: {what} (writing {staged}; {free_space(run_dir)} free on the disk of "
+        f"{run_dir}). {removed}{last_checkpoint_note(run_dir)}"
+    )
 
 
 def save_steady_state(
@@ -173,12 +255,36 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def load_steady_state(folder: Path, state: GuardState, rank: int, device: Any) -> dict[str, Any] | None:
+def saved_num_processes(folder: Path) -> int | None:
+    """The number of processes that wrote checkpoint ``folder`` (its completion marker), None when not recorded."""
+    try:
+        value = json.loads((folder / COMPLETE_MARKER).read_text()).get("num_processes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+def load_steady_state(
+    folder: Path, state: GuardState, rank: int, device: Any, num_processes: int = 1
+) -> dict[str, Any] | None:
     """Restore guard state and this rank's guard state; returns this rank's saved rollouts (``step``,
-    ``buffered_inputs``) for the trainer to put back, or None when the checkpoint has none."""
+    ``buffered_inputs``) for the trainer to put back, or None when the checkpoint has none.
+
+    A checkpoint written by another number of processes: every rank drops all per-rank state (rollout buffers,
+    replay buffers, error-feedback residuals, micro-batch gates) with a warning, so all ranks start the next
+    generation together; the shared guard state loads as usual (docs/DESIGN.md, "Resume on another world size")."""
     rank_file = folder / RANK_STATE_FILE.format(rank=rank)
     rollouts = None
-    if rank_file.is_file():
+    saved = saved_num_processes(folder)
+    if saved is not None and saved != num_processes:
+        if rank == 0:
+            logger.warning(
+                "%s was written by %d processes and this run has %d: per-rank state is dropped (rollouts not yet "
+                "trained on are generated afresh, replay buffers start empty, a pending error-feedback residual is "
+                "lost); weights, optimizer and shared guard state resume. Launch with %d processes to resume exactly",
+                folder, saved, num_processes, saved,
+            )  # fmt: skip
+    elif rank_file.is_file():
         where = torch.device(device)
         # a CPU process of a multi-process run has device cpu:<rank>, a location torch.load does not know
         where = torch.device("cpu") if where.type == "cpu" else where
@@ -194,9 +300,9 @@ def load_steady_state(folder: Path, state: GuardState, rank: int, device: Any) -
         if state.stateful:
             logger.warning("%s has no guard state: guards start fresh", folder)
         return rollouts
-    saved = torch.load(state_file, map_location="cpu", weights_only=False)
-    state.load_guard_state_dicts(saved["guards"], where=str(folder))
-    state.counters.update(saved.get("counters", {}))
+    shared = torch.load(state_file, map_location="cpu", weights_only=False)
+    state.load_guard_state_dicts(shared["guards"], where=str(folder))
+    state.counters.update(shared.get("counters", {}))
     return rollouts
 
 

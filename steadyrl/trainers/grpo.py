@@ -29,6 +29,7 @@ from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from steadyrl.config.guard_sections import GuardsSection
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard, Stepping
 from steadyrl.guards.entropy_floor import cov_clip_mask
 from steadyrl.guards.optimizer_state import scale_moments
@@ -77,6 +78,27 @@ from steadyrl.trainers.step_gate import StepGate
 
 logger = logging.getLogger(__name__)
 
+_GUARD_ARGUMENTS = frozenset(
+    "reward_processor advantage_fn step_guards stateful logprob_min finite_checks kl_compensation opefo quatro "
+    "observe_rewards observe_advantage_fn observe_step_guards observe_logprob_min micro_batch_guard "
+    "observe_micro_batch_guard".split()
+)
+
+
+def guard_arguments(guards: GuardsSection | dict[str, Any] | str) -> dict[str, Any]:
+    """``SteadyGRPOTrainer``'s guard arguments from ``"all"`` (every layer on, shipped defaults), a
+    ``GuardsSection``, or a dict shaped like the YAML ``guards:`` section (unknown keys raise ``ConfigError``)."""
+    from steadyrl.config.typed import _build
+    from steadyrl.trainers.layers import layer_kwargs
+
+    if guards == "all":
+        guards = {layer: {"enabled": True} for layer in ("gepo", "opefo", "quatro", "grade")}
+    if isinstance(guards, dict):
+        guards = _build(GuardsSection, guards, "guards", {})
+    if not isinstance(guards, GuardsSection):
+        raise TypeError(f'guards= takes "all", a GuardsSection or a dict, got {type(guards).__name__}')
+    return layer_kwargs(guards)
+
 
 class SteadyGRPOTrainer(GRPOTrainer):
     """GRPO with pluggable reward processing, advantages and optimizer-step guards.
@@ -107,6 +129,10 @@ class SteadyGRPOTrainer(GRPOTrainer):
         observe_logprob_min: count per-token log-probs below this floor (``gepo/would_clamp_logprobs``) without
             clamping them.
 
+    guards: the YAML ``guards:`` section from Python, expanded into the arguments above (``guard_arguments``):
+        ``"all"`` (every layer at its shipped defaults), a ``GuardsSection``, or a dict shaped like the YAML section
+        (``{"gepo": {"enabled": True}, ...}``, validated like it). Exclusive with the arguments it fills.
+
     Per micro-batch (``guards.gepo.spike.granularity: micro_batch``, ``MicroBatchGate``):
         micro_batch_guard: a ``SpikeGuard`` judging each micro-batch's own gradient; spiking ones are dropped.
         observe_micro_batch_guard: the same, counting would-drops only.
@@ -132,8 +158,18 @@ class SteadyGRPOTrainer(GRPOTrainer):
         observe_logprob_min: float | None = None,
         micro_batch_guard: SpikeGuard | None = None,
         observe_micro_batch_guard: SpikeGuard | None = None,
+        guards: GuardsSection | dict[str, Any] | str | None = None,
         **kwargs: Any,
     ) -> None:
+        if guards is not None:  # the YAML ``guards:`` section, from Python: expands into the arguments above
+            given = locals()
+            explicit = {k: given[k] for k in _GUARD_ARGUMENTS if given[k] is not None and given[k] is not False}
+            filled = guard_arguments(guards)
+            clash = sorted(set(explicit) & set(filled))
+            if clash:
+                raise ValueError(f"guards= fills {clash}; pass either guards= or these arguments, not both")
+            SteadyGRPOTrainer.__init__(self, *args, **explicit, **filled, **kwargs)
+            return
         super().__init__(*args, **kwargs)
         self.reward_processor, self.advantage_fn = reward_processor, advantage_fn
         self.observe_advantage_fn = observe_advantage_fn
@@ -597,7 +633,9 @@ def write_guard_cost(out: Path, trainer: SteadyGRPOTrainer, steps: int) -> None:
 def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
     """steadyrl's part of a checkpoint into a trainer: guard state, counters, this rank's rollout buffer."""
     acc = trainer.accelerator
-    rollouts = checkpoints.load_steady_state(Path(folder), trainer.guard_state, acc.process_index, acc.device)
+    rollouts = checkpoints.load_steady_state(
+        Path(folder), trainer.guard_state, acc.process_index, acc.device, acc.num_processes
+    )
     if rollouts is not None:
         trainer._step, trainer._buffered_inputs = rollouts["step"], rollouts["buffered_inputs"]
     if trainer.quatro is not None:

@@ -7,7 +7,7 @@ guard states a snapshot holds; the recovery learning-rate factor it *returns* fr
 trainer applies it (``steadyrl.trainers.trl_state.LearningRateScale``).
 
 - the optimizer they work on is the innermost torch optimizer (AdamW): under DDP it holds every parameter's
-  moments (identical on all ranks), under DeepSpeed ZeRO-1/2 it holds this rank's flat fp32 partitions;
+  moments (identical on all ranks), under DeepSpeed ZeRO-2 (the tested stage) it holds this rank's flat fp32 partitions;
 - cross-rank sums: under ZeRO the floor and error feedback reduce over ranks (each holds a different slice);
   under DDP every rank holds the same state, so they run locally. The finiteness checks always reduce, so a
   NaN on one rank makes every rank roll back together;

@@ -121,7 +121,9 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     def _load_critic(self, policy: torch.nn.Module, peft_config: Any) -> CriticModel:
         """``ppo.value_model`` or the policy's own weights; a LoRA policy gets a LoRA critic (same LoraConfig)."""
         source = self.ppo.value_model or policy.config._name_or_path
-        model_kwargs = {k: v for k, v in (self.args.model_init_kwargs or {}).items() if k in ("dtype", "revision")}
+        init_kwargs = self.args.model_init_kwargs or {}  # the policy's files: same revision, same trust_remote_code
+        model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("dtype", "revision", "trust_remote_code")}
+        model_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
         stats = None
         stats_file = Path(source) / "reward_stats.json"
         if stats_file.is_file():
@@ -236,7 +238,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if not self.model.training:
+        if not self.model.training:  # eval: the sequence reward as a flat advantage; a row with none gets 0
+            output["advantages"] = torch.nan_to_num(output["advantages"], nan=0.0)
             return output
         with self.ctx.timer("ppo"):
             self._add_gae(output)
@@ -244,13 +247,19 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
 
     @torch.no_grad()
     def _add_gae(self, output: dict[str, Any]) -> None:
-        """Replace ``advantages`` (sequence rewards, (B,)) with whitened GAE advantages (B, T); add values, returns."""
+        """Replace ``advantages`` (sequence rewards, (B,)) with whitened GAE advantages (B, T); add values, returns.
+
+        A row whose sequence reward is NaN (unscorable, or dropped by QUATRO's filters) trains nothing: advantage 0,
+        outside the whitening statistics, and ``value_weight`` 0 (no value-loss weight)."""
         p = self.ppo
         seq_rewards = output["advantages"].float()
+        trained = torch.isfinite(seq_rewards)
+        seq_rewards = torch.where(trained, seq_rewards, 0.0)
         completion_ids = output["completion_ids"]
-        mask = output["completion_mask"]
+        token_mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
-            mask = mask * output["tool_mask"]
+            token_mask = token_mask * output["tool_mask"]
+        mask = token_mask * trained[:, None].to(token_mask.dtype)  # the tokens that train
         input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         width = completion_ids.size(1)
@@ -266,15 +275,17 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
                     self.model, input_ids, attention_mask, width, batch_size=self.args.per_device_train_batch_size
                 )
             kl = self.kl_estimator(logps.float(), ref.float())
-        token_rewards = place_rewards(seq_rewards, mask, kl, self.beta)
-        advantages, returns = gae(token_rewards, values, mask, gamma=p.gamma, lam=p.lam)
+        token_rewards = place_rewards(seq_rewards, token_mask, kl, self.beta)
+        advantages, returns = gae(token_rewards, values, token_mask, gamma=p.gamma, lam=p.lam)
         if p.whiten_advantages:
             advantages = whiten(advantages, mask, stats=self._global_mean_var(advantages, mask))
+        advantages = advantages * mask  # rows that train nothing: advantage exactly 0
         if p.soft_clip is not None:
             advantages = soft_clip(advantages, p.soft_clip)
         output["advantages"] = advantages
         output["old_values"] = values
         output["returns"] = returns
+        output["value_weight"] = trained.float()  # (B,): 0 = no value-loss weight
         # rollout metrics, over all ranks' real tokens
         returns_mean, returns_var = self._global_mean_var(returns, mask)
         _, residual_var = self._global_mean_var(returns - values, mask)
@@ -308,6 +319,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         mask = inputs["completion_mask"]
         if inputs.get("tool_mask") is not None:
             mask = mask * inputs["tool_mask"]
+        if inputs.get("value_weight") is not None:  # unscorable and filtered rows train no value
+            mask = mask * inputs["value_weight"][:, None].to(mask.dtype)
         vf_loss, clipfrac = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], mask, self.ppo.cliprange_value
         )

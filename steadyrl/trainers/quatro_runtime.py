@@ -24,9 +24,10 @@ factor of beta, the entropy coefficient, the clip-range scale); ``SteadyGRPOTrai
   do not observe, so ``update_every`` counts generation batches in PPO, and a rollout's KL is never counted twice.
   The new coefficient applies from the next rollout's reward placement on (like GRPO's, from the next step's loss).
 - entropy floor (after each optimizer step): ``EntropyFloor.observe(step mean entropy)``, then TRL's own entropy
-  bonus coefficient ``entropy_coef = floor.bonus`` (the trainer switches TRL's ``_entropy_bonus_enabled`` on at
-  bind time; with coefficient 0 the term adds exactly 0) and, for the loss types whose epsilon is PPO's clip range
-  (``CLIP_LOSS_TYPES``), ``epsilon_low/high = initial x floor.clip_scale()``. Both apply from the next step on.
+  bonus coefficient ``entropy_coef = the user's trainer.entropy_coef + floor.bonus`` (the trainer switches TRL's
+  ``_entropy_bonus_enabled`` on at bind time; with coefficient 0 the term adds exactly 0) and, for the loss types
+  whose epsilon is PPO's clip range (``CLIP_LOSS_TYPES``), ``epsilon_low/high = initial x floor.clip_scale()``. Both
+  apply from the next step on.
 - filters (per generation batch, train mode): the gathered weighted rewards and token ids of the whole generation
   batch go through ``RolloutFilter`` (``filter_generation``); the advantage pipeline then computes advantages with
   ``masked_group_advantages`` (dropped rows get advantage 0); only with ``filters.dropped_rows: exclude`` does
@@ -136,7 +137,7 @@ class QuatroSetup:
     seed: int  # args.seed; the replay buffer is seeded with seed + rank
     pad_token_id: int
     loss_type: str
-    entropy_coef: float = 0.0  # TRL's own coefficient, replaced by the floor's bonus
+    entropy_coef: float = 0.0  # TRL's own coefficient, kept: the floor's bonus adds to it
     use_adaptive_entropy: bool = False
     kl_from_rollouts: bool = False  # PPO: the KL is in the reward, measured at the rollout
     reward_names: tuple[str, ...] = ()  # the reward functions' names, in the columns' order (GRPO)
@@ -167,6 +168,7 @@ class QuatroRuntime:
         self.scales_clip = False  # set in bind(): the loss type's epsilon is PPO's clip range
         self._moment_factor = 1.0  # brake_moments: this step's factor for Adam's moments (take_moment_factor)
         self._entries: list[tuple[float, float, float]] = []  # (kl, entropy, tokens) per micro-batch of this step
+        self.base_entropy_coef = 0.0  # set in bind(): the user's trainer.entropy_coef; the floor's bonus adds to it
         self.kl_from_rollouts = False  # set in bind(): PPO measures the KL at the rollout (it is in the reward)
         self._rollout_kl: list[tuple[float, float]] = []  # (kl, tokens) per generation batch of this step (PPO)
         self._rewards: list[float] = []  # mean training reward per generation batch of this step (the floor's gate)
@@ -195,8 +197,14 @@ class QuatroRuntime:
             self._bind_observing(setup)
         if self.replay_on:
             self.replay = ReplayBuffer(self.config.replay, seed=setup.seed + ctx.rank, pad_token_id=setup.pad_token_id)
-        if self.config.kl is not None:
-            self.kl = AdaptiveKL(self.config.kl, setup.beta)  # raises (naming the fix) on beta 0
+        if self.config.kl is not None and setup.beta == 0.0:
+            # TRL's default: no KL term, no reference model, nothing to anchor. Start where TRL starts.
+            logger.info(
+                "trainer.beta is 0 (TRL's default): no KL term, so guards.quatro.kl has nothing to control and stays "
+                "inactive for this run; set trainer.beta > 0 (e.g. 0.04) to anchor the policy to the reference model"
+            )
+        elif self.config.kl is not None:
+            self.kl = AdaptiveKL(self.config.kl, setup.beta)
         gate_reward = self.entropy.config.gate_reward if self.entropy is not None else None
         if gate_reward is not None:
             if gate_reward not in setup.reward_names:
@@ -205,17 +213,16 @@ class QuatroRuntime:
                     f"{list(setup.reward_names)}; name one of them (rewards[].name) or drop gate_reward"
                 )
             self.gate_column = setup.reward_names.index(gate_reward)
+        if self.entropy is not None and setup.use_adaptive_entropy:
+            # The user's explicit TRL setting wins: TRL's controller owns entropy_coef, the floor steps aside.
+            logger.warning(
+                "trainer.use_adaptive_entropy is on: TRL's adaptive entropy controller drives entropy_coef, so the "
+                "QUATRO entropy floor is off for this run (to use the floor instead, set "
+                "trainer.use_adaptive_entropy=false)"
+            )
+            self.entropy, self.gate_column = None, None
+        self.base_entropy_coef = setup.entropy_coef
         if self.entropy is not None and not self.observe:
-            if setup.use_adaptive_entropy:
-                raise ValueError(
-                    "guards.quatro.entropy and trainer.use_adaptive_entropy both drive TRL's entropy_coef; keep one"
-                )
-            if setup.entropy_coef != 0.0:
-                logger.warning(
-                    "trainer.entropy_coef=%g is replaced by the QUATRO entropy floor's bonus (0 until the floor is "
-                    "active)",
-                    setup.entropy_coef,
-                )
             self.scales_clip = setup.loss_type in CLIP_LOSS_TYPES
             if not self.scales_clip:
                 logger.warning(
@@ -245,7 +252,7 @@ class QuatroRuntime:
         """The controllers' current outputs (beta factor, entropy coefficient, clip scale), applied or not."""
         return QuatroControls(
             kl_factor=self.kl.factor if self.kl is not None else None,
-            entropy_coef=self.entropy.bonus if self.entropy is not None else None,
+            entropy_coef=self.base_entropy_coef + self.entropy.bonus if self.entropy is not None else None,
             clip_scale=self.entropy.clip_scale() if self.entropy is not None and self.scales_clip else None,
         )
 

@@ -94,10 +94,11 @@ def score_ids(model: nn.Module, ids: Sequence[Sequence[int]], pad_token_id: int,
 # ------------------------------------------------------------------------------------------------ training
 
 
-def _load_tokenizer(model_path: str | Path) -> Any:
+def _load_tokenizer(model_path: str | Path, **hub_kwargs: Any) -> Any:
+    """The tokenizer of ``model_path`` (``hub_kwargs``: the ``revision`` / ``trust_remote_code`` its weights use)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, **hub_kwargs)
     if tokenizer.pad_token is None:  # sequence classifiers need a pad token to find the last real token
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -131,7 +132,11 @@ def train_reward_model(
     kwargs = {"report_to": [], "bf16": _bf16_default(), **reward_config_kwargs, "output_dir": str(output_dir)}
     rename_for_installed(kwargs, {f.name for f in dataclasses.fields(RewardConfig)}, {})  # activation_checkpointing
     args = RewardConfig(**kwargs)
-    tokenizer = _load_tokenizer(model_path)
+    init_kwargs = args.model_init_kwargs or {}  # the weights' revision and trust_remote_code go to the tokenizer too
+    hub_kwargs = {"trust_remote_code": init_kwargs.get("trust_remote_code", args.trust_remote_code)}
+    if init_kwargs.get("revision") is not None:
+        hub_kwargs["revision"] = init_kwargs["revision"]
+    tokenizer = _load_tokenizer(model_path, **hub_kwargs)
     from steadyrl.callbacks.progress import terminal_callbacks
 
     trainer = RewardTrainer(

@@ -14,7 +14,7 @@ Where the decision runs:
 - one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.clip_or_skip`` (gradients are already
   all-reduced there, so the local norm is the global norm and every rank decides the same; under fp16's GradScaler
   the trainer unscales them first);
-- DeepSpeed ZeRO-1/2: the step runs inside ``accelerator.backward`` -> ``engine.step()``, so the Trainer's
+- DeepSpeed ZeRO-2: the step runs inside ``accelerator.backward`` -> ``engine.step()``, so the Trainer's
   ``_clip_grad_norm`` comes too late; ``install_deepspeed`` puts the gate inside the ZeRO optimizer's step.
 """
 
@@ -76,7 +76,7 @@ class StepGate:
         """Ask every step guard about the global pre-clip norm; on a veto, hand them the gradients and count it.
 
         ``gradients`` are this rank's: all gradients under one process or DDP (already all-reduced), this
-        rank's gradient partition under DeepSpeed ZeRO-1/2. Dropping them is the caller's job.
+        rank's gradient partition under DeepSpeed ZeRO-2. Dropping them is the caller's job.
         """
         step = self.ctx.global_step()
         decision = combine_decisions([guard.decide(norm, step) for guard in self.guards])
@@ -166,7 +166,7 @@ class StepGate:
         return norm, False
 
     def install_deepspeed(self, optimizer: Any) -> None:
-        """Put the gate inside DeepSpeed's ZeRO-1/2 optimizer step (called once the engine exists).
+        """Put the gate inside DeepSpeed's ZeRO optimizer step (ZeRO-2 is tested; called once the engine exists).
 
         ``DeepSpeedZeroOptimizer.step`` first computes the global gradient norm (``scaled_global_norm``: all-reduced
         over the data-parallel group, so identical on every rank) and then calls ``_update_scale(overflow)``; when
@@ -184,7 +184,8 @@ class StepGate:
         if not (hasattr(zero, "scaled_global_norm") and hasattr(zero, "_update_scale")):
             raise RuntimeError(
                 f"guards.gepo.spike under DeepSpeed hooks the ZeRO stage 1/2 optimizer, but the engine uses "
-                f"{type(zero).__name__}; use zero_optimization.stage 1 or 2, or set guards.gepo.enabled=false"
+                f"{type(zero).__name__}; use zero_optimization.stage 2 (stage 1 is untested), or set "
+                "guards.gepo.enabled=false"
             )
         original_norm, original_update = zero.scaled_global_norm, zero._update_scale
         pending: dict[str, bool | None] = {"skip": None}

@@ -88,7 +88,7 @@ def test_empty_first_prompt_is_refused_then_skipped(tiny_model_dir, tmp_path):
         {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = [f"data.path={data}", "data.eval_split=null", "trainer.max_steps=2"]
+    args = [f"data.path={data}", "data.eval_split=null", "data.builtin={}", "trainer.max_steps=2"]  # a file, no task
 
     refused = steadyrl(*_args(tiny_model_dir, tmp_path / "a", *args))
     assert refused.returncode == 1

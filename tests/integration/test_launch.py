@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ def launch(
     config: str = "grpo.yaml",
     env_extra: dict[str, str] | None = None,
     check: bool = True,
+    timeout: float = 900,
 ):
     """``accelerate launch -m steadyrl train`` on the tiny config; returns each rank's RankDump and the process
     (``check``: the launch must exit 0; ``env_extra``: added to the environment)."""
@@ -67,7 +69,16 @@ def launch(
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     env.update(env_extra or {})
     # its own session: a test that signals the process group reaches this launch and its workers, not pytest
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
+    popen = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hung launch: kill the launcher and its workers, then fail
+        os.killpg(popen.pid, signal.SIGKILL)
+        stdout, stderr = popen.communicate()
+        raise AssertionError(f"launch hung (killed after {timeout} s):\n{stdout[-3000:]}{stderr[-4000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     log = proc.stdout[-4000:] + proc.stderr[-6000:]
     if not check:
         return None, proc
@@ -280,3 +291,30 @@ def test_inf_in_one_ranks_moments_is_repaired_under_zero_and_rolled_back_under_d
     for d in dumps:
         assert all(torch.isfinite(m["exp_avg_sq"]).all() for m in d["per_step"][-1]["moments"])
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
+
+
+def test_resume_on_another_number_of_processes_drops_per_rank_state_on_every_rank(tiny_model_dir, tmp_path):
+    """2 -> 1 -> 2 processes, each save in the middle of a generation window (4 steps per generation, saves every
+    3): each resume warns naming both counts, every rank drops its rollout buffer and per-rank guard state (without
+    that, one rank reuses its buffered rollouts while the other generates, and generation hangs), and the ranks
+    end with equal weights at the step asked for."""
+    out = tmp_path / "resize"
+    every_layer = (
+        "guards.gepo.enabled=true",
+        "guards.opefo.enabled=true",
+        "guards.quatro.enabled=true",
+        "guards.quatro.replay.enabled=true",
+        "trainer.steps_per_generation=4",
+        "trainer.save_steps=3",
+        "trainer.resume_from_checkpoint=auto",
+    )
+    launch("multi_cpu.yaml", tiny_model_dir, out, *every_layer, "trainer.max_steps=3", timeout=150)
+    one, to_one = launch(
+        "single.yaml", tiny_model_dir, out, *every_layer, "trainer.max_steps=6", num_processes=1, timeout=150
+    )
+    two, to_two = launch("multi_cpu.yaml", tiny_model_dir, out, *every_layer, "trainer.max_steps=9", timeout=150)
+    assert one[0]["global_step"] == 6 and [d["global_step"] for d in two] == [9, 9]
+    assert_same_weights(two[0]["weights"], two[1]["weights"])
+    warning = "was written by {} processes and this run has {}: per-rank state is dropped"
+    assert warning.format(2, 1) in to_one.stdout + to_one.stderr
+    assert warning.format(1, 2) in to_two.stdout + to_two.stderr

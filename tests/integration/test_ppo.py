@@ -410,3 +410,60 @@ def test_brake_moments_scale_the_policys_moments_and_leave_the_critics(tiny_mode
     trainer.add_callback(spy)
     trainer.train()
     assert_brake_moments_scaled(spy.after_step, spy.after_guards)  # decay / no-decay groups of policy and critic
+
+
+def test_unscorable_and_filtered_rows_train_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    """A row whose reward is None and a row QUATRO's filters drop get advantage 0 on every token, stay out of the
+    whitening (the trained rows' advantages have mean 0 and std 1 by themselves) and get no value-loss weight."""
+    from steadyrl.guards.quatro import FilterConfig, QuatroConfig
+    from steadyrl.trainers.quatro_runtime import QuatroRuntime
+
+    def reward(completions, **kw):  # row 1 of every batch is unscorable
+        return [None if i == 1 else v for i, v in enumerate(byte_mean(completions))]
+
+    quatro = QuatroRuntime(QuatroConfig(filters=FilterConfig()))
+
+    def keep_all_but_row_2(output, rewards, lengths, num_generations):
+        keep = torch.ones(rewards.shape[0], dtype=torch.bool)
+        keep[2] = False
+        return keep
+
+    monkeypatch.setattr(quatro, "filter_generation", keep_all_but_row_2)
+    trainer = SteadyPPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=[reward],
+        args=grpo_args(tmp_path / "run", SteadyPPOConfig, num_generations=1, beta=0.04, max_steps=2),
+        train_dataset=small_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        ppo=PPOSection(critic_lr=3e-3),
+        quatro=quatro,
+    )
+    rollouts, value_masks = [], []
+    add_gae = trainer._add_gae
+
+    def spy_gae(output):
+        add_gae(output)
+        rollouts.append(
+            {k: output[k].clone() for k in ("advantages", "completion_mask", "value_weight") if k in output}
+        )
+
+    real_loss = ppo_module.clipped_value_loss
+
+    def spy_loss(values, old_values, returns, mask, cliprange_value=0.2):
+        value_masks.append(mask.clone())
+        return real_loss(values, old_values, returns, mask, cliprange_value)
+
+    monkeypatch.setattr(trainer, "_add_gae", spy_gae)
+    monkeypatch.setattr(ppo_module, "clipped_value_loss", spy_loss)
+    trainer.train()
+    assert len(rollouts) == 2 and len(value_masks) == 2
+    for rollout in rollouts:
+        adv, mask = rollout["advantages"], rollout["completion_mask"].bool()
+        assert torch.all(adv[1] == 0) and torch.all(adv[2] == 0)
+        weight = rollout["value_weight"]
+        assert weight.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        trained = mask & weight.bool()[:, None]
+        values = adv[trained].double()
+        assert abs(values.mean().item()) < 1e-5 and values.std().item() == pytest.approx(1.0, abs=1e-4)
+    for value_mask in value_masks:  # TRL shuffles rows: two of eight rows carry no value-loss weight
+        assert (value_mask.sum(dim=1) == 0).sum().item() == 2

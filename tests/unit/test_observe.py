@@ -88,8 +88,6 @@ def test_an_unknown_mode_names_the_key_and_the_valid_values(tmp_path: Path, laye
 
 def test_observing_entropy_floor_may_sit_next_to_trls_adaptive_entropy(tmp_path: Path) -> None:
     on = ["guards.quatro.enabled=true", "trainer.use_adaptive_entropy=true"]
-    with pytest.raises(ConfigError, match="keep one"):
-        _config(tmp_path, *on)
     assert _config(tmp_path, *on, "guards.quatro.mode=observe").guards.quatro.observing
 
 

@@ -87,9 +87,10 @@ def test_kl_compensation_needs_a_reward_processor() -> None:
         AdvantagePipeline(kl_compensation=(0.5, 2.0))
 
 
-def test_ppo_pipeline_gives_sequence_rewards_with_unscorable_rows_zero() -> None:
+def test_ppo_pipeline_marks_unscorable_and_dropped_rows_nan() -> None:
+    """NaN: the row trains nothing (SteadyPPOTrainer gives it advantage 0 and no value-loss weight)."""
     pipeline = SequenceRewardPipeline()
     batch = _batch([[0.5], [NAN], [2.0]], g=1, keep=[True, True, False])
     scaled = pipeline.scale(batch)
     rewards, metrics = pipeline.advantages(scaled.rewards, batch.keep, 1)
-    assert rewards.tolist() == [0.5, 0.0, 0.0] and metrics == {}
+    assert rewards[0].item() == 0.5 and rewards[1:].isnan().all() and metrics == {}

@@ -41,7 +41,8 @@ def _rows(n: int = 20) -> list[dict]:
 
 def test_calibration_by_hand():
     notes: list[str] = []
-    measured, proposed = calibrate(History(_rows()), _cfg(), notes)
+    on = _cfg("guards.gepo.enabled=true", "guards.quatro.enabled=true")
+    measured, proposed = calibrate(History(_rows()), on, notes)
     assert proposed["guards.quatro.kl.target"] == pytest.approx(0.155)  # 10 x 0.0155, three digits
     norms = [float(t) for t in range(1, 21) if t != 5]
     assert proposed["guards.gepo.spike.abs_threshold"] == float(f"{3 * np.percentile(norms, 95):.3g}")
@@ -52,6 +53,13 @@ def test_calibration_by_hand():
     assert measured["gepo/would_skip (run total)"] == 1.0
     assert any("50% of completions hit trainer.max_completion_length" in n for n in notes)
     assert any("the entropy floor would switch on at once" in n for n in notes)
+
+
+def test_no_value_is_proposed_for_a_guard_the_config_leaves_off():
+    notes: list[str] = []
+    _, proposed = calibrate(History(_rows()), _cfg("guards.gepo.enabled=true"), notes)  # QUATRO off
+    assert list(proposed) == ["guards.gepo.spike.abs_threshold"]
+    assert any("guards.quatro.kl.target measured at 0.155 but not proposed" in n for n in notes)
 
 
 def test_no_kl_target_without_a_kl_term_and_no_floor_change_when_entropy_holds():

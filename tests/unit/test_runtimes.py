@@ -88,11 +88,36 @@ def test_quatro_entropy_floor_returns_bonus_and_clip_scale(loss_type: str, clip_
     assert controls.clip_scale == clip_scale
 
 
-def test_quatro_refuses_two_entropy_controllers() -> None:
+def test_trls_adaptive_entropy_set_by_the_user_wins_over_the_floor(caplog: pytest.LogCaptureFixture) -> None:
     quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig()))
     setup = QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", use_adaptive_entropy=True)
-    with pytest.raises(ValueError, match="use_adaptive_entropy"):
+    with caplog.at_level("WARNING"):
         quatro.bind(FakeContext(), setup)
+    assert quatro.entropy is None and quatro.controls() == QuatroControls()  # entropy_coef left to TRL
+    assert "entropy floor is off for this run" in caplog.text and "use_adaptive_entropy=false" in caplog.text
+
+
+def test_a_users_entropy_coef_is_kept_and_the_floors_bonus_adds_to_it() -> None:
+    cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
+    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", entropy_coef=0.5))
+    assert quatro.controls().entropy_coef == 0.5  # the floor is idle: exactly the user's coefficient
+    for entropy in (1.0, 0.5):  # baseline 1.0 -> floor 0.8; then 0.5 < floor: active
+        quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
+        controls, _ = quatro.on_step_end()
+    assert controls.entropy_coef == pytest.approx(0.5 + 0.00075)  # bonus 0.01 x 0.2 x 0.375 on top
+
+
+def test_trls_default_beta_0_leaves_the_kl_controller_inactive(caplog: pytest.LogCaptureFixture) -> None:
+    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig()))
+    with caplog.at_level("INFO"):
+        quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo"))
+    assert quatro.kl is None and quatro.controls().kl_factor is None
+    assert "trainer.beta is 0 (TRL's default)" in caplog.text
+    quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=1.0)
+    controls, metrics = quatro.on_step_end()
+    assert controls.kl_factor is None and not any(k.startswith("quatro/kl") for k in metrics)
+    assert quatro.state_dict()["kl"] is None
 
 
 def test_quatro_gate_reads_the_named_reward_column() -> None:

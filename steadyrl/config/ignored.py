@@ -1,0 +1,351 @@
+"""Keys a run would accept and never read, refused before anything loads: an option that is not wired is a config
+error, never a silent no-op.
+
+``READ_BY`` is the one table. For each key of the config tree (or a guard mechanism's sub-section, whose dataclass
+goes whole to that guard, so a new option of it is read where the guard is) it names the algorithms whose code path
+reads it, why the others do not, what to do instead, and the conditions under which it is read at all (``eval.on_start``
+only with ``eval.every > 0``). ``check_ignored_keys`` walks the typed config against it: a key that differs from its
+dataclass default and that this run does not read raises a ConfigError naming the key, the algorithm and the fix.
+tests/unit/test_ignored_keys.py walks every key of every section for every algorithm, so a key added without a row
+here fails there.
+
+One rule sits beside the table: a section switched off with ``enabled: false`` keeps its other settings for when it
+is switched back on (the ablation ``guards.quatro.enabled=false`` on a tuned config; preflight's calibrated values).
+That holds where the config says ``enabled: false``. Under a section that is off because of its default (the guard
+layers, ``guards.quatro.replay``) and that the config never switches, a setting means its author thinks it acts: it
+is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from steadyrl.config.loader import ConfigError, Origins
+from steadyrl.config.sections import ALGORITHMS
+from steadyrl.config.typed import _where
+
+if TYPE_CHECKING:
+    from steadyrl.config.schema import RunConfig
+
+ALL = ALGORITHMS
+TRAINING = ("grpo", "ppo", "sft")  # the algorithms that run steadyrl's build_trainer
+RL = ("grpo", "ppo")
+LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # steadyrl.data: read whole, one split
+BUILTIN_TINY = "builtin:tiny-llama"
+
+
+@dataclass(frozen=True)
+class Cond:
+    """A key is read only while ``test(cfg, section holding the key)`` holds; ``why`` completes "ignores it ..."."""
+
+    test: Callable[[RunConfig, Any], bool]
+    why: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Read:
+    """``by``: the algorithms whose code path reads the key; ``why``: why the others do not; ``fix``: what to do."""
+
+    by: tuple[str, ...]
+    why: str = ""
+    fix: str = "remove it"
+    only_if: tuple[Cond, ...] = ()
+
+
+def _local(path: str | None) -> bool:
+    return path is not None and Path(path).suffix in LOCAL_DATA_SUFFIXES
+
+
+def _builtin(path: str | None) -> bool:
+    return path is not None and path.startswith("builtin:")
+
+
+def _hub(path: str | None) -> bool:
+    return path is not None and not _local(path) and not _builtin(path)
+
+
+def _eval_data(cfg: RunConfig) -> bool:
+    return cfg.data.eval_split is not None or cfg.data.eval_path is not None
+
+
+def _fn_reward(cfg: RunConfig) -> bool:
+    return any(r.fn is not None for r in cfg.rewards)
+
+
+GUARDS = "the guard layers act on GRPO and PPO steps; SFT runs TRL's SFTTrainer and the reward stage its RewardTrainer"
+PPO_ONLY = "the ppo section configures algorithm: ppo (critic, GAE)"
+REWARD_STAGE = "the reward stage (steadyrl.trainers.reward_model) trains on preference pairs with TRL's RewardTrainer"
+SFT_EVAL = "SFT calls its rewards only to score the eval split after training"
+RL_PERIODIC = "SFT evaluates once, after training (TRL's SFTTrainer gets no periodic eval)"
+NO_SIGNALS = "the reward stage installs no signal handler"
+
+# the conditions under which a key is read at all: (test on the config and the key's section, why not, fix)
+TINY_MODEL = Cond(
+    lambda cfg, m: m.path == BUILTIN_TINY,
+    "unless model.path is builtin:tiny-llama (the model it builds)",
+    "set model.path=builtin:tiny-llama, or remove it",
+)
+HUB_DATA = Cond(
+    lambda cfg, d: _hub(d.path) or _hub(d.eval_path),
+    "unless data.path or data.eval_path is a `datasets` name (it picks that dataset's configuration)",
+    "remove it",
+)
+SPLITS = Cond(lambda cfg, d: not _local(d.path), "when data.path is a local file (read whole, one split)", "remove it")
+EVAL_SPLIT = Cond(
+    lambda cfg, d: not _local(d.path),
+    "when data.path is a local file (read whole: the eval rows would be the training rows)",
+    "put the eval rows in a file of their own and set data.eval_path",
+)
+NO_EVAL_PATH = Cond(lambda cfg, d: d.eval_path is None, "when data.eval_path is set (it wins)", "remove one of them")
+BUILTIN_DATA = Cond(
+    lambda cfg, d: _builtin(d.path) or _builtin(d.eval_path),
+    "unless data.path or data.eval_path is a built-in task (it holds the task generator's arguments)",
+    "remove it",
+)
+SFT_EVAL_DATA = Cond(
+    lambda cfg, _: cfg.algorithm != "sft" or _eval_data(cfg),
+    f"without eval data ({SFT_EVAL})",
+    "set data.eval_split or data.eval_path, or remove the rewards list",
+)
+FN_ONLY = Cond(lambda cfg, r: r.fn is not None, "on a reward `model` entry (TRL loads it by path)", "remove it")
+KWARGS_FN_ONLY = Cond(
+    lambda cfg, r: r.fn is not None,
+    "on a reward `model` entry (TRL loads the model by path and calls it without arguments)",
+    "remove kwargs, or score through a function that takes them, e.g. fn: "
+    "steadyrl.ppo.reward_stage:reward_model_score with kwargs: {path: <reward model folder>}",
+)
+TIMEOUT_FN_ONLY = Cond(  # null (wait) is accepted on a model entry, as RewardSection accepts it
+    lambda cfg, r: r.fn is not None or r.timeout is None, FN_ONLY.why, FN_ONLY.fix
+)
+RETRYING = Cond(
+    lambda cfg, r: r.on_error in ("retry", "skip"),
+    "with on_error: raise (the first error stops the run)",
+    "set on_error: retry or skip, or remove it",
+)
+SKIPPING = Cond(
+    lambda cfg, r: r.on_error == "skip",
+    "unless on_error is skip (it counts skipped calls)",
+    "set on_error: skip, or remove it",
+)
+KL_COMPENSATION = Cond(
+    lambda cfg, g: g.kl_compensation,
+    "while guards.grade.kl_compensation is false",
+    "set guards.grade.kl_compensation=true, or remove it",
+)
+EVAL = (
+    Cond(lambda cfg, _: _eval_data(cfg), "without eval data", "set data.eval_split or data.eval_path, or remove it"),
+    Cond(
+        lambda cfg, _: _fn_reward(cfg),
+        "without a `fn` reward (evals score with the run's reward functions; a reward `model` entry is not called)",
+        "add a `fn` reward, or remove it",
+    ),
+)
+PERIODIC = Cond(
+    lambda cfg, e: e.every > 0, "while eval.every is 0 (no periodic eval)", "set eval.every > 0, or remove it"
+)
+
+READ_BY: dict[str, Read] = {
+    "algorithm": Read(ALL),
+    "trainer": Read(ALL),  # checked against the algorithm's TRL config class (steadyrl.config.typed)
+    "model.path": Read(ALL),
+    "model.dtype": Read(ALL),
+    "model.attn_implementation": Read(ALL),
+    "model.trust_remote_code": Read(ALL),
+    "model.revision": Read(ALL),
+    "model.tiny": Read(ALL, only_if=(TINY_MODEL,)),
+    "data.path": Read(ALL),
+    "data.name": Read(ALL, only_if=(HUB_DATA,)),
+    "data.split": Read(ALL, only_if=(SPLITS,)),
+    "data.eval_split": Read(ALL, only_if=(EVAL_SPLIT, NO_EVAL_PATH)),
+    "data.eval_path": Read(ALL),
+    "data.prompt_column": Read(ALL),
+    "data.chat_template": Read(TRAINING, why=f"{REWARD_STAGE}, tokenized with the model's own template"),
+    "data.max_samples": Read(ALL),
+    "data.builtin": Read(ALL, only_if=(BUILTIN_DATA,)),
+    "data.on_bad_row": Read(RL, why="only GRPO and PPO prompts are checked row by row (steadyrl.data_rows)"),
+    "rewards": Read(
+        TRAINING, why=f"{REWARD_STAGE}; it calls no reward", fix="remove the rewards list", only_if=(SFT_EVAL_DATA,)
+    ),
+    "rewards[].name": Read(TRAINING),
+    "rewards[].fn": Read(TRAINING),
+    "rewards[].model": Read(RL, why=f"{SFT_EVAL}, with its `fn` rewards only", fix="remove the entry"),
+    "rewards[].weight": Read(RL, why=f"{SFT_EVAL}, each reward on its own (no weighted sum)"),
+    "rewards[].kwargs": Read(TRAINING, only_if=(KWARGS_FN_ONLY,)),
+    "rewards[].on_error": Read(TRAINING, only_if=(FN_ONLY,)),  # RewardSection refuses it first, with its own message
+    "rewards[].timeout": Read(TRAINING, only_if=(TIMEOUT_FN_ONLY,)),
+    "rewards[].retries": Read(TRAINING, only_if=(FN_ONLY, RETRYING)),
+    "rewards[].backoff": Read(TRAINING, only_if=(FN_ONLY, RETRYING)),
+    "rewards[].max_consecutive_errors": Read(TRAINING, only_if=(FN_ONLY, SKIPPING)),
+    "peft": Read(TRAINING, why="the reward stage trains the full model", fix="remove the peft section"),
+    "peft.r": Read(TRAINING),
+    "peft.lora_alpha": Read(TRAINING),
+    "peft.lora_dropout": Read(TRAINING),
+    "peft.target_modules": Read(TRAINING),
+    "peft.bias": Read(TRAINING),
+    "peft.modules_to_save": Read(TRAINING),
+    # guards: one row per layer-level key and per mechanism (its dataclass goes whole to that guard). PPO's refusals
+    # of GRPO-only mechanisms that are on by default (gepo.advantage, quatro.filters.zero_variance, quatro.entropy.
+    # gate_reward) stay in steadyrl.config.checks, where they name the PPO alternative.
+    "guards.gepo.enabled": Read(RL, why=GUARDS),
+    "guards.gepo.mode": Read(RL, why=GUARDS),
+    "guards.gepo.logprob_min": Read(RL, why=GUARDS),
+    "guards.gepo.advantage.enabled": Read(RL, why=GUARDS),  # PPO must be able to switch it off
+    "guards.gepo.advantage": Read(
+        ("grpo",),
+        why=f"PPO's advantages come from GAE (its tanh clip is ppo.soft_clip); {GUARDS}",
+        fix="remove it (for PPO: ppo.soft_clip)",
+    ),
+    "guards.gepo.spike": Read(RL, why=GUARDS),
+    "guards.gepo.monitor": Read(RL, why=GUARDS),
+    "guards.opefo.enabled": Read(RL, why=GUARDS),
+    "guards.opefo.mode": Read(RL, why=GUARDS),
+    "guards.opefo.floor": Read(RL, why=GUARDS),
+    "guards.opefo.error_feedback": Read(RL, why=GUARDS),
+    "guards.opefo.rollback": Read(RL, why=GUARDS),
+    "guards.quatro.enabled": Read(RL, why=GUARDS),
+    "guards.quatro.mode": Read(RL, why=GUARDS),
+    "guards.quatro.kl": Read(RL, why=GUARDS),
+    "guards.quatro.entropy": Read(RL, why=GUARDS),
+    "guards.quatro.filters": Read(RL, why=GUARDS),
+    "guards.quatro.replay": Read(RL, why=GUARDS),
+    "guards.grade": Read(RL, why=GUARDS),  # GradeConfig's fields go whole to GradeScaler
+    "guards.grade.enabled": Read(RL, why=GUARDS),
+    "guards.grade.mode": Read(RL, why=GUARDS),
+    "guards.grade.kl_compensation": Read(RL, why=GUARDS),
+    "guards.grade.kl_compensation_range": Read(RL, why=GUARDS, only_if=(KL_COMPENSATION,)),
+    "eval.enabled": Read(TRAINING, why=f"{REWARD_STAGE}; its held-out check is the calibration report"),
+    "eval.max_new_tokens": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
+    "eval.batch_size": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
+    "eval.metric": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
+    "eval.max_samples": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
+    "eval.every": Read(RL, why=RL_PERIODIC, only_if=EVAL),
+    "eval.samples_to_log": Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL)),
+    "eval.on_start": Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL)),
+    "ppo.value_model": Read(("ppo",), why=PPO_ONLY),
+    "ppo.vf_coef": Read(("ppo",), why=PPO_ONLY),
+    "ppo.cliprange_value": Read(("ppo",), why=PPO_ONLY),
+    "ppo.gamma": Read(("ppo",), why=PPO_ONLY),
+    "ppo.lam": Read(("ppo",), why=PPO_ONLY),
+    "ppo.kl_estimator": Read(("ppo",), why=PPO_ONLY),
+    "ppo.critic_lr": Read(("ppo",), why=PPO_ONLY),
+    "ppo.whiten_advantages": Read(("ppo",), why=PPO_ONLY),
+    "ppo.soft_clip": Read(("ppo",), why=PPO_ONLY),
+    "ppo.value_head_init_std": Read(("ppo",), why=PPO_ONLY),
+    "preemption.enabled": Read(TRAINING, why=NO_SIGNALS),
+    "preemption.signals": Read(TRAINING, why=NO_SIGNALS),
+    "preemption.exit_code": Read(TRAINING, why=NO_SIGNALS),
+    "preemption.relay_window_s": Read(TRAINING, why=NO_SIGNALS),
+    "callbacks": Read(TRAINING, why="the reward stage builds its Trainer with its own callbacks"),
+}
+
+
+def lookup(key: str) -> Read | None:
+    """The row for ``key`` (``rewards[].weight`` form): its own, else its nearest section's; None when there is none."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        row = READ_BY.get(".".join(parts[:n]))
+        if row is not None:
+            return row
+    return None
+
+
+@dataclass
+class SetKey:
+    """A key whose value differs from its default, with the sections above it (dotted path, object), outermost
+    first."""
+
+    dotted: str  # rewards[0].weight
+    row_key: str  # rewards[].weight
+    value: Any
+    default: Any
+    owner: Any  # the section object holding the key
+    ancestors: list[tuple[str, Any]]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def set_keys(obj: Any, prefix: str = "", row_prefix: str = "", ancestors: list | None = None) -> Iterator[SetKey]:
+    """Every key of the dataclass ``obj`` that differs from its default, walking sections and lists of sections.
+
+    An optional section (``peft``) or a list of sections (``rewards``) that is present counts as set itself, then
+    its keys are walked (list entries as ``rewards[0].weight``)."""
+    ancestors = [*(ancestors or []), (prefix, obj)]
+    for f in dataclasses.fields(obj):
+        value, default = getattr(obj, f.name), _default(f)
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        row_key = f"{row_prefix}.{f.name}" if row_prefix else f.name
+        if dataclasses.is_dataclass(value):
+            if default is None:  # an optional section: being there is a setting
+                yield SetKey(dotted, row_key, value, default, obj, ancestors)
+            yield from set_keys(value, dotted, row_key, ancestors)
+        elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
+            yield SetKey(dotted, row_key, value, default, obj, ancestors)
+            for i, entry in enumerate(value):
+                yield from set_keys(entry, f"{dotted}[{i}]", f"{row_key}[]", ancestors)
+        elif default is dataclasses.MISSING or value != default:
+            yield SetKey(dotted, row_key, value, default, obj, ancestors)
+
+
+def _written(tree: dict[str, Any], dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _fix(fix: str, key: SetKey) -> str:
+    """``fix``, with the default a child config can set instead when it cannot remove a key its parent wrote."""
+    if fix.endswith("remove it") and key.default is not dataclasses.MISSING and not dataclasses.is_dataclass(key.value):
+        return f"{fix} (its default: {key.default!r})"
+    return fix
+
+
+def ignored_reason(cfg: RunConfig, key: SetKey, tree: dict[str, Any]) -> str | None:
+    """Why this run ignores ``key`` and what to do (``why; fix``), or None when the run reads it."""
+    row = lookup(key.row_key)
+    alg = cfg.algorithm
+    if row is None:  # a key without a row (tests/unit/test_ignored_keys.py fails on it): let it through
+        return None
+    if alg not in row.by:
+        return f"algorithm {alg} ignores it: {row.why}; {_fix(row.fix, key)}"
+    for dotted, section in key.ancestors[1:]:  # the sections above the key, the run config itself excluded
+        if getattr(section, "enabled", None) is not False or key.dotted == f"{dotted}.enabled":
+            continue
+        if _written(tree, f"{dotted}.enabled") or (key.dotted.endswith(".enabled") and key.value is False):
+            return None  # switched off with its settings kept for when it is on; or a part switched off under it
+        return (
+            f"algorithm {alg} ignores it while {dotted} is off ({dotted}.enabled is false by default and this "
+            f"config does not set it); set {dotted}.enabled=true, or {_fix('remove it', key)}"
+        )
+    for cond in row.only_if:
+        if not cond.test(cfg, key.owner):
+            return f"algorithm {alg} ignores it {cond.why}; {_fix(cond.fix, key)}"
+    return None
+
+
+def check_ignored_keys(cfg: RunConfig, tree: dict[str, Any], origins: Origins | None = None) -> None:
+    """Refuse every key this run would accept and never read (``READ_BY``), all of them in one ConfigError.
+
+    ``tree`` is the merged config tree (what the files and the command line wrote): a section's ``enabled: false``
+    found there keeps its settings."""
+    origins = origins or {}
+    errors = []
+    for key in set_keys(cfg):
+        reason = ignored_reason(cfg, key, tree)
+        if reason is not None:
+            errors.append(_where(key.dotted, origins) + reason)
+    if errors:
+        raise ConfigError("\n".join(errors))

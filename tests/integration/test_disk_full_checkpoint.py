@@ -1,0 +1,56 @@
+"""A full disk while TRL writes a checkpoint, through the real CLI on the tiny model (issue 41 item 5): the run stops
+with a message naming the file, the free space and the last complete checkpoint (no traceback); the staged folder
+is gone and ``resume: auto`` still picks the last complete checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from steadyrl.trainers.checkpoints import STAGING_DIR, find_resume_checkpoint
+from tests.integration.test_cli import steadyrl
+
+pytestmark = pytest.mark.slow
+
+
+class DiskFullAtCheckpoint4(TrainerCallback):
+    """(``callbacks`` entry) The disk fills up while TRL writes step 4's optimizer state; 5 MiB are left."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        real_save = torch.save
+
+        def save(obj, file, *a, **k):
+            if Path(file).name == "optimizer.pt" and Path(file).parent.name == "checkpoint-4":
+                raise OSError(errno.ENOSPC, "No space left on device", str(file))
+            return real_save(obj, file, *a, **k)
+
+        torch.save = save
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
+
+
+def test_a_full_disk_while_trl_saves_the_optimizer_stops_the_run_cleanly(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = steadyrl(
+        "train", "configs/tiny/grpo.yaml", f"model.path={tiny_model_dir}", f"trainer.output_dir={out}",
+        "trainer.max_steps=6", "trainer.save_steps=2", "trainer.per_device_train_batch_size=8",
+        "trainer.num_generations=4", "trainer.max_completion_length=4", "eval.enabled=false",
+        "callbacks=[tests.integration.test_disk_full_checkpoint:DiskFullAtCheckpoint4]",
+    )  # fmt: skip
+    staged = out / STAGING_DIR / "checkpoint-4"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"steadyrl: stopped: checkpoint-4 was not saved: OSError: [Errno 28] No space left on device: "
+        f"'{staged / 'optimizer.pt'}' (writing {staged}; 5.0 MiB free on the disk of {out}). The partial checkpoint "
+        f"was removed. Last complete checkpoint: {out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto "
+        "resumes from it)."
+    )
+    assert "Traceback" not in proc.stderr
+    assert not staged.exists() and not (out / "checkpoint-4").exists()
+    assert find_resume_checkpoint(out) == out / "checkpoint-2"
