@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 results=""
 if [ "${1:-}" = "--results" ]; then results=${2:?--results needs a path}; fi
-at_commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$([ -n "$(git status --porcelain 2>/dev/null)" ] && echo -dirty)"
+at_commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain 2>/dev/null || true)" ]; then at_commit="$at_commit-dirty"; fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false STEADYRL_PROGRESS=1
 rm -rf runs/tiny-sft runs/tiny-grpo runs/fault-demo
