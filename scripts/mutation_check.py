@@ -133,7 +133,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/checkpoints.py",
-                '    state.load_guard_state_dicts(saved["guards"], where=str(folder))\n',
+                '    state.load_guard_state_dicts(shared["guards"], where=str(folder))\n',
                 "    pass\n",
             ),
         ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,6 +23,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def launch(
@@ -74,9 +90,14 @@ def launch(
     )
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # a hung launch: kill the launcher and its workers, then fail
-        os.killpg(popen.pid, signal.SIGKILL)
-        stdout, stderr = popen.communicate()
+    except subprocess.TimeoutExpired:  # a hung launch: kill the launcher and every worker, then fail
+        for pid in [*_descendants(popen.pid), popen.pid]:  # torchrun's workers may sit outside its process group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            stdout, stderr = popen.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", ""
         raise AssertionError(f"launch hung (killed after {timeout} s):\n{stdout[-3000:]}{stderr[-4000:]}") from None
     proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     log = proc.stdout[-4000:] + proc.stderr[-6000:]
