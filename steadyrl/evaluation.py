@@ -9,6 +9,7 @@ import torch
 from datasets import Dataset
 
 from steadyrl.rewards import TRL_REWARD_KWARGS
+from steadyrl.tasks.arithmetic import exact_match
 
 
 @torch.no_grad()
@@ -50,6 +51,21 @@ def greedy_completions(
         tokenizer.padding_side = old_side
         model.train(was_training)
     return completions, ids
+
+
+def greedy_accuracy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    *,
+    batch_size: int = 64,
+    max_new_tokens: int = 6,
+) -> tuple[float, list[str]]:
+    """Greedy-decode every prompt and return (exact-match accuracy, completions)."""
+    completions, _ = greedy_completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    scores = exact_match(completions, answers)
+    return (sum(scores) / len(scores) if scores else 0.0), completions
 
 
 def greedy_scores(

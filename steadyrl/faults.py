@@ -1,24 +1,16 @@
 """Fault injectors for tests and benchmarks: rewards and training steps that misbehave reproducibly.
 
-Two kinds, so that a plain YAML/CLI run can use them (``scripts/bench_stability.py`` does):
-
 - reward-side faults are reward functions (``rewards: [{fn: "steadyrl.faults:NAME", kwargs: {...}}]``), seeded by
-  ``(seed, global_step)`` through the ``trainer_state`` that TRL passes to every reward function;
-- trainer-side faults are ``TrainerCallback`` classes (``callbacks: ["steadyrl.faults:NAME"]``). The config
-  instantiates callbacks with no arguments, so their parameters come from environment variables, read when the
-  callback is built (explicit constructor arguments win, for tests):
+  ``(seed, global_step)`` from the ``trainer_state`` TRL passes to every reward function;
+- trainer-side faults are ``TrainerCallback`` classes (``callbacks: ["steadyrl.faults:NAME"]``), built without
+  arguments, so they read the environment (explicit constructor arguments win): ``STEADYRL_FAULT_STEP`` the 1-based
+  optimizer step hit, the one at whose end ``global_step`` becomes k (default 3); ``STEADYRL_FAULT_RANK`` the only
+  ``RANK`` that injects (unset: every process); ``STEADYRL_FAULT_VALUE`` the value written into the optimizer state
+  (``InfExpAvgSqAtStep``; default inf); ``STEADYRL_FAULT_SCALE`` the gradient multiplier (``GradSpikeAtStep``; 1e4).
 
-  ``STEADYRL_FAULT_STEP``   the optimizer step k that is hit, 1-based: the step at whose end ``global_step``
-                            becomes k (default 3)
-  ``STEADYRL_FAULT_RANK``   only the process with this ``RANK`` injects; unset: every process
-  ``STEADYRL_FAULT_VALUE``  the value written into the optimizer state (``InfExpAvgSqAtStep``; default inf)
-  ``STEADYRL_FAULT_SCALE``  the gradient multiplier (``GradSpikeAtStep``; default 1e4)
-
-A trainer-side fault appends one JSON line to ``<output_dir>/faults.jsonl`` when it fires (``FAULT_LOG``), so a
-benchmark can tell "the guard held" from "the fault never happened". ``inject_nan_loss`` and
-``CorruptOptimizerState`` are the object-level forms that tests wire into a trainer they built themselves.
-
-Left out: faults inside generation (NaN logits while sampling) and in the reference model; bit flips in weights.
+A trainer-side fault appends a JSON line to ``<output_dir>/faults.jsonl`` (``FAULT_LOG``) when it fires, so a benchmark
+can tell "the guard held" from "the fault never happened". ``inject_nan_loss`` and ``CorruptOptimizerState`` are the
+object-level forms for tests. Left out: faults inside generation or the reference model; bit flips in weights.
 """
 
 from __future__ import annotations
@@ -54,11 +46,9 @@ def exact_match_cauchy(
     trainer_state: Any = None,
     **_: Any,
 ) -> list[float]:
-    """Exact match plus Cauchy noise of the given scale: a heavy-tailed reward model (the scenario of
-    docs/DESIGN.md, "GRADE: reward scaler").
+    """Exact match plus Cauchy noise of ``scale``: a heavy-tailed reward model (docs/DESIGN.md, "GRADE: reward scaler").
 
-    The noise is drawn from a generator seeded by (seed, optimizer step), so a run is reproducible and the
-    same step sees the same noise in every variant of a benchmark.
+    Seeded by (seed, optimizer step): a step sees the same noise in every variant of a benchmark.
     """
     step = int(getattr(trainer_state, "global_step", 0) or 0)
     rng = np.random.default_rng([seed, step])
@@ -67,11 +57,8 @@ def exact_match_cauchy(
 
 
 def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
-    """Make the loss of one micro-batch NaN: its advantages are multiplied by NaN after TRL prepared them.
-
-    ``micro_step`` counts backward passes from 0 (TRL's ``trainer._step``). Works on ``trl.GRPOTrainer`` and
-    every subclass; the NaN flows through the loss into every gradient, as a NaN from a real numeric overflow
-    would. Returns a function that removes the fault.
+    """Make the loss of micro-batch ``micro_step`` (TRL's ``trainer._step``, from 0) NaN: its advantages are multiplied
+    by NaN after TRL prepared them. Any ``trl.GRPOTrainer``. Returns a function that removes the fault.
     """
     original = trainer._prepare_inputs
 
@@ -88,10 +75,9 @@ def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
 class CorruptOptimizerState(TrainerCallback):
     """Write ``value`` (inf by default) into one Adam moment at the end of optimizer step ``step``.
 
-    The entry is the first element of ``key`` (``exp_avg_sq``) of the first parameter the innermost optimizer
-    holds state for (under ZeRO-2: this rank's first partition). ``rank``: only that process (``RANK``), or
-    every process when None. It runs after steadyrl's own step-end work (snapshot, checks), so the next
-    step trains on the corrupted state and the next check finds it.
+    The entry: the first element of ``key`` (``exp_avg_sq``) of the first parameter with optimizer state (under ZeRO-2,
+    this rank's first partition); ``rank``: only that ``RANK``, None every process. Runs after steadyrl's own step-end
+    work, so the next step trains on the corrupted state and the next check finds it.
     """
 
     def __init__(self, step: int = 2, value: float = float("inf"), rank: int | None = None, key: str = "exp_avg_sq"):
@@ -129,11 +115,10 @@ def exact_match_nonfinite_burst(
 ) -> list[float | None]:
     """Exact match, except during a burst: ``fraction`` of the rows are unscorable or non-finite.
 
-    The burst hits the rollouts of optimizer steps ``start .. start + steps - 1`` (1-based, like
-    ``STEADYRL_FAULT_STEP``; they are scored while ``trainer_state.global_step`` is one less). In a burst,
-    ``round(fraction * len(completions))`` rows, drawn by a generator seeded by (seed, step), get ``None``, NaN,
-    +inf, -inf in turn (in row order). TRL 1.16 reads None and NaN as "unscorable"; one inf in a group makes that
-    group's mean inf and every advantage in it NaN, which TRL then sets to 0: the whole group's signal is lost.
+    The burst hits the rollouts of optimizer steps ``start .. start + steps - 1`` (1-based; scored while
+    ``global_step`` is one less): ``round(fraction * len(completions))`` rows, drawn with seed (seed, step), get
+    ``None``, NaN, +inf, -inf in turn. TRL 1.16 reads None and NaN as unscorable; one inf makes its whole group's
+    advantages NaN, which TRL then sets to 0.
     """
     scores: list[float | None] = list(exact_match(completions, answer))
     step = int(getattr(trainer_state, "global_step", 0) or 0) + 1  # the optimizer step these rollouts train
@@ -169,13 +154,10 @@ def reward_model_artefacts(
     trainer_state: Any = None,
     **_: Any,
 ) -> list[float | None]:
-    """A trained reward model's normalised score plus occasional large artefacts (``artefact_offsets``): the
-    long-tailed learned RM of docs/DESIGN.md "GRADE: reward scaler" (extreme scores are reward-model
-    artefacts, not extreme answers). ``rate=0`` is the reward model alone.
+    """A reward model's normalised score plus occasional large artefacts (``artefact_offsets``): the long-tailed learned
+    RM of docs/DESIGN.md "GRADE: reward scaler". ``rate=0`` is the reward model alone.
 
-    ``log``: a JSONL file that gets one line per training call, ``{"step", "prompts", "rewards", "artefacts"}``
-    (calls without ``trainer_state``, e.g. a final eval, are not logged), for offline figures such as the reward
-    variance the tail carries.
+    ``log``: a JSONL file, one line ``{"step", "prompts", "rewards", "artefacts"}`` per call with ``trainer_state``.
     """
     from steadyrl.trainers.reward_model import reward_model_score
 
@@ -191,11 +173,8 @@ def reward_model_artefacts(
 
 
 def repetition_reward(completions: Sequence[Any], **_: Any) -> list[float]:
-    """Pays for repetition (forced entropy collapse): the share of the completion taken by its most common
-    character, when that character occurs at least twice; else 0.0.
-
-    ``"aaab"`` -> 0.75, ``"77"`` -> 1.0, ``"1212"`` -> 0.5, ``"ab"``, ``"7"`` and ``""`` -> 0.0 (nothing repeats).
-    The maximum, 1.0, is one character repeated over the whole completion.
+    """Pays for repetition (forced entropy collapse): the share of the completion taken by its most common character,
+    when it occurs at least twice; else 0.0. ``"aaab"`` -> 0.75, ``"77"`` -> 1.0, ``"1212"`` -> 0.5, ``"ab"`` -> 0.0.
     """
     scores = []
     for completion in completions:
@@ -260,18 +239,12 @@ def _times_nan(output: Any) -> Any:
 
 
 class NanLossAtStep(TrainerCallback):
-    """NaN loss on one micro-batch: the first training forward pass of optimizer step ``step`` yields NaN hidden states.
+    """NaN loss on one micro-batch: the first training forward of optimizer step ``step`` yields NaN hidden states.
 
-    At ``on_step_begin`` of that step a forward hook goes on the model's backbone (``get_decoder()``: the module
-    whose ``last_hidden_state`` both generation and TRL's fused log-prob head read; TRL 1.16 computes training
-    log-probs from ``lm_head.weight`` without calling the ``lm_head`` module, so a hook there would never fire).
-    The hook lets every pass without gradients through (generation, old/reference log-probs, eval) and passes in
-    eval mode; the first pass in training mode with grad enabled (the loss pass of the step's first micro-batch)
-    gets its hidden states multiplied by NaN, and the hook removes itself. The NaN reaches the loss and every
-    gradient, as a numeric overflow in the forward pass would.
-
-    step: the 1-based optimizer step (default ``STEADYRL_FAULT_STEP``); rank: only that ``RANK`` (default
-    ``STEADYRL_FAULT_RANK``, unset: every process).
+    A forward hook on the backbone (``get_decoder()``: TRL 1.16 computes training log-probs from ``lm_head.weight``
+    without calling ``lm_head``, so a hook there never fires) lets no-grad and eval-mode passes through, multiplies the
+    first grad-enabled training pass's hidden states by NaN, and removes itself. step, rank: default
+    ``STEADYRL_FAULT_STEP``, ``STEADYRL_FAULT_RANK`` (unset: every process).
     """
 
     name = "nan_loss"
@@ -310,12 +283,11 @@ class NanLossAtStep(TrainerCallback):
 
 
 class InfExpAvgSqAtStep(CorruptOptimizerState):
-    """``CorruptOptimizerState`` configured from the environment, for ``callbacks:`` in a config.
+    """``CorruptOptimizerState`` from the environment, for ``callbacks:`` in a config.
 
-    Writes ``STEADYRL_FAULT_VALUE`` (default inf) into the first ``exp_avg_sq`` entry at the end of optimizer step
-    ``STEADYRL_FAULT_STEP``, on ``STEADYRL_FAULT_RANK`` (unset: every process). Records the firing, and at the end
-    of training how many Adam moment entries are still non-finite (``nonfinite_state_entries``): Adam divides by
-    ``sqrt(inf)``, so an unguarded run does not die; the entry's weight silently stops learning.
+    Records the firing and, at the end of training, how many Adam moment entries are still non-finite
+    (``nonfinite_state_entries``): Adam divides by ``sqrt(inf)``, so an unguarded run does not die, the entry's weight
+    silently stops learning.
     """
 
     name = "inf_exp_avg_sq"
@@ -349,13 +321,10 @@ class InfExpAvgSqAtStep(CorruptOptimizerState):
 
 
 class GradSpikeAtStep(TrainerCallback):
-    """Gradient spike: every trainable parameter's gradient is multiplied by ``scale`` during optimizer step ``step``.
+    """Gradient spike: every trainable parameter's gradient times ``scale`` during optimizer step ``step``.
 
-    Tensor hooks go on the parameters at ``on_step_begin`` of that step (so every micro-batch of the step is hit,
-    before any clipping or step guard sees the gradients) and come off at its ``on_step_end``.
-
-    step: 1-based optimizer step (default ``STEADYRL_FAULT_STEP``); scale: default ``STEADYRL_FAULT_SCALE`` or 1e4;
-    rank: default ``STEADYRL_FAULT_RANK`` (unset: every process).
+    Tensor hooks go on at ``on_step_begin`` (every micro-batch is hit, before clipping or a step guard) and come off at
+    ``on_step_end``. Defaults: ``STEADYRL_FAULT_STEP``, ``STEADYRL_FAULT_SCALE`` or 1e4, ``STEADYRL_FAULT_RANK``.
     """
 
     name = "grad_spike"
@@ -387,16 +356,11 @@ class GradSpikeAtStep(TrainerCallback):
 
 
 class StaleVllmAfterStep(TrainerCallback):
-    """A vLLM weight sync that stops reaching vLLM: from the end of optimizer step ``step`` on, TRL's
-    ``VLLMGeneration.sync_weights`` does nothing, so vLLM keeps generating from the weights it got at the start of
-    that step (before its update).
+    """A weight sync that stops reaching vLLM: from the end of optimizer step ``step`` (default ``STEADYRL_FAULT_STEP``)
+    on, TRL's ``VLLMGeneration.sync_weights`` does nothing, so vLLM keeps generating from that step's starting weights.
 
-    The failure this stands for: a sync that silently writes nowhere (a vLLM release whose loader ignores unknown
-    names, packed kernels that keep a copy of the weights). The updates go on; the rollouts come from an ever older
-    policy. Patches the class for the rest of the process (a run is one process per rank). Records the firing and
-    how many syncs it swallowed (``swallowed_syncs``, at the end of training).
-
-    step: 1-based optimizer step (default ``STEADYRL_FAULT_STEP``).
+    Stands for a sync that silently writes nowhere (a loader that ignores unknown names, packed kernels keeping a copy).
+    Patches the class for the rest of the process; records the firing and, at the end, ``swallowed_syncs``.
     """
 
     name = "stale_vllm"

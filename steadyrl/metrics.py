@@ -105,8 +105,7 @@ QUATRO_BETA = "quatro/beta"  # the effective coefficient, every factor included
 QUATRO_ENTROPY = "quatro/entropy"
 QUATRO_ENTROPY_FLOOR = "quatro/entropy_floor"
 QUATRO_ENTROPY_BONUS = "quatro/entropy_bonus"
-QUATRO_ENTROPY_CONTROL = "quatro/entropy_control"  # the floor's control u in [0, 1] (bonus and covariance clip)
-QUATRO_COV_CLIPPED = "quatro/cov_clipped"  # share of loss tokens whose advantage the covariance clip dropped
+QUATRO_ENTROPY_CONTROL = "quatro/entropy_control"  # the floor's control u in [0, 1] (brake and bonus)
 QUATRO_PG_SCALE = "quatro/pg_scale"  # factor on the policy-gradient advantages from the floor's brake (1: none)
 QUATRO_MOMENT_SCALE = "quatro/moment_scale"  # the brake factor Adam's moments follow (entropy.brake_moments)
 QUATRO_FLOOR_ACTIVE = "quatro/floor_active"
@@ -120,7 +119,6 @@ QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
 # observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
 QUATRO_KL_COEF_WOULD = "quatro/kl_coef_would"  # the controller's beta (TRL's beta is unchanged)
 QUATRO_ENTROPY_BONUS_WOULD = "quatro/entropy_bonus_would"  # the entropy_coef it would set
-QUATRO_COV_CLIPPED_WOULD = "quatro/cov_clipped_would"  # share of loss tokens the covariance clip would drop
 QUATRO_PG_SCALE_WOULD = "quatro/pg_scale_would"  # the factor the floor's brake would put on the advantages
 QUATRO_MOMENT_SCALE_WOULD = "quatro/moment_scale_would"  # the factor brake_moments would have the moments follow
 QUATRO_CLIP_SCALE_WOULD = "quatro/clip_scale_would"  # the epsilon factor it would set

@@ -1,30 +1,17 @@
 """``steadyrl preflight CONFIG [overrides]``: calibrate the guard layers on the user's own model before a real run.
 
-The design notes' deployment order (monitoring first, then intervention; docs/DESIGN.md,
-"Preflight") as one command:
+The design notes' deployment order, monitoring first (docs/DESIGN.md, "Preflight"):
+1. **baseline**: the user's config for ``--steps`` (20) with every layer in ``mode: observe``;
+2. **calibration** from its logs: ``guards.quatro.kl.target``, ``guards.gepo.spike.abs_threshold``,
+   ``guards.quatro.entropy.floor_ratio``, and a note on truncation at ``trainer.max_completion_length``;
+3. **drills**: ``--drill-steps`` (6) of the calibrated config with the layers acting and one fault from
+   ``steadyrl.faults`` at step 3 (``NanLossAtStep``, ``InfExpAvgSqAtStep``). A drill holds when the run finishes,
+   the fault fired and the guard acted (a skipped step; a repair or a rollback, no non-finite optimizer state left).
 
-1. **baseline**: a short run of the user's config (``--steps``, default 20) with every layer on in
-   ``mode: observe``: the layers compute and log every decision they would take, and training is that of plain TRL.
-2. **calibration**, from the baseline's logs:
-   - ``guards.quatro.kl.target``: ``target_ratio`` (10) x the mean per-token KL of the baseline's second half, the
-     rule ``target: auto`` applies inside a run, written down so the run starts with it (and no 20-step
-     calibration window) and a user can read it;
-   - ``guards.gepo.spike.abs_threshold``: 3 x the 95th percentile of the baseline's finite gradient norms, so a
-     calm step of this model never trips the spike test and a real spike (orders of magnitude) still does;
-   - ``guards.quatro.entropy.floor_ratio``: lowered when the baseline's entropy already fell below the default
-     ratio of its start (the floor would otherwise switch on at once and fight the task being learned);
-   - length: the share of completions cut at ``trainer.max_completion_length`` and the lengths seen, as a note.
-3. **drills**, each a short run (``--drill-steps``, default 6) of the calibrated config with the layers acting and
-   one fault from ``steadyrl.faults`` at step 3: a NaN loss micro-batch (``NanLossAtStep``) and an inf written into
-   Adam's ``exp_avg_sq`` (``InfExpAvgSqAtStep``, OPEFO checking every step). A drill holds when the run finishes,
-   the fault fired, and the guard acted (a skipped step; a repair in place or a rollback, with no non-finite
-   optimizer state left).
-
-Writes ``OUT/preflight.yaml`` (``extends:`` the user's config, then the command-line overrides and the calibrated
-values; it validates before it is written), ``OUT/report.md``, ``OUT/report.json`` and the runs under ``OUT/runs``.
-Exit 0 when every drill held, 1 when one did not (the report says which and the key to change), 2 when the
-baseline itself failed. Every run is one process (``python -m steadyrl train``); a multi-GPU config runs here on
-one process, which is enough to calibrate per-token and per-norm values.
+Writes ``OUT/preflight.yaml`` (``extends:`` the user's config, then the overrides and the calibrated values;
+validated before it is written), ``OUT/report.md``, ``OUT/report.json`` and the runs under ``OUT/runs``. Exit 0 when
+every drill held, 1 when one did not (the report names the key to change), 2 when the baseline failed. Every run is
+one process (``python -m steadyrl train``).
 """
 
 from __future__ import annotations
@@ -47,8 +34,8 @@ from steadyrl import metrics as M
 from steadyrl.config import load_config
 from steadyrl.evidence.history import History, HistoryNotFoundError, load_history
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log
-from steadyrl.guards.kl_controller import KLConfig
-from steadyrl.guards.spike import SpikeConfig
+from steadyrl.guards.kl_controller import TARGET_MIN, KLConfig
+from steadyrl.guards.spike import ZERO_NORM
 
 LAYERS = ("gepo", "opefo", "quatro", "grade")
 DRILL_STEP = 3
@@ -223,10 +210,10 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
         ratio = KLConfig().target_ratio
         measured["per-token KL (first / last logged)"] = f"{kl[0]:.3g} / {kl[-1]:.3g}"
         measured["per-token KL, second-half mean"] = float(tail.mean())
-        target = max(ratio * float(tail.mean()), KLConfig().target_min)
+        target = max(ratio * float(tail.mean()), TARGET_MIN)
         proposed["guards.quatro.kl.target"] = float(f"{target:.3g}")
     norms = _finite(history, M.GRAD_NORM)
-    norms = norms[norms > SpikeConfig().zero_norm]
+    norms = norms[norms > ZERO_NORM]
     if len(norms) >= 3:
         p95 = float(np.percentile(norms, 95))
         measured["grad norm (median / p95 / max)"] = f"{np.median(norms):.3g} / {p95:.3g} / {norms.max():.3g}"

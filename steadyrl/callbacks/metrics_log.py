@@ -1,22 +1,15 @@
 """MetricsLog: every logged row and guard event, one JSON line each, in ``<output_dir>/metrics.jsonl``.
 
-The Trainer keeps ``log_history`` in memory and writes it only with a checkpoint, so a run that dies between
-checkpoints loses the rows that explain why. This callback appends each row as it is logged, flushed and
-fsync'd, on the main process only:
+The Trainer writes ``log_history`` only with a checkpoint, so a run that dies between checkpoints would lose the rows
+that explain why. This callback appends each row as it is logged, flushed and fsync'd, on the main process only:
 
     {"step": 12, "loss": 0.031, "grad_norm": "nan", "reward": 0.42, ...}
     {"step": 13, "event": "skip", "reason": "nonfinite"}
 
-Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON has no NaN);
-``steadyrl.evidence.history`` reads them back as floats. A line cut short by a crash is started afresh by the
-next write, so one torn line never glues onto the next row.
-
-A row that cannot be written (``OSError``: a full disk) is counted and warned about, and the run goes on. A row is
-evidence, not state: the Trainer still holds its logged rows (not guard events) in ``log_history``, written into the
-next checkpoint's ``trainer_state.json``, and a disk that stays full stops the run at that checkpoint with a message
-(``steadyrl.trainers.checkpoints``), while stopping here would end a healthy run over a log line that a moment of
-free space would have written. Once writing works again, a ``{"event": "metrics_rows_lost", "rows": n}`` row marks
-the gap.
+Non-finite floats are written as ``"nan"``, ``"inf"``, ``"-inf"`` (``steadyrl.evidence.history`` reads them back).
+A line cut short by a crash is started afresh by the next write. A row that cannot be written (``OSError``: a full
+disk) is counted and warned about and the run goes on (docs/DESIGN.md, "Crash-safe checkpoints"); once writing works
+again, a ``{"event": "metrics_rows_lost", "rows": n}`` row marks the gap.
 """
 
 from __future__ import annotations

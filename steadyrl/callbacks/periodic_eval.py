@@ -1,22 +1,17 @@
 """PeriodicEval: greedy eval on held-out prompts every ``every`` optimizer steps, logged beside training metrics.
 
-After optimizer step k (k a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval
-set and scores it with the run's reward functions; score sums and counts are all-reduced, so every rank logs
-the same row (docs/DESIGN.md "Periodic eval": reward hacking caught during training is far cheaper than after it):
+After optimizer step k (a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval set and
+scores it with the run's reward functions; sums and counts are all-reduced, so every rank logs the same row
+(docs/DESIGN.md "Periodic eval"):
 
     {"eval/reward": 0.31, "eval/accuracy": 0.31, "eval/reward/exact_match": 0.31,
      "eval/mean_length": 3.0, "eval/num_samples": 200, "step": 10}
 
-When it runs: at the start of step k+1 (``on_step_begin``, ``global_step`` is still k) or at the end of training
-when step k was the last one. So the row comes after step k's training row and after any checkpoint or
-rollback of step k, never between them: callbacks that summarise the newest row per step, such as
-``SignalMonitor``, see training rows first. A run resumed from checkpoint-k evaluates step k again (that
-checkpoint was written before the eval row). Evaluation never moves the training RNG stream: the torch,
-CUDA, numpy and Python RNG states are saved before it and restored after it.
+It runs at the start of step k+1 (``global_step`` still k) or at the end of training, so the row follows step k's
+training row, checkpoint and rollback. A run resumed from checkpoint-k evaluates step k again. The torch, CUDA, numpy
+and Python RNG states are restored afterwards, so eval never moves the training RNG stream.
 
-Left out: sampled (pass@k) eval; ZeRO-3 and FSDP, whose sharded parameters need every rank in each forward
-(lockstep generation) -- these raise. The model as callbacks receive it (``Trainer.model``) is the bare
-model under DDP and DeepSpeed ZeRO-2, whose parameters are replicated, so each rank generates on its own.
+Left out: sampled (pass@k) eval; ZeRO-3 and FSDP (sharded parameters need lockstep generation): these raise.
 """
 
 from __future__ import annotations
@@ -46,11 +41,9 @@ LogFn = Callable[[dict[str, float]], None]
 def trainer_log_fn(trainer: Trainer) -> LogFn:
     """The ``log_fn`` to give PeriodicEval: ``transformers.Trainer.log`` bound to ``trainer``.
 
-    The base method appends the row (plus ``step`` and ``epoch``) to ``state.log_history`` and fires
-    ``on_log``, so report_to backends and ``MetricsLog`` see it. Not ``trainer.log`` itself: TRL's
-    ``GRPOTrainer.log`` (and ``SFTTrainer.log``) merge the averages of their ``_metrics`` buffers into the row
-    and clear them, so an eval row logged inside a logging interval would take the training metrics of the
-    steps before it and the next training row would miss them.
+    It appends the row to ``state.log_history`` and fires ``on_log`` (report_to, ``MetricsLog``). Not
+    ``trainer.log``: TRL's ``GRPOTrainer.log`` and ``SFTTrainer.log`` merge and clear their ``_metrics`` buffers, so
+    an eval row would take the training metrics of the steps before it.
     """
     return functools.partial(Trainer.log, trainer)
 

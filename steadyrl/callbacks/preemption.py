@@ -1,26 +1,12 @@
 """Preemption (config ``preemption``): a signal ends the run at the next optimizer-step boundary, with a checkpoint.
 
-What happens on the first of ``preemption.signals`` (default SIGTERM and SIGINT):
-
-1. The handler only records the signal (and logs it); the step under way runs to its end, so a checkpoint never
-   holds half a step.
-2. At the end of every optimizer step all ranks agree on whether any of them got a signal: one all-reduce (MAX)
-   of a single flag. A signal that reached only some ranks (or reached them a step apart) stops all of them at
-   the same step, which the collective checkpoint of DDP and ZeRO-2 needs.
-3. The callback sets ``should_save`` and ``should_training_stop``: the Trainer writes ``checkpoint-N`` through
-   steadyrl's atomic path (staging folder, completion marker with file hashes, rename) and leaves its loop.
-   ``steadyrl.trainers.build.run`` then skips the final save and eval and raises ``Preempted``; the CLI prints
-   how to resume and exits with ``preemption.exit_code`` (75). ``trainer.resume_from_checkpoint=auto`` resumes
-   exactly (rollout buffers and guard state are in the checkpoint).
-
-A second signal within ``relay_window_s`` (3 s) of the first is ignored: it is the launcher's relayed copy
-(torchrun's agent forwards the signal it gets to every worker; a terminal's Ctrl-C reaches agent and workers at
-once). A later one exits at once with 128 + the signal number, without writing anything: the previous complete
-checkpoint is untouched (the atomic path never leaves a half-written folder under a checkpoint name).
-
-torchrun gives workers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30) after it forwards a signal, then kills
-them: a step plus a checkpoint must fit in that, or raise it. It forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT;
-for SIGUSR1 add it to ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
+On the first of ``preemption.signals`` (SIGTERM, SIGINT) the handler only records it, and the step under way runs to
+its end. At every step end one all-reduce (MAX) of a flag lets all ranks stop at the same step: the callback sets
+``should_save`` and ``should_training_stop``, the Trainer writes ``checkpoint-N`` through steadyrl's atomic path,
+``steadyrl.trainers.build.run`` skips the final save and eval and raises ``Preempted``, and the CLI prints how to
+resume and exits with ``preemption.exit_code`` (75). A second signal within ``relay_window_s`` (3 s) is a launcher's
+relayed copy and is ignored; a later one exits at once with 128 + the signal number, writing nothing. Why, and
+torchrun's time limit: docs/DESIGN.md, "Preemption".
 """
 
 from __future__ import annotations

@@ -212,14 +212,6 @@ def _check_quatro(cfg: RunConfig) -> None:
     beta = float(t.get("beta", 0.0))
     if beta < 0.0:
         raise ConfigError(f"trainer.beta={beta} is negative; the KL coefficient is 0 (TRL's default) or positive")
-    if q.kl.enabled and beta > 0.0:  # with beta 0 (TRL's default) the controller is inactive (one logged notice)
-        low, high = q.kl.bounds(beta)
-        if not low <= beta <= high:
-            raise ConfigError(
-                f"trainer.beta={beta} is outside [guards.quatro.kl.beta_min={low}, guards.quatro.kl.beta_max={high}]; "
-                "move trainer.beta into the range or widen it (or drop beta_min/beta_max: guards.quatro.kl.beta_range "
-                "is relative to trainer.beta)"
-            )
     gate = q.entropy.gate_reward
     if q.entropy.enabled and gate is not None:
         names = [r.resolved_name for r in cfg.rewards]

@@ -14,10 +14,17 @@ from typing import Any
 
 from steadyrl.config.loader import FieldValueError
 from steadyrl.evidence.early_warnings import MonitorConfig
-from steadyrl.guards.opefo import ErrorFeedbackConfig, FloorConfig, OpefoConfig, RollbackConfig
-from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
+from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.error_feedback import ErrorFeedbackConfig
+from steadyrl.guards.kl_controller import KLConfig
+from steadyrl.guards.moment_floor import FloorConfig
+from steadyrl.guards.opefo import OpefoConfig
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.replay import ReplayConfig
 from steadyrl.guards.reward_scaler import GradeConfig
 from steadyrl.guards.robust_advantage import AdvantageConfig
+from steadyrl.guards.rollback import RollbackConfig
+from steadyrl.guards.rollout_filters import FilterConfig
 from steadyrl.guards.spike import GRANULARITIES, SpikeConfig
 
 # ``guards.<layer>.mode``: ``act`` intervenes; ``observe`` computes and logs every decision the layer would take

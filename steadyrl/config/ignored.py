@@ -235,7 +235,6 @@ READ_BY: dict[str, Read] = {
     "ppo.critic_lr": Read(("ppo",), why=PPO_ONLY),
     "ppo.whiten_advantages": Read(("ppo",), why=PPO_ONLY),
     "ppo.soft_clip": Read(("ppo",), why=PPO_ONLY),
-    "ppo.value_head_init_std": Read(("ppo",), why=PPO_ONLY),
     "preemption.enabled": Read(TRAINING, why=NO_SIGNALS),
     "preemption.signals": Read(TRAINING, why=NO_SIGNALS),
     "preemption.exit_code": Read(TRAINING, why=NO_SIGNALS),

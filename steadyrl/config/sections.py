@@ -174,7 +174,6 @@ class PPOSection:
     critic_lr: float | None = None  # the critic's param-group LR; null = trainer.learning_rate
     whiten_advantages: bool = True
     soft_clip: float | None = None  # tanh soft clip of the whitened advantages at this scale (GEPO's clip); null = off
-    value_head_init_std: float = 0.0  # 0: the value head starts at exactly 0
 
     def __post_init__(self) -> None:
         from steadyrl.ppo.gae import KL_ESTIMATORS

@@ -1,69 +1,31 @@
-"""``steadyrl doctor``: which of the three ways a GRPO run dies is under way, from its logged metrics alone.
+"""``steadyrl doctor``: which way a finished (or dead) run is failing, from its logged metrics alone.
 
-The three ways a run dies (docs/DESIGN.md, "Why GRPO runs die") each announce themselves in the logs:
-- ``hard_crash``: loss/grad norm go inf/NaN; before that the grad norm jumps by orders of magnitude, advantage
-  std creeps up, non-finite rewards/log-probs appear, GEPO skips and OPEFO rollbacks pile up.
-- ``entropy_collapse``: entropy falls while KL rises and reward stays flat or falls; the model repeats
-  itself (repetition filter counts rise).
-- ``reward_hacking`` (silent failure): training reward rises while eval accuracy falls, or while completion
-  length or truncation drifts far from where it started.
-The remedies are the design's (docs/DESIGN.md), written as steadyrl config keys.
+Failure modes (docs/DESIGN.md, "Why GRPO runs die" and "Early warnings and the doctor"):
+- ``hard_crash``: inf/NaN loss or grad norm, and its precursors (grad-norm jumps, non-finite counts, rising
+  advantage std, GEPO skips, OPEFO rollbacks and repairs);
+- ``entropy_collapse``: entropy falls while KL rises, reward stays flat or falls, or repetition rises;
+- ``reward_hacking``: training reward rises while eval accuracy falls or completion length/truncation drifts;
+- ``off_policy_rollouts``: vLLM's log-probs of its own samples drift from the policy's (a weight sync that fails);
+- ``saturated_controller``: a guard held at its bound (``steadyrl.evidence.saturation``).
 
-One more silent failure, outside the original design notes: ``off_policy_rollouts``, vLLM generating from other
-weights than the ones being trained (a weight sync that does not reach it). TRL's
-``sampling/sampling_logp_difference/mean`` (per-token |vLLM log-prob - policy log-prob| of the sampled tokens) then
-grows from float noise to nats.
-
-And one that is steadyrl's own: ``saturated_controller``, a guard held at its bound (the KL coefficient at its
-cap, the entropy bonus at its cap, filters dropping a large share, the spike guard skipping in a row or
-re-anchoring, GRADE's tail clip touching far more rows than its quantiles expect), which means one of its
-settings does not fit this run (``steadyrl.evidence.saturation``).
-
-Trends compare an early window of logged rows with a late one (``DoctorConfig.window`` rows each, a third of a
-short series). Every check needs a large, sustained change, so a noisy but healthy run gives no finding. The
-doctor reads logs only: it cannot see the samples, so a finding says where to look, not what the model did.
+Each diagnosis is one row of ``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode.
+Trends compare an early window of logged rows with a late one; only large, sustained changes count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
 
+from steadyrl import metrics as M
 from steadyrl.evidence.early_warnings import logp_gap_allowance, logp_gap_verdict
 from steadyrl.evidence.history import History, to_float
 from steadyrl.evidence.saturation import saturation_checks
-from steadyrl.metrics import (
-    COMPLETIONS_CLIPPED_RATIO,
-    COMPLETIONS_MEAN_LENGTH,
-    ENTROPY,
-    EVAL_ACCURACY,
-    EVENT_ROLLBACK,
-    EVENT_SKIP,
-    EVENT_STATE_REPAIR,
-    GEPO_ADV_STD,
-    GEPO_NONFINITE_LOGPROBS,
-    GEPO_NONFINITE_LOSS,
-    GEPO_NONFINITE_RATIOS,
-    GEPO_NONFINITE_REWARDS,
-    GEPO_SKIPPED_STEPS,
-    GRAD_NORM,
-    KL,
-    LOSS,
-    OPEFO_REPAIRS,
-    OPEFO_ROLLBACKS,
-    QUATRO_ENTROPY,
-    QUATRO_ENTROPY_FLOOR,
-    QUATRO_FILTERED_PREFIX,
-    QUATRO_FLOOR_ACTIVE,
-    QUATRO_FLOOR_HELD_OFF,
-    QUATRO_KL_MEAN,
-    REWARD,
-    SAMPLING_LOGP_GAP,
-    TRAIN_RUNTIME,
-)
 
 MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts", "saturated_controller")
 TITLES = {
@@ -73,34 +35,17 @@ TITLES = {
     "off_policy_rollouts": "off-policy rollouts (vLLM generates from other weights than the trained ones)",
     "saturated_controller": "a guard held at its bound (its setting does not fit this run)",
 }
-LOGP_GAP = SAMPLING_LOGP_GAP
+LOGP_GAP = M.SAMPLING_LOGP_GAP
 NONFINITE_COUNTERS = (
-    GEPO_NONFINITE_REWARDS,
-    GEPO_NONFINITE_LOGPROBS,
-    GEPO_NONFINITE_LOSS,
-    GEPO_NONFINITE_RATIOS,
+    M.GEPO_NONFINITE_REWARDS,
+    M.GEPO_NONFINITE_LOGPROBS,
+    M.GEPO_NONFINITE_LOSS,
+    M.GEPO_NONFINITE_RATIOS,
 )
-CHECKED = (
-    LOSS,
-    GRAD_NORM,
-    REWARD,
-    ENTROPY,
-    QUATRO_ENTROPY,
-    KL,
-    QUATRO_KL_MEAN,
-    GEPO_ADV_STD,
-    GEPO_SKIPPED_STEPS,
-    *NONFINITE_COUNTERS,
-    OPEFO_REPAIRS,
-    OPEFO_ROLLBACKS,
-    QUATRO_FLOOR_ACTIVE,
-    QUATRO_FLOOR_HELD_OFF,
-    QUATRO_ENTROPY_FLOOR,
-    EVAL_ACCURACY,
-    COMPLETIONS_MEAN_LENGTH,
-    COMPLETIONS_CLIPPED_RATIO,
-    LOGP_GAP,
-)
+CHECKED = (M.LOSS, M.GRAD_NORM, M.REWARD, M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.GEPO_ADV_STD)
+CHECKED += (M.GEPO_SKIPPED_STEPS, *NONFINITE_COUNTERS, M.OPEFO_REPAIRS, M.OPEFO_ROLLBACKS, M.QUATRO_FLOOR_ACTIVE)
+CHECKED += (M.QUATRO_FLOOR_HELD_OFF, M.QUATRO_ENTROPY_FLOOR, M.EVAL_ACCURACY, M.COMPLETIONS_MEAN_LENGTH)
+CHECKED += (M.COMPLETIONS_CLIPPED_RATIO, LOGP_GAP)
 REPETITION_WORDS = ("repet", "parrot")  # quatro/filtered/<reason> names that count repeated output
 
 
@@ -166,7 +111,39 @@ class Finding:
         return f"{self.severity.upper()} [{self.mode}] {TITLES[self.mode]}"
 
 
-# ----------------------------------------------------------------------------------------------- helpers
+@dataclass
+class Hit:
+    """What a rule's condition found: the evidence, the values its messages name, a severity overriding the rule's."""
+
+    evidence: list[Evidence]
+    fields: dict[str, Any] = field(default_factory=dict)
+    severity: str | None = None
+
+
+Condition = Callable[[History, "DoctorConfig"], Iterator[Hit]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One diagnosis: ``condition`` yields a Hit per finding. ``summary`` and ``fixes`` are ``str.format``
+    templates over the hit's fields; a fix that formats to "" is left out. ``reads``: the metrics, event kinds or
+    metric prefix it reads (``*``: every metric of the last row)."""
+
+    mode: str
+    severity: str
+    reads: tuple[str, ...]
+    condition: Condition
+    summary: str
+    fixes: tuple[str, ...]
+
+    def finding(self, hit: Hit) -> Finding:
+        fixes = [fix for fix in (f.format_map(hit.fields) for f in self.fixes) if fix]
+        return Finding(
+            self.mode, hit.severity or self.severity, self.summary.format_map(hit.fields), hit.evidence, fixes
+        )
+
+
+# ----------------------------------------------------------------------------------------------- trends
 
 
 def _finite(history: History, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -177,42 +154,29 @@ def _finite(history: History, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class _Trend:
-    """Early vs late window of one metric's finite values."""
+    """Early vs late window (``w`` values each) of one metric's finite values."""
 
     steps: np.ndarray
     values: np.ndarray
     w: int
 
-    @property
-    def early(self) -> np.ndarray:
-        return self.values[: self.w]
-
-    @property
-    def late(self) -> np.ndarray:
-        return self.values[-self.w :]
-
-    @property
-    def ratio(self) -> float:
-        early = float(self.early.mean())
-        return float(self.late.mean()) / early if early > 0 else (np.inf if self.late.mean() > 0 else 1.0)
-
-    @property
-    def z(self) -> float:
-        """(late mean - early mean) in units of the windows' pooled within-window std."""
-        gain = float(self.late.mean() - self.early.mean())
+    def __post_init__(self) -> None:
+        self.early, self.late = self.values[: self.w], self.values[-self.w :]
+        early, late = float(self.early.mean()), float(self.late.mean())
+        self.ratio = late / early if early > 0 else (np.inf if self.late.mean() > 0 else 1.0)
+        # (late mean - early mean) in units of the windows' pooled within-window std
         pooled = float(np.sqrt((self.early.var() + self.late.var()) / 2))
-        scale = max(pooled, 1e-12 * max(1.0, abs(float(self.early.mean()))))
-        return gain / scale
-
-    def describe(self, fmt: str = ".4g") -> str:
-        e0, e1, l0, l1 = self.steps[0], self.steps[self.w - 1], self.steps[-self.w], self.steps[-1]
-        return f"mean {self.early.mean():{fmt}} over steps {e0}-{e1} -> {self.late.mean():{fmt}} over steps {l0}-{l1}"
+        self.z = float(self.late.mean() - self.early.mean()) / max(pooled, 1e-12 * max(1.0, abs(early)))
 
     def evidence(self, metric: str, extra: str = "") -> Evidence:
-        return Evidence(metric, int(self.steps[0]), int(self.steps[-1]), self.describe() + extra)
+        e0, e1, l0, l1 = self.steps[0], self.steps[self.w - 1], self.steps[-self.w], self.steps[-1]
+        means = f"mean {self.early.mean():.4g} over steps {e0}-{e1} -> {self.late.mean():.4g} over steps {l0}-{l1}"
+        return Evidence(metric, int(self.steps[0]), int(self.steps[-1]), means + extra)
 
 
-def _trend(history: History, name: str, config: DoctorConfig) -> _Trend | None:
+def _trend(history: History, name: str | None, config: DoctorConfig) -> _Trend | None:
+    if not name:
+        return None
     steps, values = _finite(history, name)
     if len(values) < config.min_points:
         return None
@@ -224,50 +188,25 @@ def _first(history: History, *names: str) -> str | None:
 
 
 def _counter_rising(history: History, name: str, config: DoctorConfig) -> _Trend | None:
-    """A per-step count (non-finite values, filtered rollouts) that became frequent and larger late in the run.
-
-    Rising: at least ``counter_nonzero_frac`` of the late window's rows are non-zero, and the late mean is
-    ``counter_rise_ratio`` x the early window's mean. A count that shows up now and then (a reward function that
-    returns NaN once in a while) stays silent.
-    """
+    """A per-step count that is non-zero in most late rows and ``counter_rise_ratio`` x its early mean."""
     trend = _trend(history, name, config)
     if trend is None or np.count_nonzero(trend.late) < config.counter_nonzero_frac * trend.w:
         return None
-    if trend.ratio < config.counter_rise_ratio:
-        return None
-    return trend
+    return trend if trend.ratio >= config.counter_rise_ratio else None
 
 
-@dataclass
-class _Check:
-    severity: str
-    summary: str
-    evidence: list[Evidence]
-    changes: list[str]
+def _span(steps: Any, default: int) -> tuple[int, int]:
+    return (int(steps[0]), int(steps[-1])) if len(steps) else (0, default)
 
 
-# ----------------------------------------------------------------------------------------------- hard crash
-
-CHANGE_SPIKE = (
-    "guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip an optimizer step whose gradient norm is "
-    "non-finite or above spike_factor x its EMA (docs/DESIGN.md: GEPO: spike skip); lower "
-    "guards.gepo.spike.spike_factor (5.0) to "
-    "catch smaller jumps"
-)
-CHANGE_LR = "trainer.learning_rate: lower it 2-3x (NaN loss -> lower the learning rate, clip gradients)"
-CHANGE_CLIP = "trainer.max_grad_norm: 1.0 (clip what the spike guard lets through)"
-CHANGE_LOGPROB = (
-    "guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (docs/DESIGN.md: GEPO: log-prob floor and "
-    "finite checks); also check that the "
-    "attention mask covers the padding"
-)
+# ----------------------------------------------------------------------------------------------- conditions
 
 
-def _nonfinite_checks(history: History, config: DoctorConfig) -> list[_Check]:
-    checks = []
+def _nonfinite(history: History) -> tuple[list[tuple[Evidence, int]], list[Evidence]]:
+    """Non-finite loss/grad norm: (died: the run ended on an unskipped one, with its last step; survived)."""
     skipped = set(history.skipped_steps.tolist())
-    died, survived, last_step = [], [], 0
-    for name in (LOSS, GRAD_NORM):
+    died, survived = [], []
+    for name in (M.LOSS, M.GRAD_NORM):
         steps, values = history.series(name)
         bad = steps[~np.isfinite(values)]
         if not len(bad):
@@ -278,331 +217,313 @@ def _nonfinite_checks(history: History, config: DoctorConfig) -> list[_Check]:
         detail += f"; last value {values[-1]:.4g}" + (", every one a skipped step" if covered else "")
         evidence = Evidence(name, int(bad[0]), int(bad[-1]), detail)
         if not history.finished and not np.isfinite(values[-1]) and int(steps[-1]) not in skipped:
-            died.append(evidence)
-            last_step = max(last_step, int(steps[-1]))
+            died.append((evidence, int(steps[-1])))
         else:
             survived.append(evidence)
-    if died:
-        names = ", ".join(e.metric for e in died)
-        first_bad = min(e.first_step for e in died)
-        changes = [
-            CHANGE_SPIKE,
-            CHANGE_LR,
-            CHANGE_CLIP,
-            CHANGE_LOGPROB,
-            f"resume from a checkpoint saved before step {first_bad} (trainer.resume_from_checkpoint)",
-        ]
-        summary = f"{names} non-finite at the end of a run with no final row: it died at step {last_step}"
-        checks.append(_Check("problem", summary, died, changes))
-    if survived:
-        names = ", ".join(e.metric for e in survived)
-        summary = f"{names} non-finite at some steps; training went on"
-        checks.append(_Check("warning", summary, survived, [CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB]))
-    rows = [r for r in history.rows if TRAIN_RUNTIME not in r]
-    if rows and not history.finished and not any(c.severity == "problem" for c in checks):
-        last = max(rows, key=lambda r: r["step"])
-        if last["step"] in skipped:  # a skipped step's NaN never reached the weights
-            return checks
-        bad_keys = [k for k, v in last.items() if k != "step" and (f := to_float(v)) is not None and not np.isfinite(f)]
-        if bad_keys:
-            detail = ", ".join(f"{k}={last[k]}" for k in bad_keys[:6])
-            checks.append(
-                _Check(
-                    "problem",
-                    f"the last logged row (step {last['step']}) is non-finite and the run has no final row",
-                    [Evidence(bad_keys[0], last["step"], last["step"], detail)],
-                    [CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB],
-                )
-            )
-    return checks
+    return died, survived
 
 
-def _spike_check(history: History, config: DoctorConfig) -> _Check | None:
-    steps, values = _finite(history, GRAD_NORM)
+def _died(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    if died := _nonfinite(history)[0]:
+        evidence = [e for e, _ in died]
+        fields = {"names": ", ".join(e.metric for e in evidence), "first_bad": min(e.first_step for e in evidence)}
+        yield Hit(evidence, {**fields, "last": max(0, *(step for _, step in died))})
+
+
+def _survived(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    if survived := _nonfinite(history)[1]:
+        yield Hit(survived, {"names": ", ".join(e.metric for e in survived)})
+
+
+def _last_row_nonfinite(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    rows = [r for r in history.rows if M.TRAIN_RUNTIME not in r]
+    if not rows or history.finished or _nonfinite(history)[0]:
+        return
+    last = max(rows, key=lambda r: r["step"])
+    if last["step"] in set(history.skipped_steps.tolist()):  # a skipped step's NaN never reached the weights
+        return
+    bad_keys = [k for k, v in last.items() if k != "step" and (f := to_float(v)) is not None and not np.isfinite(f)]
+    if bad_keys:
+        detail = ", ".join(f"{k}={last[k]}" for k in bad_keys[:6])
+        yield Hit([Evidence(bad_keys[0], last["step"], last["step"], detail)], {"step": last["step"]})
+
+
+def _spike(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """grad norm >= ``spike_ratio`` x the median of up to ``spike_median_window`` values before it."""
+    steps, values = _finite(history, M.GRAD_NORM)
     jumps = []
     for i in range(config.spike_min_history, len(values)):
         median = float(np.median(values[max(0, i - config.spike_median_window) : i]))
         if median > 0 and values[i] >= config.spike_ratio * median and values[i] >= config.spike_min_value:
             jumps.append((int(steps[i]), float(values[i]), median))
-    if not jumps:
-        return None
-    skipped = set(history.skipped_steps.tolist())
-    shown = "; ".join(
-        f"step {s}: {v:.4g} = {v / m:.0f}x the running median {m:.3g}" + (" (skipped)" if s in skipped else "")
-        for s, v, m in jumps[:3]
-    )
-    evidence = Evidence(
-        GRAD_NORM, jumps[0][0], jumps[-1][0], f"{len(jumps)} jump(s) of >= {config.spike_ratio:g}x: {shown}"
-    )
-    return _Check(
-        "warning", "grad norm jumped by orders of magnitude", [evidence], [CHANGE_SPIKE, CHANGE_CLIP, CHANGE_LR]
-    )
-
-
-def _precursor_checks(history: History, config: DoctorConfig) -> list[_Check]:
-    checks = []
-    skipped = history.skipped_steps
-    n_skipped = history.count(GEPO_SKIPPED_STEPS, EVENT_SKIP)
-    if n_skipped and history.last_step and n_skipped / history.last_step > config.skip_fraction:
-        first, last = (int(skipped[0]), int(skipped[-1])) if len(skipped) else (0, history.last_step)
-        detail = f"{n_skipped} of {history.last_step} optimizer steps skipped ({n_skipped / history.last_step:.0%})"
-        changes = [
-            CHANGE_LR,
-            "guards.grade.enabled: true: reward outliers drive gradient spikes (docs/DESIGN.md: GRADE: reward scaler)",
-        ]
-        checks.append(
-            _Check("warning", "GEPO skips many steps", [Evidence(GEPO_SKIPPED_STEPS, first, last, detail)], changes)
+    if jumps:
+        skipped = set(history.skipped_steps.tolist())
+        shown = "; ".join(
+            f"step {s}: {v:.4g} = {v / m:.0f}x the running median {m:.3g}" + (" (skipped)" if s in skipped else "")
+            for s, v, m in jumps[:3]
         )
-    for name in NONFINITE_COUNTERS:
+        detail = f"{len(jumps)} jump(s) of >= {config.spike_ratio:g}x: {shown}"
+        yield Hit([Evidence(M.GRAD_NORM, jumps[0][0], jumps[-1][0], detail)])
+
+
+def _many_skips(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    n, total = history.count(M.GEPO_SKIPPED_STEPS, M.EVENT_SKIP), history.last_step
+    if n and total and n / total > config.skip_fraction:
+        detail = f"{n} of {total} optimizer steps skipped ({n / total:.0%})"
+        yield Hit([Evidence(M.GEPO_SKIPPED_STEPS, *_span(history.skipped_steps, total), detail)])
+
+
+def _rising_count(name: str) -> Condition:
+    def condition(history: History, config: DoctorConfig) -> Iterator[Hit]:
         if (trend := _counter_rising(history, name, config)) is not None:
-            change = {
-                GEPO_NONFINITE_REWARDS: "fix the reward function that returns NaN/inf (rewards:); "
-                "guards.gepo.enabled: true treats such rewards as unscorable",
-            }.get(name, CHANGE_LOGPROB)
-            checks.append(_Check("warning", f"{name} rising", [trend.evidence(name)], [change, CHANGE_SPIKE]))
-    adv_steps, adv = _finite(history, GEPO_ADV_STD)
-    if len(adv) >= max(config.min_points, 8):
-        tail = slice(-min(len(adv), 4 * config.window), None)
-        chunks = np.array_split(adv[tail], 4)
-        means = np.array([c.mean() for c in chunks])
-        if np.all(np.diff(means) > 0) and means[0] > 0 and means[-1] >= config.adv_std_rise_ratio * means[0]:
-            tail_steps = adv_steps[tail]
-            detail = "chunk means " + " -> ".join(f"{m:.3g}" for m in means)
-            changes = [
-                "guards.grade.enabled: true: reward outliers hijack the group statistics (docs/DESIGN.md: GRADE: "
-                "reward scaler)",
-                "guards.gepo.advantage.enabled: true (median/MAD + tanh clip, clip_scale 3.0)",
-            ]
-            evidence = Evidence(GEPO_ADV_STD, int(tail_steps[0]), int(tail_steps[-1]), detail)
-            checks.append(_Check("warning", "advantage std rising steadily", [evidence], changes))
-    n_rollbacks = history.count(OPEFO_ROLLBACKS, EVENT_ROLLBACK)
-    if n_rollbacks:
-        steps = history.rollback_steps
-        causes = sorted({str(e.get("cause")) for e in history.events_of(EVENT_ROLLBACK) if e.get("cause")})
-        detail = f"{n_rollbacks} rollback(s)" + (f", causes: {', '.join(causes)}" if causes else "")
-        first, last = (int(steps[0]), int(steps[-1])) if len(steps) else (0, history.last_step)
-        severity = "problem" if n_rollbacks >= config.rollbacks_problem else "warning"
-        changes = [
-            CHANGE_LR + "; OPEFO already runs each recovery at 0.3x the rate, so repeated rollbacks mean the base "
-            "rate is too high",
-            CHANGE_SPIKE,
-        ]
-        checks.append(
-            _Check(
-                severity, "OPEFO rolled back to a snapshot", [Evidence(OPEFO_ROLLBACKS, first, last, detail)], changes
-            )
-        )
-    n_repairs = history.count(OPEFO_REPAIRS, EVENT_STATE_REPAIR)
-    if n_repairs:
-        events = history.events_of(EVENT_STATE_REPAIR)
-        steps = [int(e["step"]) for e in events if "step" in e]
+            yield Hit([trend.evidence(name)])
+
+    return condition
+
+
+def _adv_std_rising(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """Means of 4 chunks of the last 4 windows rise, the last ``adv_std_rise_ratio`` x the first."""
+    steps, adv = _finite(history, M.GEPO_ADV_STD)
+    if len(adv) < max(config.min_points, 8):
+        return
+    tail = slice(-min(len(adv), 4 * config.window), None)
+    means = np.array([c.mean() for c in np.array_split(adv[tail], 4)])
+    if np.all(np.diff(means) > 0) and means[0] > 0 and means[-1] >= config.adv_std_rise_ratio * means[0]:
+        detail = "chunk means " + " -> ".join(f"{m:.3g}" for m in means)
+        yield Hit([Evidence(M.GEPO_ADV_STD, *_span(steps[tail], 0), detail)])
+
+
+def _rollbacks(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    if n := history.count(M.OPEFO_ROLLBACKS, M.EVENT_ROLLBACK):
+        causes = sorted({str(e.get("cause")) for e in history.events_of(M.EVENT_ROLLBACK) if e.get("cause")})
+        detail = f"{n} rollback(s)" + (f", causes: {', '.join(causes)}" if causes else "")
+        evidence = Evidence(M.OPEFO_ROLLBACKS, *_span(history.rollback_steps, history.last_step), detail)
+        yield Hit([evidence], severity="problem" if n >= config.rollbacks_problem else "warning")
+
+
+def _repairs(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    if n := history.count(M.OPEFO_REPAIRS, M.EVENT_STATE_REPAIR):
+        events = history.events_of(M.EVENT_STATE_REPAIR)
         entries = sum(int(e.get("entries", 0)) for e in events)
-        detail = f"{n_repairs} repair(s) of {entries} non-finite Adam moment entries in place (weights finite)"
-        first, last = (steps[0], steps[-1]) if steps else (0, history.last_step)
-        changes = [
-            "usually a one-off (an overflow in one gradient entry): nothing to change. If it repeats, look for "
-            "inf/NaN in the rewards or log-probs, and " + CHANGE_LR,
-        ]
-        evidence = [Evidence(OPEFO_REPAIRS, first, last, detail)]
-        checks.append(_Check("warning", "OPEFO repaired non-finite optimizer state", evidence, changes))
-    return checks
+        detail = f"{n} repair(s) of {entries} non-finite Adam moment entries in place (weights finite)"
+        steps = [int(e["step"]) for e in events if "step" in e]
+        yield Hit([Evidence(M.OPEFO_REPAIRS, *_span(steps, history.last_step), detail)])
 
 
-# ----------------------------------------------------------------------------------------------- collapse
-
-CHANGE_FLOOR = (
-    "guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; docs/DESIGN.md: "
-    "QUATRO: entropy floor)"
-)
-CHANGE_FLOOR_ON = (
-    "guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap (0.01 by "
-    "default), cov_clip (0, off, by default; 1.0 is every sharpening token), pg_brake (1.0 by "
-    "default: the reward's policy gradient goes while the control is at 1; with brake_moments 0.01, the default, "
-    "Adam's moments follow it, so the bonus and the KL term pull entropy back at full speed; check both are set) "
-    "or the gain ki, or lower floor_ratio if the falling entropy is the task being learned (docs/DESIGN.md: "
-    "QUATRO: entropy floor)"
-)
-CHANGE_GATE = (
-    "guards.quatro.entropy.gate_reward: the learning gate held the floor off while the training reward rose; if that "
-    "reward can be bought by the collapse itself (a proxy, a reward model, a format reward), name a reward you trust "
-    "for the gate (a verifier, weight 0 allowed) and set follow_learning: true (docs/DESIGN.md: QUATRO: entropy floor)"
-)
-CHANGE_FOLLOWED = (
-    "nothing, if the held-out accuracy holds: the floor followed entropy down because the reward its learning gate "
-    "reads rose (follow_learning), so it accepted this fall as learning; set follow_learning: false to hold "
-    "floor_ratio x the early entropy instead (docs/DESIGN.md: QUATRO: entropy floor)"
-)
-CHANGE_KL = (
-    "guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early KL), "
-    "or trainer.beta: raise it 2-3x, to pull the policy back to the reference (docs/DESIGN.md: QUATRO: adaptive KL)"
-)
+def _only(severity: str, condition: Condition) -> Condition:
+    """``condition``'s hits of one severity (for rules whose message depends on it)."""
+    return lambda history, config: (hit for hit in condition(history, config) if hit.severity == severity)
 
 
-def _collapse_check(history: History, config: DoctorConfig) -> _Check | None:
-    name = _first(history, ENTROPY, QUATRO_ENTROPY)
-    entropy = _trend(history, name, config) if name else None
+def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """Entropy's late mean below ``entropy_drop_frac`` x its early mean: a problem with KL rising, repetition rising
+    or reward flat/falling, unless reward still rises (the policy sharpening; docs/DESIGN.md, "Why GRPO runs die")."""
+    name = _first(history, M.ENTROPY, M.QUATRO_ENTROPY)
+    entropy = _trend(history, name, config)
     if entropy is None or entropy.early.mean() <= 0 or entropy.ratio >= config.entropy_drop_frac:
-        return None
-    evidence = [entropy.evidence(name, f" ({entropy.ratio:.0%} of the early mean)")]
-    signs = []
-    kl_name = _first(history, KL, QUATRO_KL_MEAN)
-    kl = _trend(history, kl_name, config) if kl_name else None
-    if kl is not None and kl.ratio >= config.kl_rise_ratio:
+        return
+    evidence, signs = [entropy.evidence(name, f" ({entropy.ratio:.0%} of the early mean)")], []
+    kl_name = _first(history, M.KL, M.QUATRO_KL_MEAN)
+    if (kl := _trend(history, kl_name, config)) is not None and kl.ratio >= config.kl_rise_ratio:
         signs.append("KL rising")
         evidence.append(kl.evidence(kl_name))
-    for reason in history.matching(QUATRO_FILTERED_PREFIX):
+    for reason in history.matching(M.QUATRO_FILTERED_PREFIX):
         if any(w in reason for w in REPETITION_WORDS) and (rep := _counter_rising(history, reason, config)):
             signs.append("repetition filter counts rising")
             evidence.append(rep.evidence(reason))
-    reward = _trend(history, REWARD, config)
+    reward = _trend(history, M.REWARD, config)
     rising = reward is not None and reward.z >= config.rise_z
     if reward is not None and reward.z < config.flat_z:
         signs.append("reward flat" if reward.z > -config.flat_z else "reward falling")
-        evidence.append(reward.evidence(REWARD, f" (change {reward.z:+.1f} pooled std)"))
-    floor_steps, floor = _finite(history, QUATRO_FLOOR_ACTIVE)
-    floor_on = bool(np.count_nonzero(floor))
-    if floor_on:
-        active = floor_steps[floor > 0]
-        detail = f"floor active at {len(active)} logged step(s) and entropy still fell"
-        evidence.append(Evidence(QUATRO_FLOOR_ACTIVE, int(active[0]), int(active[-1]), detail))
-    changes = [CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR, CHANGE_KL, "trainer.learning_rate: lower it"]
-    held_steps, held = _finite(history, QUATRO_FLOOR_HELD_OFF)
-    if np.count_nonzero(held):
-        off = held_steps[held > 0]
-        detail = f"the learning gate held the floor off at {len(off)} logged step(s): the training reward rose"
-        evidence.append(Evidence(QUATRO_FLOOR_HELD_OFF, int(off[0]), int(off[-1]), detail))
-        changes.insert(1, CHANGE_GATE)
-    floor_steps, floors = _finite(history, QUATRO_ENTROPY_FLOOR)
+        evidence.append(reward.evidence(M.REWARD, f" (change {reward.z:+.1f} pooled std)"))
+    steps, floor = _finite(history, M.QUATRO_FLOOR_ACTIVE)
+    if floor_on := bool(np.count_nonzero(floor)):
+        detail = f"floor active at {np.count_nonzero(floor > 0)} logged step(s) and entropy still fell"
+        evidence.append(Evidence(M.QUATRO_FLOOR_ACTIVE, *_span(steps[floor > 0], 0), detail))
+    steps, held = _finite(history, M.QUATRO_FLOOR_HELD_OFF)
+    if gate := bool(np.count_nonzero(held)):
+        detail = f"the learning gate held the floor off at {np.count_nonzero(held > 0)} logged step(s): the training "
+        evidence.append(Evidence(M.QUATRO_FLOOR_HELD_OFF, *_span(steps[held > 0], 0), detail + "reward rose"))
+    followed = False
+    steps, floors = _finite(history, M.QUATRO_ENTROPY_FLOOR)
     if len(floors) >= 2 and floors[-1] < floors[0]:  # the floor is fixed once set; only follow_learning lowers it
-        lowered = floor_steps[1:][np.diff(floors) < 0]
-        detail = (
-            f"the floor followed entropy down {floors[0]:.4g} -> {floors[-1]:.4g} (follow_learning: the learning "
-            "gate's reward rose)"
-        )
-        evidence.append(Evidence(QUATRO_ENTROPY_FLOOR, int(lowered[0]), int(lowered[-1]), detail))
+        detail = f"the floor followed entropy down {floors[0]:.4g} -> {floors[-1]:.4g} (follow_learning: the learning "
+        lowered = steps[1:][np.diff(floors) < 0]
+        evidence.append(Evidence(M.QUATRO_ENTROPY_FLOOR, *_span(lowered, 0), detail + "gate's reward rose)"))
         # entropy at or above the floor it was allowed to fall to, and no sign of a collapse that makes it a problem
-        if entropy.late.mean() >= floors[-1] and (rising or not signs):
-            changes.insert(0, CHANGE_FOLLOWED)
-    changes.append("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)")
-    if signs and not rising:
-        summary = f"entropy fell to {entropy.ratio:.0%} of its early mean with {', '.join(signs)}"
-        return _Check("problem", summary, evidence, changes)
-    # Reward still rising: the policy is sharpening, not yet collapsed (collapse = reward stuck; docs/DESIGN.md,
-    # "Why GRPO runs die").
-    note = " while reward still rises" if rising else ""
-    note += f" ({', '.join(signs)})" if signs else ""
-    summary = f"entropy fell to {entropy.ratio:.0%} of its early mean{note}: precursor"
-    return _Check("warning", summary, evidence, changes)
+        followed = entropy.late.mean() >= floors[-1] and (rising or not signs)
+    fields = {
+        "ratio": entropy.ratio,
+        "signs": ", ".join(signs),
+        "note": (" while reward still rises" if rising else "") + (f" ({', '.join(signs)})" if signs else ""),
+        "followed": CHANGE_FOLLOWED if followed else "",
+        "floor": CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR,
+        "gate": CHANGE_GATE if gate else "",
+    }
+    yield Hit(evidence, fields, "problem" if signs and not rising else "warning")
 
 
-# ----------------------------------------------------------------------------------------------- hacking
-
-CHANGE_FILTER = (
-    "guards.quatro: tighten the rollout filters (reward z-score 3.5 -> 3.0, length and repetition filters; "
-    "docs/DESIGN.md: QUATRO: rollout filters)"
-)
-CHANGE_LOOK = (
-    "read the highest-reward rollouts for padding, format tricks, repeated phrases (docs/DESIGN.md: Periodic eval)"
-)
-
-
-def _hacking_checks(history: History, config: DoctorConfig) -> list[_Check]:
-    checks = []
-    e_steps, acc = _finite(history, EVAL_ACCURACY)
-    r_steps, reward = _finite(history, REWARD)
-    if len(acc) >= config.min_eval_points:
-        best = int(np.argmax(acc))
-        best_step, last_step = int(e_steps[best]), int(e_steps[-1])
-        before = r_steps <= best_step
-        after = (r_steps > best_step) & (r_steps <= last_step)
-        w = min(config.window, int(before.sum()), int(after.sum()))
-        sustained = len(acc) - 1 - best >= config.eval_after_points and acc[best] - acc[-1] >= config.eval_drop
-        if sustained and w >= 2:
-            idx = np.concatenate([np.flatnonzero(before)[-w:], np.flatnonzero(after)[-w:]])
-            trend = _Trend(r_steps[idx], reward[idx], w)
-            if trend.z >= config.rise_z:
-                detail = f"best {acc[best]:.4g} at step {best_step} -> {acc[-1]:.4g} at step {last_step}"
-                evidence = [
-                    Evidence(EVAL_ACCURACY, best_step, last_step, detail),
-                    trend.evidence(REWARD, f" (+{trend.z:.1f} pooled std)"),
-                ]
-                changes = [
-                    f"keep the checkpoint nearest step {best_step} (best eval accuracy), not the last one",
-                    CHANGE_KL.replace("to pull the policy back", "to anchor the policy"),
-                    CHANGE_FILTER,
-                    CHANGE_LOOK,
-                ]
-                checks.append(_Check("problem", "training reward rises while eval accuracy falls", evidence, changes))
-    reward_trend = _trend(history, REWARD, config)
-    if reward_trend is None or reward_trend.z < config.rise_z:
-        return checks
-    length = _trend(history, COMPLETIONS_MEAN_LENGTH, config)
-    if length is not None and not 1 / config.length_ratio < length.ratio < config.length_ratio:
-        way = "grew" if length.ratio > 1 else "shrank"
-        evidence = [
-            length.evidence(COMPLETIONS_MEAN_LENGTH, f" ({length.ratio:.2g}x)"),
-            reward_trend.evidence(REWARD),
-        ]
-        changes = [
-            "add a length penalty to rewards: (a reward function), or tighten the guards.quatro length filter",
-            CHANGE_LOOK,
-        ]
-        checks.append(
-            _Check("warning", f"completion length {way} {length.ratio:.2g}x while reward rises", evidence, changes)
-        )
-    clipped = _trend(history, COMPLETIONS_CLIPPED_RATIO, config)
-    if clipped is not None and clipped.late.mean() - clipped.early.mean() >= config.clipped_rise:
-        evidence = [clipped.evidence(COMPLETIONS_CLIPPED_RATIO), reward_trend.evidence(REWARD)]
-        changes = [
-            "the reward favours long answers: add a length penalty to rewards: or tighten the guards.quatro length "
-            "filter; a larger trainer.max_completion_length only hides it",
-            CHANGE_LOOK,
-        ]
-        checks.append(
-            _Check("warning", "more completions hit max_completion_length while reward rises", evidence, changes)
-        )
-    return checks
+def _eval_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """Eval accuracy ``eval_drop`` below its best over ``eval_after_points`` evals, while reward rose after the best."""
+    e_steps, acc = _finite(history, M.EVAL_ACCURACY)
+    r_steps, reward = _finite(history, M.REWARD)
+    if len(acc) < config.min_eval_points:
+        return
+    best = int(np.argmax(acc))
+    best_step, last_step = int(e_steps[best]), int(e_steps[-1])
+    before, after = r_steps <= best_step, (r_steps > best_step) & (r_steps <= last_step)
+    w = min(config.window, int(before.sum()), int(after.sum()))
+    sustained = len(acc) - 1 - best >= config.eval_after_points and acc[best] - acc[-1] >= config.eval_drop
+    if not (sustained and w >= 2):
+        return
+    idx = np.concatenate([np.flatnonzero(before)[-w:], np.flatnonzero(after)[-w:]])
+    if (trend := _Trend(r_steps[idx], reward[idx], w)).z >= config.rise_z:
+        detail = f"best {acc[best]:.4g} at step {best_step} -> {acc[-1]:.4g} at step {last_step}"
+        evidence = [Evidence(M.EVAL_ACCURACY, best_step, last_step, detail)]
+        yield Hit([*evidence, trend.evidence(M.REWARD, f" (+{trend.z:.1f} pooled std)")], {"best_step": best_step})
 
 
-# ----------------------------------------------------------------------------------------------- off-policy rollouts
+def _while_reward_rises(drifted: Callable[[_Trend, DoctorConfig], bool], name: str) -> Condition:
+    """``name``'s trend ``drifted`` while the training reward rose."""
+
+    def condition(history: History, config: DoctorConfig) -> Iterator[Hit]:
+        reward = _trend(history, M.REWARD, config)
+        if reward is None or reward.z < config.rise_z or (trend := _trend(history, name, config)) is None:
+            return
+        if drifted(trend, config):
+            fields = {"way": "grew" if trend.ratio > 1 else "shrank", "ratio": trend.ratio}
+            extra = f" ({trend.ratio:.2g}x)" if name == M.COMPLETIONS_MEAN_LENGTH else ""
+            yield Hit([trend.evidence(name, extra), reward.evidence(M.REWARD)], fields)
+
+    return condition
 
 
-def _off_policy_check(history: History, config: DoctorConfig) -> _Check | None:
-    """The vLLM-policy log-prob gap rules (``steadyrl.evidence.early_warnings.logp_gap_verdict``) over the whole run."""
+def _logp_gap(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """The vLLM-policy log-prob gap rules (``early_warnings.logp_gap_verdict``) over the whole run."""
     steps, values = _finite(history, LOGP_GAP)
-    w = max(3, min(config.window, len(values) // 3))
-    c = config
+    c, w = config, max(3, min(config.window, len(values) // 3))
     points = list(zip(steps.tolist(), values.tolist(), strict=True))
     verdict = logp_gap_verdict(points, w, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, c.logp_gap_allowance)
     if verdict is None:
-        return None
+        return
     where = f"median {verdict.median:.4g} nats per token over steps {verdict.late[0]}-{verdict.late[1]}"
     if verdict.severity == "problem":
-        summary = "vLLM's log-probs of its own samples disagree with the policy's"
         first_bad = int(steps[np.argmax(values > verdict.limit)])
         detail = f"{where} (> {verdict.limit:.4g}); first above it at step {first_bad}, first value {values[0]:.4g}"
     else:
         assert verdict.early is not None
-        summary = "vLLM's log-probs drift away from the policy's"
         detail = f"{where}, {verdict.growth()} over steps {verdict.early[0]}-{verdict.early[1]}"
-    changes = [
-        "check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 (steadyrl.trainers.vllm_support "
-        "warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
-        "meanwhile trainer.use_vllm: false generates on-policy",
-    ]
-    evidence = [Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)]
-    return _Check(verdict.severity, summary, evidence, changes)
+    yield Hit([Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)], severity=verdict.severity)
+
+
+def _saturated(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    for c in saturation_checks(history):
+        yield Hit([Evidence(c.metric, c.first_step, c.last_step, c.detail)], {"summary": c.summary, "fix": c.change})
+
+
+# ----------------------------------------------------------------------------------------------- the rules
+
+# fmt: off
+CHANGE_SPIKE = ("guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip an optimizer step whose "
+    "gradient norm is non-finite or above spike_factor x its EMA (docs/DESIGN.md: GEPO: spike skip); lower "
+    "guards.gepo.spike.spike_factor (5.0) to catch smaller jumps")
+CHANGE_LR = "trainer.learning_rate: lower it 2-3x (NaN loss -> lower the learning rate, clip gradients)"
+CHANGE_CLIP = "trainer.max_grad_norm: 1.0 (clip what the spike guard lets through)"
+CHANGE_LOGPROB = ("guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (docs/DESIGN.md: GEPO: "
+    "log-prob floor and finite checks); also check that the attention mask covers the padding")
+CHANGE_NAN_REWARD = ("fix the reward function that returns NaN/inf (rewards:); guards.gepo.enabled: true treats such "
+    "rewards as unscorable")
+CHANGE_ROLLBACK = CHANGE_LR + ("; OPEFO already runs each recovery at 0.3x the rate, so repeated rollbacks mean the "
+    "base rate is too high")
+CHANGE_REPAIR = ("usually a one-off (an overflow in one gradient entry): nothing to change. If it repeats, look for "
+    "inf/NaN in the rewards or log-probs, and ") + CHANGE_LR
+CHANGE_FLOOR = ("guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; "
+    "docs/DESIGN.md: QUATRO: entropy floor)")
+CHANGE_FLOOR_ON = ("guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap "
+    "(0.01 by default), pg_brake (1.0 by default: the "
+    "reward's policy gradient goes while the control is at 1; with brake_moments 0.01, the default, Adam's moments "
+    "follow it, so the bonus and the KL term pull entropy back at full speed; check both are set) or the gain ki, or "
+    "lower floor_ratio if the falling entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)")
+CHANGE_GATE = ("guards.quatro.entropy.gate_reward: the learning gate held the floor off while the training reward "
+    "rose; if that reward can be bought by the collapse itself (a proxy, a reward model, a format reward), name a "
+    "reward you trust for the gate (a verifier, weight 0 allowed) and set follow_learning: true (docs/DESIGN.md: "
+    "QUATRO: entropy floor)")
+CHANGE_FOLLOWED = ("nothing, if the held-out accuracy holds: the floor followed entropy down because the reward its "
+    "learning gate reads rose (follow_learning), so it accepted this fall as learning; set follow_learning: false to "
+    "hold floor_ratio x the early entropy instead (docs/DESIGN.md: QUATRO: entropy floor)")
+CHANGE_KL = ("guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early "
+    "KL), or trainer.beta: raise it 2-3x, to pull the policy back to the reference (docs/DESIGN.md: QUATRO: adaptive "
+    "KL)")
+CHANGE_FILTER = ("guards.quatro: tighten the rollout filters (reward z-score 3.5 -> 3.0, length and repetition "
+    "filters; docs/DESIGN.md: QUATRO: rollout filters)")
+CHANGE_LOOK = ("read the highest-reward rollouts for padding, format tricks, repeated phrases (docs/DESIGN.md: "
+    "Periodic eval)")
+CHANGE_TRUNCATION = ("the reward favours long answers: add a length penalty to rewards: or tighten the guards.quatro "
+    "length filter; a larger trainer.max_completion_length only hides it")
+CHANGE_SYNC = ("check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 "
+    "(steadyrl.trainers.vllm_support warns about others); on vLLM's CPU backend steadyrl must have logged 'weight "
+    "prepacking is off'",
+    "meanwhile trainer.use_vllm: false generates on-policy")
+CRASH = (CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB)
+COLLAPSE_READS = (M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.QUATRO_FILTERED_PREFIX, M.REWARD)
+COLLAPSE_READS += (M.QUATRO_FLOOR_ACTIVE, M.QUATRO_FLOOR_HELD_OFF, M.QUATRO_ENTROPY_FLOOR)
+COLLAPSE = ("{followed}", "{floor}", "{gate}", CHANGE_KL, "trainer.learning_rate: lower it")
+COLLAPSE += ("trainer.temperature: 0.8 or more, trainer.top_p 0.9-0.95 (repeated text)",)
+LENGTH = (M.COMPLETIONS_MEAN_LENGTH, M.REWARD)
+CLIPPED = (M.COMPLETIONS_CLIPPED_RATIO, M.REWARD)
+
+# Within a mode the hits keep this order, problems first; the finding's fixes are theirs in order, without repeats.
+RULES: tuple[Rule, ...] = (
+    Rule("hard_crash", "problem", (M.LOSS, M.GRAD_NORM), _died,
+         "{names} non-finite at the end of a run with no final row: it died at step {last}",
+         (CHANGE_SPIKE, CHANGE_LR, CHANGE_CLIP, CHANGE_LOGPROB,
+          "resume from a checkpoint saved before step {first_bad} (trainer.resume_from_checkpoint)")),
+    Rule("hard_crash", "warning", (M.LOSS, M.GRAD_NORM), _survived,
+         "{names} non-finite at some steps; training went on", CRASH),
+    Rule("hard_crash", "problem", ("*",), _last_row_nonfinite,
+         "the last logged row (step {step}) is non-finite and the run has no final row", CRASH),
+    Rule("hard_crash", "warning", (M.GRAD_NORM,), _spike,
+         "grad norm jumped by orders of magnitude", (CHANGE_SPIKE, CHANGE_CLIP, CHANGE_LR)),
+    Rule("hard_crash", "warning", (M.GEPO_SKIPPED_STEPS, M.EVENT_SKIP), _many_skips,
+         "GEPO skips many steps",
+         (CHANGE_LR, "guards.grade.enabled: true: reward outliers drive gradient spikes (docs/DESIGN.md: GRADE: "
+          "reward scaler)")),
+    *(Rule("hard_crash", "warning", (name,), _rising_count(name), name + " rising", (fix, CHANGE_SPIKE))
+      for name, fix in zip(NONFINITE_COUNTERS, (CHANGE_NAN_REWARD, *[CHANGE_LOGPROB] * 3), strict=True)),
+    Rule("hard_crash", "warning", (M.GEPO_ADV_STD,), _adv_std_rising,
+         "advantage std rising steadily",
+         ("guards.grade.enabled: true: reward outliers hijack the group statistics (docs/DESIGN.md: GRADE: reward "
+          "scaler)", "guards.gepo.advantage.enabled: true (median/MAD + tanh clip, clip_scale 3.0)")),
+    Rule("hard_crash", "warning", (M.OPEFO_ROLLBACKS, M.EVENT_ROLLBACK), _rollbacks,  # problem: rollbacks_problem+
+         "OPEFO rolled back to a snapshot", (CHANGE_ROLLBACK, CHANGE_SPIKE)),
+    Rule("hard_crash", "warning", (M.OPEFO_REPAIRS, M.EVENT_STATE_REPAIR), _repairs,
+         "OPEFO repaired non-finite optimizer state", (CHANGE_REPAIR,)),
+    Rule("entropy_collapse", "problem", COLLAPSE_READS, _only("problem", _entropy_fall),
+         "entropy fell to {ratio:.0%} of its early mean with {signs}", COLLAPSE),
+    Rule("entropy_collapse", "warning", COLLAPSE_READS, _only("warning", _entropy_fall),
+         "entropy fell to {ratio:.0%} of its early mean{note}: precursor", COLLAPSE),
+    Rule("reward_hacking", "problem", (M.EVAL_ACCURACY, M.REWARD), _eval_falls,
+         "training reward rises while eval accuracy falls",
+         ("keep the checkpoint nearest step {best_step} (best eval accuracy), not the last one",
+          CHANGE_KL.replace("to pull the policy back", "to anchor the policy"), CHANGE_FILTER, CHANGE_LOOK)),
+    Rule("reward_hacking", "warning", LENGTH,
+         _while_reward_rises(lambda t, c: not 1 / c.length_ratio < t.ratio < c.length_ratio, LENGTH[0]),
+         "completion length {way} {ratio:.2g}x while reward rises",
+         ("add a length penalty to rewards: (a reward function), or tighten the guards.quatro length filter",
+          CHANGE_LOOK)),
+    Rule("reward_hacking", "warning", CLIPPED,
+         _while_reward_rises(lambda t, c: t.late.mean() - t.early.mean() >= c.clipped_rise, CLIPPED[0]),
+         "more completions hit max_completion_length while reward rises", (CHANGE_TRUNCATION, CHANGE_LOOK)),
+    Rule("off_policy_rollouts", "problem", (LOGP_GAP,), _only("problem", _logp_gap),
+         "vLLM's log-probs of its own samples disagree with the policy's", CHANGE_SYNC),
+    Rule("off_policy_rollouts", "warning", (LOGP_GAP,), _only("warning", _logp_gap),
+         "vLLM's log-probs drift away from the policy's", CHANGE_SYNC),
+    Rule("saturated_controller", "warning", ("steadyrl.evidence.saturation",), _saturated, "{summary}", ("{fix}",)),
+)
+# fmt: on
 
 
 # ----------------------------------------------------------------------------------------------- public
-
-
-def _saturation_checks(history: History) -> list[_Check]:
-    """steadyrl.evidence.saturation's findings (a controller at a bound), as warnings."""
-    return [
-        _Check("warning", c.summary, [Evidence(c.metric, c.first_step, c.last_step, c.detail)], [c.change])
-        for c in saturation_checks(history)
-    ]
 
 
 def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
@@ -623,38 +544,20 @@ def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
 def diagnose(history: History, config: DoctorConfig | None = None) -> list[Finding]:
     """One Finding per failure mode found (in MODES order); an empty list means healthy."""
     config = config or DoctorConfig()
-    by_mode: dict[str, list[_Check]] = {
-        "hard_crash": [
-            *_nonfinite_checks(history, config),
-            *filter(None, [_spike_check(history, config)]),
-            *_precursor_checks(history, config),
-        ],
-        "entropy_collapse": list(filter(None, [_collapse_check(history, config)])),
-        "reward_hacking": _hacking_checks(history, config),
-        "off_policy_rollouts": list(filter(None, [_off_policy_check(history, config)])),
-        "saturated_controller": _saturation_checks(history),
-    }
     findings = []
     for mode in MODES:
-        checks = sorted(by_mode[mode], key=lambda c: c.severity != "problem")
-        if not checks:
-            continue
-        changes = list(dict.fromkeys(change for c in checks for change in c.changes))
-        findings.append(
-            Finding(
-                mode=mode,
-                severity=checks[0].severity,
-                summary="; ".join(c.summary for c in checks),
-                evidence=[e for c in checks for e in c.evidence],
-                changes=changes,
-            )
-        )
+        found = [rule.finding(hit) for rule in RULES if rule.mode == mode for hit in rule.condition(history, config)]
+        found.sort(key=lambda f: f.severity != "problem")
+        if found:
+            changes = list(dict.fromkeys(c for f in found for c in f.changes))
+            evidence = [e for f in found for e in f.evidence]
+            findings.append(Finding(mode, found[0].severity, "; ".join(f.summary for f in found), evidence, changes))
     return findings
 
 
 def checked_metrics(history: History) -> list[str]:
     """The metrics the doctor reads that this history has."""
-    return [m for m in CHECKED if history.has(m)] + history.matching(QUATRO_FILTERED_PREFIX)
+    return [m for m in CHECKED if history.has(m)] + history.matching(M.QUATRO_FILTERED_PREFIX)
 
 
 def format_findings(findings: list[Finding], history: History) -> str:

@@ -2,12 +2,13 @@
 and the doctor").
 
 Three signals are checked over the last ``window`` logged values of a metric:
-- advantage std rising steadily: at least ``rising_fraction`` of consecutive pairs go up and the last value is
-  ``adv_std_rise_ratio`` times the first (the signal is being hijacked by outliers or shrinking group std);
-- entropy falling fast: the last value is below ``entropy_drop_ratio`` times the first (collapse under way);
-- vLLM rollouts off the policy: the median per-token log-prob gap between vLLM and the policy on the sampled tokens
-  exceeds ``logp_gap_max``, or ``logp_gap_rise_ratio`` x its median over the run's first window (a weight sync that
-  does not reach vLLM trains silently off-policy).
+- advantage std rising steadily (``GEPO_ADV_STD``): at least ``RISING_FRACTION`` of consecutive pairs go up and the
+  last value is ``adv_std_rise_ratio`` times the first (the signal is being hijacked by outliers or shrinking group
+  std);
+- entropy falling fast (``ENTROPY``): the last value is below ``entropy_drop_ratio`` times the first;
+- vLLM rollouts off the policy (``SAMPLING_LOGP_GAP``): the median per-token log-prob gap between vLLM and the policy
+  on the sampled tokens exceeds ``logp_gap_max``, or ``LOGP_GAP_RISE_RATIO`` x its median over the run's first
+  window while above ``LOGP_GAP_FLOOR`` (a weight sync that does not reach vLLM trains silently off-policy).
 
 Pure functions over plain dicts; the trainer-side callback only feeds them ``state.log_history``.
 """
@@ -23,32 +24,29 @@ from typing import Any
 
 from steadyrl.metrics import ENTROPY, GEPO_ADV_STD, SAMPLING_LOGP_GAP
 
+RISING_FRACTION = 0.8  # "rising steadily": at least this share of consecutive pairs go up
+# A stale weight sync at a small learning rate moves the vLLM gap less than logp_gap_max: the monitor also warns when
+# the window's median is LOGP_GAP_RISE_RATIO x the median of the run's first window and above LOGP_GAP_FLOOR (below
+# it the gap is float noise). The same values as steadyrl doctor's.
+LOGP_GAP_RISE_RATIO = 5.0
+LOGP_GAP_FLOOR = 0.005
+
 
 @dataclass
 class MonitorConfig:
     enabled: bool = True
     every: int = 50
     window: int = 20
-    adv_std_key: str = GEPO_ADV_STD
-    entropy_key: str = ENTROPY
     adv_std_rise_ratio: float = 1.5
-    rising_fraction: float = 0.8
     entropy_drop_ratio: float = 0.7
     # vLLM rollouts: the per-token |log-prob gap| between vLLM and the policy on the sampled tokens (TRL's metric).
     # It stays near 0 (float noise, bf16 kernels) while each step's weight sync reaches vLLM; a median above this
     # over the window means vLLM generates from other weights than the ones being trained.
-    # A stale sync at a small learning rate moves the gap less: it also warns when the window's median is
-    # logp_gap_rise_ratio x the median of the run's first window (and above logp_gap_floor, so noise does not).
-    logp_gap_key: str = SAMPLING_LOGP_GAP
     logp_gap_max: float = 0.1
-    logp_gap_rise_ratio: float = 5.0
-    logp_gap_floor: float = 0.005
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.window < 2:
             raise ValueError(f"every must be >= 1 and window >= 2, got every={self.every}, window={self.window}")
-        if not 0.0 < self.rising_fraction <= 1.0:
-            raise ValueError(f"rising_fraction must be in (0, 1], got {self.rising_fraction}")
 
 
 def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tuple[int, float]]:
@@ -90,20 +88,20 @@ def early_warnings(
     the vLLM gap check off.
     """
     warnings = []
-    adv = recent(history, config.adv_std_key, config.window)
+    adv = recent(history, GEPO_ADV_STD, config.window)
     if len(adv) == config.window:
         values = [v for _, v in adv]
         ups = sum(b > a for a, b in pairwise(values)) / (len(values) - 1)
-        if ups >= config.rising_fraction and values[0] > 0 and values[-1] >= config.adv_std_rise_ratio * values[0]:
+        if ups >= RISING_FRACTION and values[0] > 0 and values[-1] >= config.adv_std_rise_ratio * values[0]:
             warnings.append(
-                f"advantage std rising steadily: {config.adv_std_key} {values[0]:.4g} -> {values[-1]:.4g} over steps "
+                f"advantage std rising steadily: {GEPO_ADV_STD} {values[0]:.4g} -> {values[-1]:.4g} over steps "
                 f"{adv[0][0]}-{adv[-1][0]} ({ups:.0%} of steps up). Precursor of a hard crash: check for reward "
                 "outliers (guards.grade) and group std collapse (guards.gepo.advantage)"
             )
-    ent = recent(history, config.entropy_key, config.window)
+    ent = recent(history, ENTROPY, config.window)
     if len(ent) == config.window and ent[0][1] > 0 and ent[-1][1] < config.entropy_drop_ratio * ent[0][1]:
         warnings.append(
-            f"entropy falling fast: {config.entropy_key} {ent[0][1]:.4g} -> {ent[-1][1]:.4g} over steps "
+            f"entropy falling fast: {ENTROPY} {ent[0][1]:.4g} -> {ent[-1][1]:.4g} over steps "
             f"{ent[0][0]}-{ent[-1][0]}. Precursor of entropy collapse: raise the KL coefficient or lower the "
             "learning rate"
         )
@@ -163,15 +161,15 @@ def logp_gap_verdict(
 
 def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig, allowance: float) -> list[str]:
     """The vLLM-policy log-prob gap: too large now, or grown far above where the run started."""
-    if not any(config.logp_gap_key in row for row in history[-config.window :]):
+    if not any(SAMPLING_LOGP_GAP in row for row in history[-config.window :]):
         return []  # not logged lately (no vLLM): no late window to judge, and no need to scan the whole run
-    points = recent(history, config.logp_gap_key, len(history))
+    points = recent(history, SAMPLING_LOGP_GAP, len(history))
     c = config
-    verdict = logp_gap_verdict(points, c.window, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, allowance)
+    verdict = logp_gap_verdict(points, c.window, c.logp_gap_max, LOGP_GAP_RISE_RATIO, LOGP_GAP_FLOOR, allowance)
     if verdict is None:
         return []
     first, last = verdict.late
-    where = f"median {c.logp_gap_key} {verdict.median:.4g} nats per token over steps {first}-{last}"
+    where = f"median {SAMPLING_LOGP_GAP} {verdict.median:.4g} nats per token over steps {first}-{last}"
     cause = (
         "vLLM is generating from other weights than the trained ones (a weight sync that does not reach it: check the "
         "vLLM version, see steadyrl.trainers.vllm_support); the updates are off-policy"

@@ -40,7 +40,6 @@ from steadyrl.metrics import (
     OPEFO_WOULD_ROLLBACK,
     QUATRO_BETA,
     QUATRO_CLIP_SCALE_WOULD,
-    QUATRO_COV_CLIPPED_WOULD,
     QUATRO_ENTROPY_BONUS_WOULD,
     QUATRO_FLOOR_ACTIVE_WOULD,
     QUATRO_KL_COEF_WOULD,
@@ -186,10 +185,6 @@ def _quatro(history: History, beta: float | None) -> LayerSummary:
         n_active = int(np.count_nonzero(active[np.isfinite(active)] > 0))
         clip = _last(history, QUATRO_CLIP_SCALE_WOULD)
         extra = f", clip scale down to {clip:g} while active" if clip is not None and n_active else ""
-        clipped = history.series(QUATRO_COV_CLIPPED_WOULD)[1]
-        clipped = clipped[np.isfinite(clipped)]
-        if len(clipped) and n_active:
-            extra += f", covariance clip on up to {100 * float(clipped.max()):.3g}% of the loss tokens"
         braked = history.series(QUATRO_PG_SCALE_WOULD)[1]
         braked = braked[np.isfinite(braked)]
         if len(braked) and n_active:

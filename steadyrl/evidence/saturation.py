@@ -2,11 +2,10 @@
 silently).
 
 Each check reads counters the guards log and names the key to change:
-- the adaptive KL coefficient wanted to go past ``beta_max`` (``quatro/kl_at_max``) or below a ``beta_min`` under
-  ``trainer.beta`` (``quatro/kl_at_min``) on a large share of the late window's steps;
-- the entropy floor's control sat at 1 (``quatro/entropy_control``: the bonus at ``coef_max`` and the covariance
-  clip at ``cov_clip``; for runs from before the control, the bonus at the largest value the run logged) while the
-  floor stayed active through the late window;
+- the adaptive KL coefficient wanted to go past the high end of ``beta_range`` (``quatro/kl_at_max``) or below its
+  low end (``quatro/kl_at_min``) on a large share of the late window's steps;
+- the entropy floor's control sat at 1 (``quatro/entropy_control``: the bonus at ``coef_max``; for runs from before
+  the control, the bonus at the largest value the run logged) while the floor stayed active through the late window;
 - the quality filters (every reason but ``zero_variance``, whose rows carry no learning signal anyway) dropped more
   than ``max_filter_share`` of the rows in the late window;
 - the spike guard skipped ``min_skip_streak`` or more steps in a row, or re-anchored its baseline
@@ -119,8 +118,7 @@ def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | N
         int(steps[0]),
         int(steps[-1]),
         f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps",
-        "guards.quatro.entropy.cov_clip / coef_max: raise them (at the cap the floor's levers do not hold entropy; "
-        "cov_clip is 0, off, by default), "
+        "guards.quatro.entropy.coef_max: raise it (at the cap the floor's levers do not hold entropy), "
         "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; pg_brake (1 "
         "by default) takes the reward's policy gradient away in proportion to the control, so while the control "
         "sits at 1 the run learns nothing from its reward; brake_moments (0.01 by default) scales Adam's moments "

@@ -1,18 +1,14 @@
-"""Group advantages as pure functions over tensors, plus a small registry of named variants.
+"""TRL's group advantage as a pure function over tensors.
 
 ``group_normalized_advantages`` reproduces TRL's GRPO advantage (``multi_objective_aggregation:
 sum_then_normalize``) so that a reward processor can be placed in front of it without changing anything
-else. GEPO's robust (median/MAD) advantage is registered beside it.
+else. GEPO's robust (median/MAD) advantage is ``steadyrl.guards.robust_advantage.robust_group_advantages``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from trl.trainer.utils import nanstd
-
-from steadyrl.guards.robust_advantage import robust_group_advantages
 
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 
@@ -36,15 +32,3 @@ def group_normalized_advantages(grouped_rewards: torch.Tensor, scale_rewards: st
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; valid: 'group', 'batch', 'none'")
     return torch.nan_to_num(advantages, nan=0.0)
-
-
-ADVANTAGE_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
-    "group_normalized": group_normalized_advantages,
-    "gepo": robust_group_advantages,
-}
-
-
-def get_advantage_function(name: str) -> Callable[..., torch.Tensor]:
-    if name not in ADVANTAGE_FUNCTIONS:
-        raise ValueError(f"unknown advantage function {name!r}; valid: {sorted(ADVANTAGE_FUNCTIONS)}")
-    return ADVANTAGE_FUNCTIONS[name]

@@ -14,10 +14,8 @@ The generic part of a layer's life, which the trainer handles the same way for e
 checkpoint's guard state, main process), ``RankStateful`` (per-rank state in the rank files: OPEFO's residual,
 QUATRO's replay buffer) and ``Stepping`` (``step()`` after every optimizer step, e.g. GRADE's quantile refresh).
 The calls whose order matters (OPEFO before QUATRO at a step's end, GRADE before GEPO in the advantage pipeline)
-stay explicit in the trainer.
-
-Every method receives values that are identical on all ranks (gathered rewards, all-reduced norms), so
-deterministic implementations decide the same everywhere.
+stay explicit in the trainer. Every method receives values that are identical on all ranks (gathered rewards,
+all-reduced norms), so deterministic implementations decide the same everywhere.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Adaptive KL coefficient (QUATRO, ``guards.quatro.kl``): keep the mean per-token KL to the reference near a
 target by scaling beta (docs/DESIGN.md, "QUATRO: adaptive KL").
 
-The target fits the run it controls. With ``target: auto`` (the default) beta stays at ``trainer.beta`` for the
-first ``calibration_steps`` (20) updates; the target is then ``target_ratio`` (10) x the mean KL of the second
-half of that window (at least ``target_min``). So by default the controller is a guard against runaway drift,
-not a regulator: it leaves a run alone while its KL stays within an order of magnitude of the level it reached
-under the user's beta, and pulls it back beyond that. Healthy runs grow their KL after the calibration window
-(measured: about 8x on the tiny model's 200 steps, 3-4x on SmolLM2-135M's 70 LoRA steps), so a tighter ratio
-(2x was tried) pins beta at its upper bound on a clean run. A number sets an absolute per-token target instead,
-for a user who wants a regulator (the design notes' 0.02 fits neither the tiny model, where KL is far above it,
-nor a real model at lr 3e-6, about 5e-4 per token, far below); ``steadyrl preflight`` measures the run's KL.
-
-Each update multiplies beta by KL / target, clamped to [``down``, ``up``] (0.8, 1.2): proportional near the target,
-bounded steps away from it. Beta stays in ``beta_range`` x ``trainer.beta`` ([1, 4] by default: the controller
-adds anchor when KL runs away and never loosens the user's below its value; allow ``[0.25, 4]`` for a two-sided
-controller) or in the absolute ``beta_min``/``beta_max`` when they are set. ``factor = beta / beta0`` is one
-multiplicative factor of the trainer's KL coefficient. Updates that wanted to move beta past a bound are counted
-(``quatro/kl_at_max``, ``quatro/kl_at_min``; ``quatro/kl_bound_run`` is the current streak) so a saturated
-controller is never silent; ``steadyrl doctor`` reports it with the key to change. Resting at ``trainer.beta``
-under the default ``beta_range`` low of 1 is the controller's idle state, not saturation, and is not counted.
-A NaN observation is ignored and counted; a window with no finite value leaves beta unchanged.
+With ``target: auto`` (the default) beta stays at ``trainer.beta`` for the first ``calibration_steps`` updates; the
+target is then ``target_ratio`` x the mean KL of the second half of that window (at least ``TARGET_MIN``). A number
+sets an absolute per-token target. Each update multiplies beta by KL / target clamped to [``down``, ``up``] and keeps
+it in ``beta_range`` x ``trainer.beta``. ``factor = beta / beta0`` is one multiplicative factor of the trainer's KL
+coefficient. Updates that wanted beta past a bound are counted (``quatro/kl_at_max``, ``quatro/kl_at_min``;
+``quatro/kl_bound_run`` is the current streak); resting at ``trainer.beta`` under a ``beta_range`` low of 1 is the
+idle state, not saturation. A NaN observation is ignored and counted; a window with no finite value leaves beta
+unchanged.
 """
 
 from __future__ import annotations
@@ -40,6 +29,7 @@ from steadyrl.metrics import (
 )
 
 AUTO = "auto"
+TARGET_MIN = 1e-4  # floor of a calibrated target (a run whose KL is still ~0)
 
 
 @dataclass
@@ -48,13 +38,10 @@ class KLConfig:
     target: float | str = AUTO  # mean per-token KL to the reference, or "auto": calibrated from this run
     calibration_steps: int = 20  # auto: updates at trainer.beta before the target is set
     target_ratio: float = 10.0  # auto: target = target_ratio x mean KL of the calibration window's second half
-    target_min: float = 1e-4  # auto: floor of the calibrated target (a run whose KL is still ~0)
     update_every: int = 1  # optimizer steps per controller update (PPO: generation batches)
     up: float = 1.2  # largest factor of one update (KL above target)
     down: float = 0.8  # smallest factor of one update (KL below target)
     beta_range: list[float] = field(default_factory=lambda: [1.0, 4.0])  # x trainer.beta
-    beta_min: float | None = None  # absolute bounds: replace beta_range when set
-    beta_max: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -67,8 +54,6 @@ class KLConfig:
             problems.append(f"calibration_steps must be >= 2, got {self.calibration_steps}")
         if not (math.isfinite(self.target_ratio) and self.target_ratio > 0):
             problems.append(f"target_ratio must be finite and > 0, got {self.target_ratio}")
-        if not (math.isfinite(self.target_min) and self.target_min > 0):
-            problems.append(f"target_min must be finite and > 0, got {self.target_min}")
         if self.update_every < 1:
             problems.append(f"update_every must be >= 1, got {self.update_every}")
         if not (math.isfinite(self.up) and self.up > 1):
@@ -79,13 +64,6 @@ class KLConfig:
             0 < self.beta_range[0] <= 1 <= self.beta_range[1] and math.isfinite(self.beta_range[1])
         ):
             problems.append(f"beta_range must be [low, high] with 0 < low <= 1 <= high < inf, got {self.beta_range}")
-        if (self.beta_min is None) != (self.beta_max is None):
-            problems.append("set both beta_min and beta_max (absolute bounds) or neither (beta_range applies)")
-        elif self.beta_min is not None and self.beta_max is not None:
-            if not (0 < self.beta_min <= self.beta_max and math.isfinite(self.beta_max)):
-                problems.append(
-                    f"need 0 < beta_min <= beta_max < inf, got beta_min={self.beta_min}, beta_max={self.beta_max}"
-                )
         if problems:
             raise ValueError("invalid KLConfig: " + "; ".join(problems))
 
@@ -95,13 +73,7 @@ class KLConfig:
 
     def bounds(self, beta0: float) -> tuple[float, float]:
         """(lowest, highest) beta for a run whose trainer.beta is ``beta0``."""
-        if self.beta_min is not None and self.beta_max is not None:
-            return float(self.beta_min), float(self.beta_max)
         return beta0 * self.beta_range[0], beta0 * self.beta_range[1]
-
-    def bounds_key(self) -> str:
-        """The config key that sets the bounds in force (for messages)."""
-        return "guards.quatro.kl.beta_min/beta_max" if self.beta_min is not None else "guards.quatro.kl.beta_range"
 
 
 class AdaptiveKL:
@@ -116,13 +88,7 @@ class AdaptiveKL:
                 "reference model, so there is no KL to control. Set trainer.beta > 0 (e.g. 0.04), or "
                 "guards.quatro.kl.enabled=false"
             )
-        self.beta_min, self.beta_max = c.bounds(float(beta0))
-        if not self.beta_min <= beta0 <= self.beta_max:
-            raise ValueError(
-                f"trainer.beta={beta0} is outside [guards.quatro.kl.beta_min={self.beta_min}, "
-                f"guards.quatro.kl.beta_max={self.beta_max}]; move trainer.beta into the range or widen it "
-                "(or drop beta_min/beta_max: guards.quatro.kl.beta_range is relative to trainer.beta)"
-            )
+        self.beta_min, self.beta_max = c.bounds(float(beta0))  # beta_range contains 1: trainer.beta is inside
         self.beta0 = float(beta0)
         self.beta = float(beta0)
         self.target: float = math.nan if c.auto else float(c.target)  # auto: set after calibration
@@ -158,7 +124,7 @@ class AdaptiveKL:
         if len(self._calibration) < c.calibration_steps:
             return
         tail = self._calibration[len(self._calibration) // 2 :]
-        self.target = max(c.target_ratio * sum(tail) / len(tail), c.target_min)
+        self.target = max(c.target_ratio * sum(tail) / len(tail), TARGET_MIN)
         self._calibration = []
 
     def observe(self, kl_mean: float) -> bool:

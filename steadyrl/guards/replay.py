@@ -20,6 +20,8 @@ from steadyrl.metrics import (
     QUATRO_REPLAY_FRAC,
 )
 
+MIN_ABS_ADVANTAGE = 1e-6  # rows with a smaller |advantage| carry no learning signal and are not stored
+
 
 def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
@@ -67,7 +69,6 @@ class ReplayConfig:
     enabled: bool = True
     capacity: int = 8  # micro-batches remembered, FIFO (docs/DESIGN.md "QUATRO: rollout replay")
     replay_ratio: float = 0.3  # share of each micro-batch replaced by replayed rows
-    min_abs_advantage: float = 1e-6  # rows with a smaller |advantage| carry no learning signal and are not stored
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,8 +76,6 @@ class ReplayConfig:
             problems.append(f"capacity must be >= 1, got {self.capacity}")
         if not 0 <= self.replay_ratio < 1:
             problems.append(f"replay_ratio must be in [0, 1), got {self.replay_ratio}")
-        if not (math.isfinite(self.min_abs_advantage) and self.min_abs_advantage >= 0):
-            problems.append(f"min_abs_advantage must be finite and >= 0, got {self.min_abs_advantage}")
         if problems:
             raise ValueError("invalid ReplayConfig: " + "; ".join(problems))
 
@@ -108,7 +107,7 @@ def _row_signal(batch: dict[str, Any], i: int) -> float:
 
     The mean, not the largest token: a row's share of the policy gradient grows with all its tokens' advantages, and
     one large token (e.g. the last, where the sequence reward lands) should not make an otherwise flat row look
-    like the strongest signal. A row without signal still has mean 0, so ``min_abs_advantage`` keeps its meaning.
+    like the strongest signal. A row without signal still has mean 0, so ``MIN_ABS_ADVANTAGE`` keeps its meaning.
     """
     adv = batch["advantages"][i]
     if adv.ndim == 0:
@@ -123,7 +122,7 @@ def _row_signal(batch: dict[str, Any], i: int) -> float:
 class ReplayBuffer:
     """Rollout replay: ``add(micro_batch, step)`` after scoring, ``mix(micro_batch, step)`` before training.
 
-    What is stored: the rows of a scored micro-batch with a learning signal, |advantage| > ``min_abs_advantage``
+    What is stored: the rows of a scored micro-batch with a learning signal, |advantage| > ``MIN_ABS_ADVANTAGE``
     and at least one unmasked completion token. Rows of zero-variance groups (advantage 0) and rows the filters
     dropped (mask 0, advantage 0) contribute no policy gradient, so replaying them would only displace fresh rows.
     Rows with a non-finite log-prob on an unmasked token (``LOGPROB_KEYS``: a policy that went NaN) are not stored
@@ -197,7 +196,7 @@ class ReplayBuffer:
         aligned = {k: self._token_aligned(batch, k) for k in keys}
         for i in range(batch["completion_ids"].shape[0]):
             tokens = torch.nonzero(completion_mask[i]).flatten()
-            if tokens.numel() == 0 or not _row_signal(batch, i) > self.config.min_abs_advantage:
+            if tokens.numel() == 0 or not _row_signal(batch, i) > MIN_ABS_ADVANTAGE:
                 continue
             end = int(tokens[-1]) + 1
             live = completion_mask[i, :end].bool()

@@ -1,45 +1,20 @@
 """GRADE reward scaler: rolling whitening, quantile tail clipping, per-prompt counterfactual centring
-(docs/DESIGN.md "GRADE: reward scaler").
+(docs/DESIGN.md, "GRADE: reward scaler").
 
-``GradeScaler`` is a ``RewardProcessor`` (and ``Stateful``): it maps the raw rewards of a whole generation batch,
-shape (N,), to scaled rewards before any advantage is computed. Three stages, in this order:
+``GradeScaler`` is a ``RewardProcessor`` (and ``Stateful``): raw rewards of a whole generation batch (N,) -> scaled
+rewards (N,), before any advantage; call ``step()`` once per optimizer step. In order:
 
-a) Rolling whitening. ``r <- (r - mean) / (std + eps)`` with mean and (unbiased) std of a window of the last
-   ``window_size`` raw finite rewards. The statistics use the window *before* the current batch is added, so a
-   batch never normalises itself (no leakage of a batch's own values, e.g. a burst of outliers, into its
-   normaliser). Until the window holds ``warmup`` values the whole scaler passes rewards through unchanged (no
-   clip, no centring) and only fills the raw windows, so the per-prompt baselines only ever hold whitened values
-   and never mix two scales. With ``whiten=False`` there is no warmup.
-b) Quantile tail clipping. A window of the last ``quantile_window`` raw finite rewards (the scale the whitening
-   window holds too) gives bounds ``low, high`` = its ``tau`` and ``1 - tau`` quantiles (linear interpolation), in
-   raw units; each batch maps them through its own whitening, so a whitened value is clipped exactly when its raw
-   value lies beyond a raw bound. Whitening is increasing and affine, so this equals clipping at the quantiles of
-   the window whitened with today's statistics, whatever the whitening did since. Bounds kept in whitened units
-   went stale as the whitening moved (a rising pass rate pushed every failing row of a pass/fail reward past the
-   low bound); in raw units a value that ties a bound, as a discrete reward's lowest and highest values do, is
-   never clipped. Clipping starts once the raw window holds ``clip_start`` values; the bounds
-   are computed the first time they are needed and then refreshed only after ``step()`` (one optimizer step)
-   has been called ``quantile_every`` times since the last refresh, so they are stable within and across
-   nearby batches. Beyond a bound: ``x <- bound + tail_slope * (x - bound)`` (a soft clip that keeps order);
-   ``tail_slope`` may anneal linearly to ``tail_slope_end`` over ``anneal_steps`` optimizer steps.
-c) Counterfactual centring. ``r <- r - centring_beta * baseline(prompt)`` with baseline = running mean of the
-   prompt's earlier scaled rewards (output of b, before centring), in an LRU of ``max_prompts`` prompts keyed by
-   ``json.dumps`` of the prompt (strings or lists of message dicts). A prompt seen for the first time is not
-   shifted; a batch's values update the baselines only after the whole batch has been centred.
+a) whitening, ``(r - mean) / (std + EPS)`` over the last ``window_size`` raw finite rewards *before* this batch;
+   until the window holds ``warmup`` values rewards pass through unchanged (``whiten=False``: no whitening, no warmup);
+b) quantile tail clip: bounds are the ``tau`` / ``1 - tau`` quantiles of the last ``quantile_window`` raw rewards
+   (raw units, refreshed every ``quantile_every`` steps, from ``clip_start`` rewards on), whitened with this batch's
+   statistics; beyond a bound ``x <- bound + tail_slope * (x - bound)``;
+c) centring, ``r <- r - centring_beta * baseline(prompt)``, the running mean of the prompt's earlier scaled rewards
+   in an LRU of ``MAX_PROMPTS`` prompts; a first-seen prompt is not shifted; ``centring_beta: 0`` turns it off.
 
-Algebra (what this does and does not change). A per-prompt shift ``r + c_p`` and a shared affine map
-``a * r + b`` (a > 0) both cancel under per-group mean/std normalisation: ``(a r + b + c_p - mean) / std`` of the
-group equals ``(r - mean_r) / std_r`` (up to the advantage epsilon). So under GRPO with ``scale_rewards="group"``
-whitening and centring change nothing; only the quantile clip (a non-affine map) changes advantages. Whitening
-matters for ``scale_rewards="none"``/``"batch"`` (sets the advantage scale) and centring for ``"batch"`` and for
-PPO-style value baselines.
-
-What this simplifies or leaves out: NaN/±inf rewards are unscorable: they never enter any window or baseline
-and come out NaN. Statistics are computed in float64 from Python floats and the output is cast back to the
-input dtype. Windows count rewards, not batches; the quantile refresh and the tail-slope anneal count calls to
-``step()`` (optimizer steps), not samples. Rows of one prompt share the baseline from before the batch even when
-the prompt appears in several groups of that batch. ``num_generations`` is only checked (it must divide N):
-every stage works row by row, keyed by each row's prompt.
+Under GRPO's per-group normalisation whitening and centring cancel (an affine map per group); only the clip changes
+advantages there. NaN/±inf rewards are unscorable: they enter no window or baseline and come out NaN. Statistics are
+float64; the output has the input's dtype.
 """
 
 from __future__ import annotations
@@ -62,24 +37,22 @@ from steadyrl.metrics import (
     GRADE_WINDOW,
 )
 
+EPS = 1e-6  # whitening: (r - mean) / (std + EPS)
+MAX_PROMPTS = 500  # prompts whose centring baseline is kept (least recently seen dropped first)
+
 
 @dataclass
 class GradeConfig:
     window_size: int = 2048
     warmup: int = 200
-    eps: float = 1e-6
     clip_start: int = 500
     tau: float = 0.03
     quantile_window: int = 2000
     quantile_every: int = 50
     tail_slope: float = 0.1
-    tail_slope_end: float | None = None
-    anneal_steps: int = 0
-    centring_beta: float = 0.7
-    max_prompts: int = 500
+    centring_beta: float = 0.7  # 0: no centring
     whiten: bool = True
     clip: bool = True
-    centre: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,24 +62,16 @@ class GradeConfig:
             problems.append(f"warmup must be in [2, window_size={self.window_size}], got {self.warmup}")
         if self.clip and not 0 <= self.clip_start <= self.window_size:
             problems.append(f"clip_start must be in [0, window_size={self.window_size}], got {self.clip_start}")
-        if not self.eps > 0:
-            problems.append(f"eps must be > 0, got {self.eps}")
         if not 0 < self.tau < 0.5:
             problems.append(f"tau must be in (0, 0.5), got {self.tau}")
         if self.quantile_window < 1:
             problems.append(f"quantile_window must be >= 1, got {self.quantile_window}")
         if self.quantile_every < 1:
             problems.append(f"quantile_every must be >= 1, got {self.quantile_every}")
-        for name in ("tail_slope", "tail_slope_end"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 1:
-                problems.append(f"{name} must be in [0, 1], got {value}")
-        if self.anneal_steps < 0:
-            problems.append(f"anneal_steps must be >= 0, got {self.anneal_steps}")
+        if not 0 <= self.tail_slope <= 1:
+            problems.append(f"tail_slope must be in [0, 1], got {self.tail_slope}")
         if not 0 <= self.centring_beta <= 1:
             problems.append(f"centring_beta must be in [0, 1], got {self.centring_beta}")
-        if self.max_prompts < 1:
-            problems.append(f"max_prompts must be >= 1, got {self.max_prompts}")
         if problems:
             raise ValueError("invalid GradeConfig: " + "; ".join(problems))
 
@@ -172,7 +137,7 @@ class GradeScaler:
         elif len(self._raw) >= cfg.warmup:
             window = torch.tensor(list(self._raw), dtype=torch.float64)
             stats = window.mean().item(), window.std().item()
-            x = whiten(raw, *stats, cfg.eps)
+            x = whiten(raw, *stats, EPS)
             active = True
 
         # b) quantile tail clipping: raw bounds from the quantile window before this batch, whitened as x was
@@ -182,14 +147,14 @@ class GradeScaler:
             if bounds is not None:
                 low, high = bounds
                 if stats is not None:
-                    low, high = whiten(torch.tensor(bounds, dtype=torch.float64), *stats, cfg.eps).tolist()
+                    low, high = whiten(torch.tensor(bounds, dtype=torch.float64), *stats, EPS).tolist()
                 clipped_low = int((x < low).sum().item())
                 clipped_high = int((x > high).sum().item())
-                x = soft_tail_clip(x, low, high, self.current_tail_slope())
+                x = soft_tail_clip(x, low, high, cfg.tail_slope)
 
         # c) counterfactual centring against earlier batches' baselines, then update them
         scaled = x
-        if cfg.centre and active:
+        if cfg.centring_beta > 0 and active:
             keys = [prompt_key(p) for p in prompts]
             shift = torch.zeros_like(x)
             for i, key in enumerate(keys):
@@ -207,17 +172,9 @@ class GradeScaler:
 
     # -- optimizer steps and internals ------------------------------------------------------------------------
     def step(self) -> None:
-        """Advance the optimizer-step counter (quantile refresh and tail-slope anneal)."""
+        """Advance the optimizer-step counter (quantile refresh)."""
         self._steps += 1
         self._steps_since_refresh += 1
-
-    def current_tail_slope(self) -> float:
-        """tail_slope, linearly annealed to tail_slope_end over anneal_steps optimizer steps when both are set."""
-        cfg = self.config
-        if cfg.tail_slope_end is None or cfg.anneal_steps <= 0:
-            return cfg.tail_slope
-        frac = min(self._steps / cfg.anneal_steps, 1.0)
-        return cfg.tail_slope + (cfg.tail_slope_end - cfg.tail_slope) * frac
 
     def _current_bounds(self) -> tuple[float, float] | None:
         if self._bounds is None or self._steps_since_refresh >= self.config.quantile_every:
@@ -242,7 +199,7 @@ class GradeScaler:
                 entry = self._baselines[key] = [0.0, 0]
             entry[0] += value
             entry[1] += 1
-        while len(self._baselines) > self.config.max_prompts:
+        while len(self._baselines) > MAX_PROMPTS:
             self._baselines.popitem(last=False)
 
     def _record_metrics(
@@ -307,7 +264,7 @@ class GradeScaler:
         self._steps = int(state["steps"])
         self._steps_since_refresh = int(state["steps_since_refresh"])
         self._baselines = OrderedDict((str(k), [float(t), int(c)]) for k, t, c in state["baselines"])
-        while len(self._baselines) > self.config.max_prompts:
+        while len(self._baselines) > MAX_PROMPTS:
             self._baselines.popitem(last=False)
         self._last = {str(k): float(v) for k, v in state["last_metrics"].items()}
         self._last_whitened = bool(state["last_whitened"])

@@ -3,37 +3,17 @@ robust advantages").
 
 For each prompt's group of G rewards::
 
-    centre = median(r)                      # true median: mean of the two middle values for even counts
+    centre = median(r)                      # the mean of the two middle values for an even count
     mad    = median(|r - centre|)
-    scale  = mad_scale * mad + eps          # mad_scale = 1.4826 makes 1.4826 * MAD estimate sigma for normal data
+    scale  = mad_scale * mad + eps          # 1.4826 * MAD estimates sigma for normal data
     adv    = clip_scale * tanh(((r - centre) / scale) / clip_scale)
 
-One reward far from the rest moves neither the median nor the MAD much (unlike the mean and std TRL uses), so
-it cannot shrink everyone else's advantages, and tanh bounds its own advantage by ``clip_scale``.
-
-What this simplifies or leaves out:
-
-- Medians are computed with ``torch.nanquantile(q=0.5, interpolation="linear")``, which ignores NaN and, for an
-  even count, returns the mean of the two middle values (``torch.median`` would return the lower one).
-- Unscorable rows (NaN, and also ±inf, which a reward function should never produce) are excluded from the
-  statistics and get advantage exactly 0. Groups with fewer than 2 scorable rows, and groups whose scorable
-  rewards are all equal, get exactly 0 (no signal).
-- Std fallback: with 0/1 rewards the MAD is 0 whenever more than half of the group agrees (e.g. [1, 1, 1, 0]),
-  so ``scale`` would be ``eps`` and the minority's advantage would saturate at ±clip_scale whatever the signal.
-  When MAD == 0 but the group is not constant the group's unbiased, NaN-ignoring std replaces ``mad_scale * mad``
-  (both estimate sigma). The centre stays the median by default (``mad_zero_centre: median``): the majority's
-  rows train with exactly 0 and the group's advantages sum to the minority's alone. ``mad_zero_centre: mean``
-  takes the mean with the std, the centre that goes with that scale: a pass/fail group then gets TRL's own
-  ``(r - mean) / std``, soft clipped; the median stays the default (docs/DESIGN.md, "GEPO: robust advantages").
-  The fallback is not outlier-robust: a huge
-  outlier in such a group inflates the std and mutes the minority, and with the mean centre it also pushes the
-  majority down together (the tanh still bounds the outlier); heavy-tailed rewards rarely give a MAD of 0,
-  discrete ones do.
-- Arithmetic is done in float64 and the result is cast back to the input dtype. ``tanh`` saturates to exactly
-  1.0 for large arguments (in float32 already near 9, in float64 near 19), so the result is clamped to the
-  largest value of the output dtype strictly below ``clip_scale``: ``|adv| < clip_scale`` always holds.
-- The gradient-norm spike skip and the monitoring of the GEPO layer live elsewhere; this module is only the
-  advantage formula.
+When MAD == 0 but the group is not constant, the group's unbiased std replaces ``mad_scale * mad`` (and with
+``mad_zero_centre: mean`` the mean replaces the median). Unscorable rows (NaN, ±inf) leave the statistics and get
+exactly 0, as do groups with fewer than 2 scorable rows or all-equal rewards. Arithmetic is float64, cast back to
+the input dtype; ``|adv| < clip_scale`` always holds (tanh's saturation at 1.0 is clamped to the largest value of
+the output dtype below ``clip_scale``). The spike skip and the monitor live elsewhere (``spike``,
+``steadyrl.evidence.early_warnings``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Rollout quality filters (QUATRO, ``guards.quatro.filters``): drop rollouts before advantages -- reward z-score,
-length, parrot (copies the prompt), repetition, near-duplicate, zero-variance group -- and compute advantages without
-them (docs/DESIGN.md, "QUATRO: rollout filters").
+length, parrot (copies the prompt), repetition, zero-variance group -- and compute advantages without them
+(docs/DESIGN.md, "QUATRO: rollout filters").
 
 Filters work on token ids (tokenizer-agnostic), so n-gram sizes are in tokens. The caller passes rewards and ids
 gathered over all ranks, so every rank keeps the same rows. The ids come as padded tensors (``TokenBatch``) and every
 filter is tensor code over the whole batch: each n-gram is one exact int64 code (``ngram_codes``), and sorts,
-``searchsorted`` and comparisons count repeats, prompt copies and shared n-grams (``repeat_shares``,
-``parrot_shares``, ``group_jaccard``). ``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version.
+``searchsorted`` and comparisons count repeats and prompt copies (``repeat_shares``, ``parrot_shares``).
+``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version.
 """
 
 from __future__ import annotations
@@ -28,14 +28,20 @@ from steadyrl.metrics import (
 
 # A dropped row is counted under the first of these that dropped it (the order the filters run in).
 DROPPED_ROWS = ("zero_advantage", "exclude")
-FILTER_REASONS = ("zscore", "length", "parrot", "repetition", "near_duplicate", "zero_variance")
+FILTER_REASONS = ("zscore", "length", "parrot", "repetition", "zero_variance")
+MIN_DISTINCT = 3  # the z-score filter is skipped when the finite rewards take fewer distinct values (pass/fail)
+# the length filter's rolling range: [LENGTH_PERCENTILES] of the last LENGTH_HISTORY completion lengths, once
+# LENGTH_MIN_HISTORY of them are remembered
+LENGTH_PERCENTILES = (1.0, 99.0)
+LENGTH_HISTORY = 2048
+LENGTH_MIN_HISTORY = 256
+PARROT_N = 4  # the parrot filter's n-gram size, in tokens
 
 
 @dataclass
 class ZScoreConfig:
     enabled: bool = True
     max_abs_z: float = 3.5  # |r - mean| / std over the whole generation batch
-    min_distinct: int = 3  # skip the filter when the finite rewards take fewer distinct values (pass/fail rewards)
 
 
 @dataclass
@@ -43,17 +49,12 @@ class LengthConfig:
     enabled: bool = True
     min_tokens: int = 0
     max_tokens: int | None = None
-    rolling: bool = True  # also drop lengths outside the rolling [percentile_low, percentile_high] of recent ones
-    percentile_low: float = 1.0
-    percentile_high: float = 99.0
-    history: int = 2048  # completion lengths remembered
-    min_history: int = 256  # the rolling range applies once the history holds this many
+    rolling: bool = True  # also drop lengths outside the rolling range of recent ones (LENGTH_PERCENTILES)
 
 
 @dataclass
 class ParrotConfig:
     enabled: bool = True
-    n: int = 4
     max_overlap: float = 0.8  # share of the completion's n-grams that occur in its prompt
 
 
@@ -62,13 +63,6 @@ class RepetitionConfig:
     enabled: bool = True
     n: int = 3
     max_repeat_share: float = 0.5  # share of the completion's n-grams that repeat an earlier one in it
-
-
-@dataclass
-class NearDuplicateConfig:
-    enabled: bool = False  # off by default: see RolloutFilter's docstring
-    n: int = 3
-    max_jaccard: float = 0.9  # n-gram-set Jaccard similarity to an earlier kept member of the group
 
 
 @dataclass
@@ -82,7 +76,6 @@ class FilterConfig:
     length: LengthConfig = field(default_factory=LengthConfig)
     parrot: ParrotConfig = field(default_factory=ParrotConfig)
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
-    near_duplicate: NearDuplicateConfig = field(default_factory=NearDuplicateConfig)
     zero_variance: ZeroVarianceConfig = field(default_factory=ZeroVarianceConfig)
     max_drop_share: float = 0.5  # dropping more than this share of a batch comes with a warning
     # what a dropped row becomes in the loss: "zero_advantage" (it stays in the loss with advantage 0, so the
@@ -95,27 +88,16 @@ class FilterConfig:
         problems = []
         if not (math.isfinite(self.zscore.max_abs_z) and self.zscore.max_abs_z > 0):
             problems.append(f"zscore.max_abs_z must be finite and > 0, got {self.zscore.max_abs_z}")
-        if self.zscore.min_distinct < 1:
-            problems.append(f"zscore.min_distinct must be >= 1, got {self.zscore.min_distinct}")
         ln = self.length
         if ln.min_tokens < 0:
             problems.append(f"length.min_tokens must be >= 0, got {ln.min_tokens}")
         if ln.max_tokens is not None and ln.max_tokens < ln.min_tokens:
             problems.append(f"length.max_tokens={ln.max_tokens} must be >= length.min_tokens={ln.min_tokens}")
-        if not 0 <= ln.percentile_low < ln.percentile_high <= 100:
-            problems.append(
-                f"need 0 <= length.percentile_low < length.percentile_high <= 100, got {ln.percentile_low}, "
-                f"{ln.percentile_high}"
-            )
-        if not 1 <= ln.min_history <= ln.history:
-            problems.append(f"length.min_history must be in [1, length.history={ln.history}], got {ln.min_history}")
-        for name in ("parrot", "repetition", "near_duplicate"):
-            if getattr(self, name).n < 1:
-                problems.append(f"{name}.n must be >= 1, got {getattr(self, name).n}")
+        if self.repetition.n < 1:
+            problems.append(f"repetition.n must be >= 1, got {self.repetition.n}")
         for name, value in (
             ("parrot.max_overlap", self.parrot.max_overlap),
             ("repetition.max_repeat_share", self.repetition.max_repeat_share),
-            ("near_duplicate.max_jaccard", self.near_duplicate.max_jaccard),
             ("max_drop_share", self.max_drop_share),
         ):
             if not 0 <= value <= 1:
@@ -149,17 +131,6 @@ def repeat_share(completion: Sequence[int], n: int) -> float:
     """1 - distinct / total n-grams of the completion: the share of n-grams that repeat an earlier one."""
     grams = ngrams(completion, n)
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-def _gram_set(ids: Sequence[int], n: int) -> set[tuple[int, ...]]:
-    """The n-gram set; a sequence shorter than n is one gram (itself), so identical short sequences match."""
-    return set(ngrams(ids, n)) if len(ids) >= n else {tuple(ids)}
-
-
-def jaccard(a: set[tuple[int, ...]], b: set[tuple[int, ...]]) -> float:
-    """|a & b| / |a | b|; 1.0 for two empty sets."""
-    union = len(a | b)
-    return len(a & b) / union if union else 1.0
 
 
 # ------------------------------------------------------------------ token batches and n-gram codes (tensors)
@@ -368,69 +339,13 @@ def parrot_shares(
     (prompt_codes, _), (codes, grams) = ngram_codes([prompts, completions], n, span)
     if prompt_codes.shape[1] * codes.shape[1] <= BROADCAST_PAIRS:  # short rows: compare every pair at once
         hits = ((codes[:, :, None] == prompt_codes[:, None, :]).any(dim=2) & grams).sum(dim=1)
-    elif codes.shape[0]:  # sorted prompt n-grams, one binary search per completion n-gram
+    elif codes.shape[0] and prompt_codes.shape[1]:  # sorted prompt n-grams, one binary search per completion n-gram
         ordered = prompt_codes.sort(dim=1).values
         at = torch.searchsorted(ordered, codes).clamp_(max=ordered.shape[1] - 1)
         hits = ((ordered.gather(1, at) == codes) & grams).sum(dim=1)
     else:
         hits = torch.zeros(completions.rows, dtype=torch.long, device=completions.ids.device)
     return _share(hits, grams.sum(dim=1))
-
-
-def group_jaccard(completions: TokenBatch, n: int, num_generations: int) -> torch.Tensor:
-    """(P, G, G) float64: the Jaccard similarity of the n-gram sets (``_gram_set``) of every two rows of a group.
-
-    A row shorter than n is one gram, itself: it matches only an identical row (1.0), nothing else (0.0). One sort
-    per group ranks the n-grams of all its rows; the (n-gram, row) incidence matrix M then gives every |A & B| at
-    once as M^T M (exact: 0/1 entries, integer sums far below 2**24), and |A| on its diagonal.
-    """
-    rows, group = completions.rows, num_generations
-    if group < 1 or rows % group:
-        raise ValueError(f"num_generations={num_generations} does not divide the batch of {rows}")
-    ((codes, _),) = ngram_codes([completions], n)
-    groups, width = rows // group, codes.shape[1]
-    if width and rows:
-        ordered, order = codes.view(groups, group * width).sort(dim=1)
-        starts = torch.ones_like(ordered, dtype=torch.bool)
-        starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-        rank = starts.cumsum(dim=1) - 1  # the n-gram's id within its group; NO_GRAM windows share the last one
-        dtype = torch.float32 if group * width < 2**24 else torch.float64
-        incidence = torch.zeros((groups, group * width, group), dtype=dtype)
-        # NO_GRAM's id gets 0s only, a real n-gram's 1s only (a row's repeats write the same 1)
-        incidence.view(groups, -1).scatter_(1, rank * group + order // width, (ordered != NO_GRAM).to(dtype))
-        inter = torch.bmm(incidence.transpose(1, 2), incidence).double()
-    else:
-        inter = torch.zeros((groups, group, group), dtype=torch.float64)
-    # short rows (< n ids, so all inside the first n - 1 columns): one shared gram when the rows are identical
-    head = min(n - 1, completions.width)
-    ids = completions.ids[:, :head].masked_fill(~completions.valid()[:, :head], 0).view(groups, group, head)
-    lengths, short = completions.lengths.view(groups, group), (completions.lengths < n).view(groups, group)
-    same = (ids[:, :, None] == ids[:, None]).all(dim=-1) & (lengths[:, :, None] == lengths[:, None])
-    inter += same & short[:, :, None] & short[:, None]
-    size = inter.diagonal(dim1=1, dim2=2)  # |A|: distinct n-grams, or 1 for a short row
-    return inter / (size[:, :, None] + size[:, None] - inter)  # the union is >= 1: every gram set has a gram
-
-
-def near_duplicate_hits(
-    completions: TokenBatch, alive: torch.Tensor, n: int, max_jaccard: float, num_generations: int
-) -> torch.Tensor:
-    """(B,) bool: rows of ``alive`` (B,) whose ``group_jaccard`` with an earlier alive, not-hit row of their group
-    (a representative) is above ``max_jaccard``; the first of each cluster stays. The greedy pass is sequential by
-    nature: it runs in Python over the (P, G, G) similarity flags, O(B G) steps."""
-    similar = (group_jaccard(completions, n, num_generations) > max_jaccard).tolist()
-    alive_rows = alive.tolist()
-    hits = [False] * len(alive_rows)
-    for g, flags in enumerate(similar):
-        representatives: list[int] = []
-        for k, row in enumerate(flags):
-            i = g * num_generations + k
-            if not alive_rows[i]:
-                continue
-            if any(row[j] for j in representatives):
-                hits[i] = True
-            else:
-                representatives.append(k)
-    return torch.tensor(hits, dtype=torch.bool)
 
 
 def no_signal_groups(rewards: torch.Tensor, kept: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -517,44 +432,39 @@ class RolloutFilter:
     Inputs cover the whole generation batch, gathered over ranks: rewards (N,) with NaN = unscorable, and the token
     ids of N prompts and N completions, each a ``TokenBatch`` (padded (N, T) ids with lengths) or N unpadded id
     lists; groups are consecutive runs of ``num_generations`` rows. The work is tensor code over the whole batch on
-    the CPU (``repeat_shares``, ``parrot_shares``, ``near_duplicate_hits``, ...);
+    the CPU (``repeat_shares``, ``parrot_shares``, ...);
     ``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version it is tested against. The filters
-    run in the order of ``FILTER_REASONS``; the first four judge each row on its own, the last two look at the rows
+    run in the order of ``FILTER_REASONS``; the first four judge each row on its own, the last looks at the rows
     still kept:
 
     - zscore: |r - mean| / std > ``max_abs_z`` over the finite rewards of the batch (unbiased std; skipped when
-      std == 0, fewer than 2 or fewer than ``min_distinct`` distinct finite values). NaN rewards never drop.
+      std == 0, fewer than 2 or fewer than ``MIN_DISTINCT`` distinct finite values). NaN rewards never drop.
     - length: fewer than ``min_tokens`` or more than ``max_tokens`` tokens, or (``rolling``, once the history holds
-      ``min_history`` lengths) outside [p_low, p_high] of the last ``history`` lengths, computed from the history
-      before this batch (linear interpolation), so a batch never sets its own range. Every row's length then
-      enters the history, dropped or not.
-    - parrot: ``parrot_share(prompt, completion, n) > max_overlap``.
+      ``LENGTH_MIN_HISTORY`` lengths) outside ``LENGTH_PERCENTILES`` of the last ``LENGTH_HISTORY`` lengths, computed
+      from the history before this batch (linear interpolation), so a batch never sets its own range. Every row's
+      length then enters the history, dropped or not.
+    - parrot: ``parrot_share(prompt, completion, PARROT_N) > max_overlap``.
     - repetition: ``repeat_share(completion, n) > max_repeat_share``.
-    - near_duplicate: within a group, a row whose n-gram-set Jaccard similarity to an earlier kept row is above
-      ``max_jaccard`` is dropped, so the first of each cluster stays. Off by default: when a task has one short right
-      answer, the right completions are exact duplicates and this would leave one of them per group, turning
-      "most samples were right" into "one was" (it changes GRPO's estimate, not only its noise).
     - zero_variance: a group whose kept rows have fewer than 2 finite rewards, or all-equal ones, has no learning
       signal (zero advantage for every row); its kept rows are dropped so they leave the loss normaliser too (DAPO
       dynamic sampling). ``zero_variance_groups`` flags these groups even when this filter is off.
 
     Dropping more than ``max_drop_share`` of the batch still drops, with ``warning`` set. The share counts the rows
-    the first five filters drop; zero-variance rows count only with ``dropped_rows: exclude``, since with the
+    the first four filters drop; zero-variance rows count only with ``dropped_rows: exclude``, since with the
     default (advantage 0) they train exactly as in plain GRPO, where a group without reward variance has advantage 0.
     """
 
     def __init__(self, config: FilterConfig | None = None) -> None:
         self.config = config or FilterConfig()
-        self._lengths = LengthHistory(self.config.length.history)
+        self._lengths = LengthHistory(LENGTH_HISTORY)
         self.calls = 0
         self.dropped = dict.fromkeys(FILTER_REASONS, 0)  # totals over all calls
 
     def length_range(self) -> tuple[float, float] | None:
-        """The rolling [p_low, p_high] of the remembered lengths, or None before ``min_history`` of them."""
-        ln = self.config.length
-        if not ln.rolling or len(self._lengths) < ln.min_history:
+        """The rolling [p_low, p_high] of the remembered lengths, or None before ``LENGTH_MIN_HISTORY`` of them."""
+        if not self.config.length.rolling or len(self._lengths) < LENGTH_MIN_HISTORY:
             return None
-        low, high = self._lengths.quantiles((ln.percentile_low / 100.0, ln.percentile_high / 100.0))
+        low, high = self._lengths.quantiles([p / 100.0 for p in LENGTH_PERCENTILES])
         return low, high
 
     def __call__(
@@ -588,7 +498,7 @@ class RolloutFilter:
         # one id range for both n-gram filters (the completions' range lies inside the prompts' and theirs)
         span = id_span([prompts, completions]) if cfg.parrot.enabled and cfg.repetition.enabled else None
         if cfg.parrot.enabled:
-            shares = parrot_shares(prompts, completions, cfg.parrot.n, span)
+            shares = parrot_shares(prompts, completions, PARROT_N, span)
             own.append(("parrot", shares > cfg.parrot.max_overlap))
         if cfg.repetition.enabled and _can_repeat_over(lengths, cfg.repetition.n, cfg.repetition.max_repeat_share):
             repeats = repeat_shares(completions, cfg.repetition.n, span) > cfg.repetition.max_repeat_share
@@ -599,9 +509,6 @@ class RolloutFilter:
         def mark(hits: torch.Tensor, name: str) -> None:
             reason.masked_fill_((reason == 0) & hits, FILTER_REASONS.index(name) + 1)
 
-        if cfg.near_duplicate.enabled:
-            nd = cfg.near_duplicate
-            mark(near_duplicate_hits(completions, reason == 0, nd.n, nd.max_jaccard, num_generations), "near_duplicate")
         no_signal = no_signal_groups(r, reason == 0, num_generations)
         if cfg.zero_variance.enabled:
             mark(no_signal.repeat_interleave(num_generations), "zero_variance")
@@ -631,7 +538,7 @@ class RolloutFilter:
         zc = self.config.zscore
         finite = torch.isfinite(r)
         values = r if bool(finite.all()) else r[finite]
-        if values.numel() < 2 or torch.unique(values).numel() < zc.min_distinct:
+        if values.numel() < 2 or torch.unique(values).numel() < MIN_DISTINCT:
             return torch.zeros_like(finite)
         std = values.std().item()
         if not std > 0:
@@ -656,7 +563,7 @@ class RolloutFilter:
         return {"version": 1, "lengths": self._lengths.tolist(), "calls": self.calls, "dropped": dict(self.dropped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._lengths = LengthHistory(self.config.length.history)
+        self._lengths = LengthHistory(LENGTH_HISTORY)
         self._lengths.extend(torch.tensor([int(v) for v in state["lengths"]], dtype=torch.long))
         self.calls = int(state["calls"])
         self.dropped = {name: int(state["dropped"].get(name, 0)) for name in FILTER_REASONS}

@@ -2,19 +2,11 @@
 skip").
 
 An EMA of the global pre-clip gradient norm tracks what "normal" looks like. After ``warmup_steps`` accepted
-steps, a step is skipped when its norm exceeds ``spike_factor`` x EMA *and* ``abs_threshold`` (both, so a
-run whose norms are all tiny is not skipped on relative noise), or at once when the norm is not finite.
-Skipped norms never enter the EMA. ``max_consecutive_skips`` non-finite skips in a row stop the run with an error
-that names the cause, since by then the model, not one batch, is broken.
-
-The baseline stays meaningful through what GRPO does to gradient norms:
-- a step whose norm is at most ``zero_norm`` (every group zero-variance, so no learning signal) proceeds but does
-  not enter the EMA or the warm-up count (``gepo/zero_grad_steps``): a stretch of them would otherwise drag the EMA
-  towards 0 and lock out every later healthy step;
-- ``rebase_after`` (4) spike decisions in a row are a level shift, not a spike (a learning-rate warm-up ending,
-  a filter or the reward changing the batch): the EMA is re-anchored to the median norm of that streak and the
-  step proceeds (``gepo/spike_rebases``, logged as a warning). A one-step spike is still skipped; ``0`` turns
-  re-anchoring off.
+steps, a step is skipped when its norm exceeds ``spike_factor`` x EMA *and* ``abs_threshold``, or at once when the
+norm is not finite. Skipped norms never enter the EMA; ``max_consecutive_skips`` skipped steps in a row stop the run.
+A step whose norm is at most ``ZERO_NORM`` (no learning signal) proceeds but stays out of the EMA and the warm-up
+count (``gepo/zero_grad_steps``); ``rebase_after`` spike decisions in a row are a level shift: the EMA is
+re-anchored to the median norm of that streak and the step proceeds (``gepo/spike_rebases``; ``0``: never).
 
 Left to the trainer: zeroing the gradients (``SteadyGRPOTrainer`` drops them so ``optimizer.step()`` is a
 no-op) and, with the OPEFO layer, keeping the skipped gradient for error feedback (``on_skip`` receives it).
@@ -37,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 GRANULARITIES = ("step", "micro_batch")  # SpikeConfig.granularity
+ZERO_NORM = 1e-10  # a finite norm at most this is a no-signal step (every group zero-variance): kept out of the EMA
 
 
 @dataclass
@@ -46,7 +39,6 @@ class SpikeConfig:
     spike_factor: float = 5.0
     abs_threshold: float = 5.0
     max_consecutive_skips: int = 20
-    zero_norm: float = 1e-10  # a finite norm at most this is a no-signal step: kept out of the EMA
     rebase_after: int = 4  # this many spike decisions in a row re-anchor the EMA (0 = never)
     # step: one decision per optimizer step on the global norm; micro_batch: also one per micro-batch on its own
     # gradient, dropping the spiking ones (steadyrl/trainers/micro_batch_gate.py)
@@ -66,8 +58,6 @@ class SpikeGuard:
             raise ValueError(f"ema_decay={self.config.ema_decay} must be in (0, 1)")
         if self.config.rebase_after < 0 or self.config.rebase_after == 1:
             raise ValueError(f"rebase_after={self.config.rebase_after} must be 0 (off) or >= 2")
-        if not (math.isfinite(self.config.zero_norm) and self.config.zero_norm >= 0):
-            raise ValueError(f"zero_norm={self.config.zero_norm} must be finite and >= 0")
         self.ema: float | None = None
         self.accepted = 0
         self.consecutive = 0
@@ -83,7 +73,7 @@ class SpikeGuard:
         if not math.isfinite(norm):
             self._spike_norms = []
             return self._skip("nonfinite", norm, step)
-        if norm <= c.zero_norm:  # no learning signal: proceed, keep it out of the baseline
+        if norm <= ZERO_NORM:  # no learning signal: proceed, keep it out of the baseline
             self.zero_steps += 1
             self.consecutive = 0
             self._spike_norms = []

@@ -1,9 +1,7 @@
 """PPO math for token-level RLHF: reward placement, KL estimators, GAE, whitening, clipped value loss.
 
-Every function is a pure function over tensors (no Trainer, no distributed calls); shapes are
-``B`` = completions in the batch, ``T`` = completion tokens (right-padded; ``mask`` is 1 on real tokens).
-
-Pipeline, as the PPO trainer uses it (docs/DESIGN.md "PPO: critic, rewards and GAE")::
+Pure functions over tensors; ``B`` = completions, ``T`` = completion tokens (right-padded; ``mask`` 1 on real tokens).
+As the PPO trainer uses them (docs/DESIGN.md "PPO: critic, rewards and GAE"; the KL penalty is in the reward)::
 
     kl        = kl_k1(logp, ref_logp)                         # or kl_k3, per token
     rewards   = place_rewards(seq_reward, mask, kl, beta)     # -beta*kl_t everywhere, + seq reward on the last token
@@ -11,17 +9,10 @@ Pipeline, as the PPO trainer uses it (docs/DESIGN.md "PPO: critic, rewards and G
     adv       = whiten(adv, mask)                             # optionally soft_clip(adv, 3.0) afterwards
     vf_loss, clipfrac = clipped_value_loss(new_values, values, ret, mask, cliprange_value=0.2)
 
-In PPO the KL penalty is part of the reward (so it is credited through GAE), not a separate loss term.
-
-What this simplifies or leaves out:
-
-- Masks may have holes (e.g. tool-output tokens in the middle of a completion). ``gae`` skips masked positions
-  entirely: the TD step jumps from one real token to the next real token, so inserting masked positions anywhere
-  never changes the real tokens' advantages (property-tested). Rewards and values on masked positions are ignored.
-- ``whiten`` uses the unbiased (Bessel-corrected) masked variance, as TRL's former ``masked_whiten`` and verl do,
-  so it agrees with ``torch.std`` (the GRPO group std). Statistics are over the tensor it is given: under data
-  parallelism, whiten over gathered values or pass all-reduced ``stats`` (see :func:`masked_mean_var`).
-- Arithmetic is in float32 (float64 stays float64); bf16/fp16 inputs are upcast and the float32 result returned.
+Simplifications: masks may have holes (tool-output tokens); ``gae`` steps from one real token to the next, so masked
+positions never change the real tokens' advantages (property-tested). ``whiten`` uses the unbiased masked variance
+(as TRL's former ``masked_whiten`` and verl: it agrees with ``torch.std``) over the tensor it is given; under data
+parallelism pass all-reduced ``stats``. Arithmetic is in float32 (float64 stays float64), the result float32.
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ from torch import Tensor
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 per-token KL estimate ``logp - ref_logp`` (unbiased for KL(pi || ref), can be negative); any shape.
 
-    Source: http://joschu.net/blog/kl-approx.html. The default: its expectation under the policy is the exact KL,
-    and as a per-token reward penalty it is what InstructGPT-style PPO uses.
+    Source: http://joschu.net/blog/kl-approx.html; the per-token reward penalty of InstructGPT-style PPO.
     """
     return logp - ref_logp
 
@@ -46,8 +36,8 @@ def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 per-token KL estimate ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, always >= 0, lower variance).
 
-    Source: http://joschu.net/blog/kl-approx.html (r = ref/pi; k3 = (r - 1) - log r). The original design notes call it
-    the common choice in practice. It grows exponentially where the reference is much likelier than the policy.
+    Source: http://joschu.net/blog/kl-approx.html (r = ref/pi; k3 = (r - 1) - log r). Grows exponentially where the
+    reference is much likelier than the policy.
     """
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1.0
@@ -84,9 +74,8 @@ def place_rewards(
     """Token-level rewards: ``-beta * kl_t`` on every real token, plus the sequence reward on the last real token.
 
     sequence_rewards: (B,), completion_mask: (B, T) 0/1, per_token_kl: (B, T) or None -> token_rewards: (B, T),
-    exactly 0 on masked positions. Rows have different lengths; the reward goes to each row's own last real token.
-    A row with no real token cannot hold its reward and gets all zeros. Source: docs/DESIGN.md "PPO: critic, rewards
-    and GAE" (sequence-end reward, KL penalty in the reward); Ziegler et al. 2019, Ouyang et al. 2022.
+    exactly 0 on masked positions; a row with no real token gets all zeros. Source: Ziegler et al. 2019, Ouyang et
+    al. 2022.
     """
     if completion_mask.ndim != 2 or sequence_rewards.shape != completion_mask.shape[:1]:
         raise ValueError(
@@ -116,11 +105,9 @@ def gae(
     """Generalised advantage estimation by a reverse scan over the real tokens of each row.
 
     token_rewards, values, mask: (B, T) -> (advantages, returns): (B, T), both exactly 0 on masked positions.
-    ``delta_t = r_t + gamma * V_next - V_t``; ``A_t = delta_t + gamma * lam * A_next``, where "next" is the next
-    *real* token of the row; after the last real token the bootstrap value is 0 (the episode ends there).
-    ``returns = advantages + values`` (the value-function target). lam=1 gives Monte-Carlo returns
-    (reward-to-go); lam=0 gives one-step TD. Source: Schulman et al. 2016 (arXiv:1506.02438); the masked scan
-    follows verl's ``compute_gae_advantage_return``.
+    ``delta_t = r_t + gamma * V_next - V_t``; ``A_t = delta_t + gamma * lam * A_next``, "next" being the row's next
+    *real* token, with bootstrap value 0 after the last one. ``returns = advantages + values``. Source: Schulman et
+    al. 2016 (arXiv:1506.02438); the masked scan follows verl's ``compute_gae_advantage_return``.
     """
     if not (token_rewards.shape == values.shape == mask.shape) or mask.ndim != 2:
         raise ValueError(
@@ -156,11 +143,7 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_mean_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> tuple[Tensor, Tensor]:
-    """(mean, variance) of ``x`` over real positions; scalars. Unbiased divides by ``n - 1``; n < 2 gives var 0.
-
-    For data parallelism, all-reduce ``n``, ``sum(x)`` and ``sum(x**2)`` instead and pass the result to
-    :func:`whiten` as ``stats``.
-    """
+    """(mean, variance) of ``x`` over real positions; scalars. Unbiased divides by ``n - 1``; n < 2 gives var 0."""
     dtype = _work_dtype(x)
     real = mask.bool()
     n = real.sum().to(dtype)
@@ -177,9 +160,8 @@ def whiten(
 ) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the real positions of the whole batch; masked positions stay exactly 0.
 
-    x, mask: (B, T) -> same shape. Unbiased variance (TRL's former ``masked_whiten`` and verl agree).
-    ``shift_mean=False`` adds the mean back (rescale only, as TRL did for rewards). ``stats`` = precomputed
-    (mean, var), e.g. all-reduced across ranks. Fewer than 2 real positions: variance 0, so ``x - mean`` is 0.
+    x, mask: (B, T) -> same shape. ``shift_mean=False`` adds the mean back (rescale only). ``stats``: precomputed
+    (mean, var), e.g. all-reduced across ranks. Fewer than 2 real positions: variance 0.
     """
     mean, var = stats if stats is not None else masked_mean_var(x, mask, unbiased=True)
     dtype = _work_dtype(x)
@@ -192,9 +174,7 @@ def whiten(
 def soft_clip(advantages: Tensor, clip_scale: float = 3.0) -> Tensor:
     """``clip_scale * tanh(advantages / clip_scale)``: near-identity for small values, bounded by ``clip_scale``.
 
-    Any shape -> same shape; zeros stay zeros (so padding stays 0). The same tanh GEPO applies to its group
-    advantages (``steadyrl/guards/robust_advantage.py`` inlines it); here it is an option for whitened GAE
-    advantages.
+    Any shape -> same shape; zeros stay zeros. The tanh GEPO applies to its group advantages.
     """
     if clip_scale <= 0:
         raise ValueError(f"clip_scale must be > 0, got {clip_scale!r}")
@@ -209,11 +189,9 @@ def clipped_value_loss(
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped value loss ``0.5 * mean_masked(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))``.
 
-    values (with grad), old_values, returns, mask: (B, T) -> (loss: scalar, clipfrac: scalar, detached).
-    The mean is over all real tokens of the batch (token-level, as TRL's former PPO). ``clipfrac`` is the share of
-    real tokens where the clipped branch is strictly larger (so it is the one that gives the gradient).
-    Source: the PPO2 baselines implementation; Andrychowicz et al. 2021 note clipping can hurt, so keep
-    ``cliprange_value`` large relative to the return scale if in doubt.
+    values (with grad), old_values, returns, mask: (B, T) -> (loss: scalar, clipfrac: scalar, detached); the mean is
+    over the batch's real tokens. ``clipfrac``: share of real tokens where the clipped branch is strictly larger.
+    Source: the PPO2 baselines; Andrychowicz et al. 2021 note clipping can hurt (keep ``cliprange_value`` large).
     """
     if cliprange_value < 0:
         raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value!r}")
@@ -226,10 +204,9 @@ def clipped_value_loss(
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """``1 - Var[R - V] / Var[R]`` over real tokens: 1 = perfect critic, 0 = no better than a constant, < 0 worse.
+    """``1 - Var[R - V] / Var[R]`` over real tokens: 1 = perfect critic, 0 = a constant, < 0 worse.
 
-    values, returns, mask: (B, T) -> float; NaN when the returns have zero variance or fewer than 2 real tokens
-    (undefined, as in CleanRL).
+    values, returns, mask: (B, T) -> float; NaN when the returns have zero variance or fewer than 2 real tokens.
     """
     _, var_returns = masked_mean_var(returns.detach(), mask)
     _, var_residual = masked_mean_var((returns - values).detach(), mask)

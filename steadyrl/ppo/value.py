@@ -1,58 +1,16 @@
 """The PPO critic: a transformer backbone with a scalar value head on every token.
 
 ``CriticModel(input_ids, attention_mask) -> values (B, T)``: V(s_t) for the state "prompt + completion up to and
-including token t". The trainer slices the completion positions out, as it does for the policy's log-probs.
+including token t"; the trainer slices out the completion positions, as it does for the policy's log-probs.
 
-Initialisation (``CriticModel.from_pretrained``; docs/DESIGN.md "PPO: critic, rewards and GAE"):
+``CriticModel.from_pretrained`` starts from a causal-LM folder (the policy's backbone, value head at exactly 0), a
+one-label ``*ForSequenceClassification`` reward model (its backbone and ``score`` head, rescaled by ``reward_stats``
+to predict normalised rewards) or a folder written by ``save_pretrained``. With a ``peft_config`` the critic gets its
+own LoRA adapter on its own frozen base copy; the value head stays fully trainable. Why the critic trains in one
+module with the policy (one engine, one optimizer): docs/DESIGN.md, "PPO: critic, rewards and GAE".
 
-- **policy weights** (default): a causal-LM folder; the backbone (``AutoModel``, i.e. without ``lm_head``) gets the
-  policy's weights and the value head starts at zero, so the first values are exactly 0 and the first advantages
-  are plain discounted returns rather than noise from a random head (TRL's former ``ValueHead`` used PyTorch's
-  default uniform init; ``init_std > 0`` gives a small normal init instead).
-- **reward model** (InstructGPT's choice): a ``*ForSequenceClassification`` folder with one label; its backbone,
-  and its ``score`` head as the initial value head when the shapes match. With the RM's ``reward_stats``
-  (mean/std, written by the reward stage) the head is rescaled so that it starts out predicting normalised
-  rewards, the scale PPO's rewards are in.
-- **a saved critic** (``value_head.safetensors`` in the folder): a round trip of ``save_pretrained``.
-
-Recommended design for training policy + critic under DeepSpeed ZeRO-2 with accelerate
---------------------------------------------------------------------------------------
-
-Accelerate's DeepSpeed integration gives one engine per ``Accelerator.prepare`` call and refuses a second model
-in the same ``Accelerator`` ("You can't use same `Accelerator()` instance with multiple models when using
-DeepSpeed", accelerator.py). Its multi-model API (a dict of ``DeepSpeedPlugin`` + ``select_deepspeed_plugin``, and
-a second ``Accelerator`` for a second *trained* model) is documented as "very experimental"
-(docs: usage_guides/deepspeed_multiple_model). A second engine inside ``transformers.Trainer`` would also need its
-own backward, step, gradient-accumulation boundaries, LR scheduler, checkpoint save/load and resume code, all
-outside the Trainer's normal path: exactly the override surface docs/ARCHITECTURE.md's house rule 2 asks us to avoid,
-and the guards (GEPO spike skip, OPEFO) would then have to watch two optimizers.
-
-Recommendation: **one module, one engine, one optimizer with two parameter groups** (what TRL's former PPO did
-with ``PolicyAndValueWrapper``). ``self.model`` becomes a small ``nn.Module`` holding ``policy`` and ``critic``;
-the Trainer prepares it once, so ZeRO-2 shards the optimizer states and gradients of both, the checkpoint holds
-both and the critic's optimizer state, resume is exact through the Trainer's own code, and the spike/OPEFO guards
-see one optimizer step (a skipped step skips both, which is what we want: they were computed from one rollout).
-``create_optimizer`` puts the critic's parameters in their own group with ``ppo.vf_learning_rate`` (the LR
-scheduler scales each group's initial LR, so both follow the same schedule), and the loss is
-``pg_loss + vf_coef * vf_loss``, one backward. Trade-offs: gradient clipping is over the joint norm (tune with
-``vf_coef``; clipping separately is impossible inside one DeepSpeed engine); code that needs the bare policy
-(generation, vLLM weight sync, ``save_model``, PEFT checks, reference log-probs) must unwrap ``.policy``; the
-critic must be called from the wrapper's ``forward`` (or at least between the engine's forward and backward),
-which is required for ZeRO-3 and harmless for ZeRO-2, whose gradient hooks are on every trainable parameter.
-Under ZeRO-2 parameters are not partitioned, so ``save_pretrained`` on rank 0 exports a complete critic.
-
-Critic under LoRA: the policy's trainable parameters are only its adapter, so a fully trained critic would cost
-more memory than the policy. Default: the critic gets **its own LoRA adapter** (the same ``LoraConfig``) on its own
-frozen copy of the base weights, and the value head is fully trainable (``from_pretrained(..., peft_config=...)``).
-The extra memory is one frozen base copy without optimizer state (the LoRA policy's reference model is free through
-``disable_adapter``, so the total equals GRPO with a separate reference). Two adapters on the *policy's* base would
-save that copy but need PEFT's ``set_adapter`` switching, which flips ``requires_grad`` after DeepSpeed has built
-its flat gradient partitions: not safe. The cheapest alternative, for the tightest budgets, is a shared trunk (a
-value head on the policy's last hidden states, the original design's choice): no extra backbone, but the value
-loss then trains the policy's adapter too (policy/value interference); offer it as an option, not the default.
-
-What this leaves out: the optimizer (the trainer builds it, see above), dropout control (call ``.eval()`` or
-disable dropout as TRL does for the policy), and ZeRO-3 (parameters are gathered only inside engine forwards).
+Leaves out: the optimizer (the trainer builds it), dropout control (call ``.eval()``), ZeRO-3 (parameters are
+gathered only inside engine forwards).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """``PolicyAndValue``: the policy and the critic as one ``nn.Module``, so one engine and one optimizer serve both.
 
-Why one module (see ``steadyrl.ppo.value`` for the full argument): accelerate's DeepSpeed integration prepares one
-trained model per ``Accelerator``; with the pair in one module, ZeRO-2 shards the optimizer state and gradients of
-both, the Trainer's own checkpoint/resume code covers the critic and its optimizer state, and the GEPO/OPEFO step
-guards see one optimizer step (a skipped step skips both: they were computed from one rollout).
+Why one module: docs/DESIGN.md, "PPO: critic, rewards and GAE".
 
 The wrapper looks like the policy to everything that expects one: ``forward`` is the policy's forward, and any
 attribute the wrapper itself lacks (``generate``, ``config``, ``peft_config``, ``disable_adapter``,

@@ -1,38 +1,18 @@
 """Reward functions as unreliable services: a per-reward error policy, a timeout per call, checked returns.
 
-Every ``fn`` entry of ``rewards`` is wrapped in a ``GuardedReward`` (``steadyrl.trainers.build``). Its config keys
-live on the entry itself (``RewardSection``):
-
+Every ``fn`` entry of ``rewards`` is wrapped in a ``GuardedReward`` (``steadyrl.trainers.build``); its keys live on
+the entry (``RewardSection``):
 - ``on_error: raise`` (default): the first exception stops the run with a ``RewardError`` naming the function, the
-  error and the last complete checkpoint.
-- ``on_error: retry``: up to ``retries`` more attempts, waiting ``backoff`` seconds before the first and doubling
-  the wait each time; when every attempt fails the run stops as with ``raise``.
-- ``on_error: skip``: the same retries; when every attempt fails the call's completions are scored ``None``
-  (TRL turns them into NaN: unscorable, which GEPO's advantages and GRADE's scaler leave out) and the run goes on.
-  ``max_consecutive_errors`` skipped calls in a row stop it.
-- ``timeout`` (default 60 s, ``null`` = wait forever): seconds one attempt may take. A late attempt is stopped (a
-  ``RewardTimeout`` naming the reward and the rank is raised inside it) and counts as a failure of the policy above,
-  so a hung reward server ends the run with a message instead of stalling it (under DDP, every rank until the
-  collective timeout).
+  error and the last complete checkpoint;
+- ``on_error: retry``: up to ``retries`` more attempts, ``backoff`` seconds before the first, doubling; then as raise;
+- ``on_error: skip``: the same retries, then the call's completions are scored ``None`` (unscorable) and the run goes
+  on; ``max_consecutive_errors`` skipped calls in a row stop it;
+- ``timeout`` (60 s; ``null`` waits forever): a late attempt is stopped by a ``RewardTimeout`` naming the reward and
+  the rank, raised inside it, and counts as a failure of the policy above.
 
-How a late call is stopped (``_Deadline``): the call runs in the calling thread, as without a timeout, and a
-watchdog thread waits out the deadline. On the main thread (where TRL calls a reward function) the watchdog sends
-the main thread ``SIGURG``, whose handler raises: a signal also breaks a blocking sleep, socket read or lock wait,
-and ``SIGURG`` (default: ignored) stays clear of ``SIGALRM``, which math-verify's own per-expression timeouts use on
-the main thread (``math_answer`` keeps them). Off the main thread the watchdog raises asynchronously in the calling
-thread (``PyThreadState_SetAsyncExc``), which takes effect when the call next runs Python code. Either way nothing is
-left running: the late call itself unwinds. What Python cannot interrupt, a C extension that never returns, is
-logged as an error naming the reward and rank; only a subprocess could kill it, which would cost a fork and pickled
-inputs and outputs on every call and lose the call's side effects (``log_metric``, a stateful reward).
-
-A return that is not one number (or ``None``) per completion is always an error, whatever ``on_error`` says: the
-same inputs would give the same wrong answer on a retry. The message names the function, the type and an example.
-
-Metrics, through TRL's ``log_metric`` (averaged over ranks and the logging interval), with ``retry`` or ``skip``:
-``rewards/<name>/errors`` failed attempts per call (retries that then succeeded included) and
-``rewards/<name>/skipped`` (1 for a call scored unscorable). Reward *models* (``model`` entries) run in-process and
-are not wrapped. Left out: the consecutive-failure count is not checkpointed (a resumed run starts it at 0), and an
-``async`` reward function is not awaited.
+A return that is not one number (or ``None``) per completion is always an error: a retry would repeat it. With
+``retry`` or ``skip`` it logs ``rewards/<name>/errors`` (failed attempts per call) and ``rewards/<name>/skipped``.
+How a late call is stopped, and what is left out: docs/DESIGN.md, "Reward calls".
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from steadyrl.tasks.arithmetic import (
     arithmetic_splits,
     digit_credit,
     exact_match,
-    greedy_accuracy,
     numeric_match,
 )
 from steadyrl.tasks.tiny_model import build_byte_tokenizer, build_tiny_model
@@ -17,6 +16,5 @@ __all__ = [
     "build_tiny_model",
     "digit_credit",
     "exact_match",
-    "greedy_accuracy",
     "numeric_match",
 ]

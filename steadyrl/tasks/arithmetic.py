@@ -10,7 +10,6 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from datasets import Dataset
 
 
@@ -85,20 +84,3 @@ def digit_credit(completions: Sequence[Any], answer: Sequence[str], **_: Any) ->
         longest = max(len(text), len(a))
         scores.append(sum(x == y for x, y in zip(text, a, strict=False)) / longest if longest else 0.0)
     return scores
-
-
-def greedy_accuracy(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    answers: Sequence[str],
-    *,
-    batch_size: int = 64,
-    max_new_tokens: int = 6,
-) -> tuple[float, list[str]]:
-    """Greedy-decode every prompt and return (exact-match accuracy, completions)."""
-    from steadyrl.evaluation import greedy_completions
-
-    completions, _ = greedy_completions(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
-    scores = exact_match(completions, answers)
-    return (sum(scores) / len(scores) if scores else 0.0), completions

@@ -1,24 +1,15 @@
 """Preference pairs for the reward-model stage, built from the arithmetic task (docs/DESIGN.md "Reward-model stage").
 
-Each row is one Bradley-Terry pair in TRL ``RewardTrainer``'s explicit-prompt format::
+Each row is one Bradley-Terry pair in TRL ``RewardTrainer``'s explicit-prompt format, which ignores the extra
+``answer`` / ``kind`` columns (``kind`` gives the calibration report an accuracy per kind of mistake)::
 
     {"prompt": "37+58=", "chosen": "95", "rejected": "96", "answer": "95", "kind": "off_by_one"}
 
-``RewardTrainer`` scores ``prompt + chosen + eos`` against ``prompt + rejected + eos`` and ignores the extra
-``answer``/``kind`` columns (``kind`` lets the calibration report give accuracy per kind of mistake).
-
-``chosen`` is always the canonical answer (what ``exact_match`` accepts). ``rejected`` is one of:
-
-- ``off_by_one``: answer +- 1 (never negative);
-- ``off_by_ten``: answer +- 10 (never negative);
-- ``digit_swap``: two different digits of the answer swapped (``95`` -> ``59``; leading-zero results avoided);
-- ``zero_pad``: the right number zero-padded to the task's width (``95`` -> ``095``). Numerically correct, but the
-  verifier rejects it: this pair teaches the reward model the verifier's *format* preference, the gap the SFT
-  model's mixed-format demonstrations leave (configs/tiny/sft.yaml).
-
-A kind that cannot apply to an answer (no zero-pad for a 3-digit answer, no swap for ``7`` or ``11``) falls back
-to ``off_by_one``, so the kinds' shares are close to, not exactly, ``weights``. Train and eval pairs use the
-arithmetic task's disjoint train/eval problems, so the held-out accuracy is on unseen prompts.
+``chosen`` is the canonical answer (what ``exact_match`` accepts); ``rejected`` is ``off_by_one`` (+-1),
+``off_by_ten`` (+-10; never negative), ``digit_swap`` (``95`` -> ``59``, no leading zero) or ``zero_pad``
+(``95`` -> ``095``: numerically right, rejected by the verifier; why: docs/DESIGN.md, "Embedded tasks"). A kind
+that cannot apply to an answer falls back to ``off_by_one``, so the kinds' shares are close to, not exactly,
+``weights``. Train and eval pairs use the arithmetic task's disjoint problems.
 """
 
 from __future__ import annotations
@@ -81,12 +72,10 @@ def arithmetic_preferences(
 ) -> Dataset:
     """``n`` preference pairs on the ``split`` ("train" or "eval") problems of the arithmetic task.
 
-    Columns: ``prompt``, ``chosen`` (canonical answer), ``rejected`` (a wrong answer, see the module docstring),
-    ``answer``, ``kind``. ``seed`` drives which problems and which mistakes are drawn; ``split_seed``,
-    ``max_operand`` and ``eval_size`` must match the SFT run's task so eval prompts stay unseen (defaults do).
-    Problems are drawn without replacement until the split is used up, then again in a new order.
-    ``eval_n`` replaces ``n`` for the eval split, so one keyword dict (a config's ``data.builtin``, which
-    ``steadyrl.data`` passes to both splits) can size both.
+    Columns: ``prompt``, ``chosen``, ``rejected``, ``answer``, ``kind``. ``seed`` draws the problems (without
+    replacement until the split is used up) and the mistakes; ``split_seed``, ``max_operand`` and ``eval_size`` must
+    match the SFT run's task so eval prompts stay unseen (the defaults do). ``eval_n`` replaces ``n`` for the eval
+    split, so one keyword dict (a config's ``data.builtin``) can size both.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r} for the arithmetic preferences; use 'train' or 'eval'")

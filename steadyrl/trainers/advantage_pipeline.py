@@ -1,7 +1,7 @@
 """Rewards -> advantages: the gathered reward matrix of one generation batch in, one value per row out.
 
-Tensor in, tensor out; no Trainer here. ``SteadyGRPOTrainer.compute_advantages`` calls it in two steps whose order
-matters (the trainer writes GRADE's KL factor of ``beta`` in between):
+Tensor in, tensor out; no Trainer here. ``RolloutStation.advantages`` calls it in two steps (GRADE's KL factor of
+``beta`` comes out of the first; the trainer writes it):
 
 1. ``scale(batch)``: (N, num_funcs) -> (N,): TRL's weighted sum (``weighted_rewards``), rows QUATRO's filters
    dropped set to NaN, then the reward processor (GRADE). NaN marks an unscorable row.
@@ -77,6 +77,8 @@ class AdvantagePipeline:
     observe_rewards: the reward processor only observes (raw rewards go on); observe_advantage_fn: an advantage
     function that only observes (compared with the trained advantages, see the module docstring).
     """
+
+    always = False  # True: replaces TRL's advantages even with no guard part (PPO's sequence rewards)
 
     def __init__(
         self,
@@ -159,6 +161,8 @@ def compare_advantages(
 class SequenceRewardPipeline(AdvantagePipeline):
     """PPO: step 2 gives the *sequence reward* of each row, no group statistics. An unscorable or filtered row is
     NaN: ``SteadyPPOTrainer`` gives it advantage 0 and leaves it out of the whitening and the value loss."""
+
+    always = True
 
     def advantages(
         self, rewards: torch.Tensor, keep: torch.Tensor | None, num_generations: int

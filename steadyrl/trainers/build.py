@@ -7,7 +7,7 @@ import logging
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -17,6 +17,9 @@ from steadyrl.config.schema import load_object, world_size_from_env
 from steadyrl.environment import write_environment
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
 from steadyrl.rewards.guarded import GuardedReward
+
+if TYPE_CHECKING:
+    from steadyrl.trainers.layers import GuardParts
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +184,11 @@ def _resume_path(cfg: RunConfig) -> str | None:
     return str(path)
 
 
-def guard_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """SteadyGRPOTrainer's extension points filled from the ``guards`` section (``steadyrl.trainers.layers``)."""
-    from steadyrl.trainers.layers import layer_kwargs
+def guard_parts(cfg: RunConfig) -> GuardParts:
+    """SteadyGRPOTrainer's guard parts filled from the ``guards`` section (``steadyrl.trainers.layers``)."""
+    from steadyrl.trainers.layers import guard_parts as from_section
 
-    return layer_kwargs(cfg.guards)
+    return from_section(cfg.guards)
 
 
 def _model_path(cfg: RunConfig, state: Any) -> str:
@@ -304,11 +307,11 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     elif cfg.algorithm == "ppo":
         from steadyrl.trainers.ppo import SteadyPPOTrainer
 
-        trainer = SteadyPPOTrainer(reward_funcs=list(rewards.values()), ppo=cfg.ppo, **guard_kwargs(cfg), **common)
+        trainer = SteadyPPOTrainer(reward_funcs=list(rewards.values()), ppo=cfg.ppo, guards=guard_parts(cfg), **common)
     else:
         from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
-        trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), **guard_kwargs(cfg), **common)
+        trainer = SteadyGRPOTrainer(reward_funcs=list(rewards.values()), guards=guard_parts(cfg), **common)
     if getattr(args, "use_vllm", False):
         from steadyrl.trainers.vllm_support import check_cpu_engine
 

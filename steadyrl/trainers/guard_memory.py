@@ -13,9 +13,11 @@ object of another package (only steadyrl's own objects, containers and tensors a
 
 from __future__ import annotations
 
+import json
 import types
 from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,3 +93,35 @@ def held_tensor_bytes(
             stack.extend((child, False) for child in _children(obj, root=is_root))
         out[part] = total
     return out
+
+
+def write_guard_cost(out: Path, trainer: Any, steps: int) -> None:
+    """``OUTPUT_DIR/guard_cost.json`` (main process, at the end of training): the guard layers' cost over the run.
+
+    ``guard_seconds`` and ``seconds_by_part``: time in guard code, split by the part that ran (``pipeline``: the
+    reward gather and advantage plumbing the layers share; ``checks``: the finite checks; ``ppo``: PPO's GAE and
+    its gradient norm split); the parts add up to the total. ``held_mib_by_part``: the tensors each layer holds at
+    the end (``held_tensor_bytes``). ``transient_mib_by_part``: one gradient copy of the trainable parameters held
+    for a while: the micro-batch spike gate's, OPEFO's error feedback of a skipped step. Read by bench_overhead.py.
+    """
+    t, p = trainer, trainer.parts
+    roots = {
+        "grade": [p.reward_processor],
+        "gepo": [p.advantage_fn, p.observe_advantage_fn, *p.step_guards, *p.observe_step_guards, t.micro_gate],
+        "opefo": [p.opefo],
+        "quatro": [p.quatro],
+        "pipeline": [t.pipeline, t.gate, t.scratch],
+    }
+    held = held_tensor_bytes(roots, trainer=t, exclude=run_storages(t.model, t.optimizer))
+    gradient_mib = sum(q.numel() * q.element_size() for q in t.model.parameters() if q.requires_grad) / 2**20
+    transient = {"gepo": gradient_mib if t.micro_gate is not None else 0.0}
+    transient["opefo"] = gradient_mib if p.opefo is not None and t.gate.feedback is not None else 0.0
+    doc = {
+        "steps": steps,
+        "guard_seconds": round(t.ctx.seconds, 6),
+        "seconds_by_part": {name: round(value, 6) for name, value in sorted(t.ctx.seconds_by_part.items())},
+        "held_mib_by_part": {name: round(value / 2**20, 3) for name, value in held.items()},
+        "transient_mib_by_part": {name: round(value, 3) for name, value in transient.items()},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "guard_cost.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,56 +1,20 @@
-"""Every TRL / transformers method that steadyrl overrides, with the signature it was written against.
+"""Every TRL / transformers method steadyrl overrides, with the signature it was written against, and the private
+details of TRL, accelerate and DeepSpeed it relies on. ``tests/unit/test_hooks.py`` asserts each override still
+exists with exactly this signature and ``internals_problems`` / ``ppo_internals_problems`` check the details, so a TRL
+upgrade that moves a hook fails loudly in CI instead of silently bypassing a guard.
 
-TRL's trainers change their private methods between releases. steadyrl pins ``trl`` to the tested minor
-release and keeps this list; ``tests/unit/test_hooks.py`` asserts each entry still exists with exactly this
-signature, so a TRL upgrade that moves a hook fails loudly in CI instead of silently bypassing a guard.
+Every override calls the parent and hands its result to one station (docs/ARCHITECTURE.md, "One optimizer step");
+no TRL body is copied. ``SteadyPPOTrainer`` adds ``PPO_HOOKED_METHODS`` (GAE after scoring, the value loss around
+TRL's loss with ``beta`` 0, the critic's param groups, ``critic.safetensors`` in checkpoints).
 
-How each is overridden (never by copying the body):
-- ``_calculate_rewards``: call the parent, keep the gathered reward matrix for the reward processor.
-- ``_generate_and_score_completions``: call the parent, replace ``advantages`` in its output when a reward
-  processor or advantage function is set; with QUATRO replay, add ``old_per_token_logps`` where TRL left them out.
-- ``_prepare_inputs``: call the parent; when it generated (``_buffered_inputs`` is a new list), replace its
-  buffered micro-batches with QUATRO's replay mix and return the mixed counterpart of the one it returned.
-- ``_clip_grad_norm``: under fp16's GradScaler unscale first (as the parent's clipping does), compute the global
-  pre-clip norm, ask the step guards, then clip or skip.
-- ``training_step`` (only with ``guards.gepo.spike.granularity: micro_batch``): copy the accumulated gradients,
-  call the parent (under DDP inside ``no_sync``), judge the micro-batch's own gradient and drop it on a veto
-  (``MicroBatchGate``); ``_clip_grad_norm`` then averages the kept ones (all-reduced under DDP) before deciding.
-  Relied on: the Trainer calls ``_clip_grad_norm`` once per optimizer step, after the last backward pass, whenever
-  ``max_grad_norm > 0``.
-- ``_get_per_token_logps_and_entropies``: call the parent, clamp log-probs at ``logprob_min`` (when set) and
-  count non-finite ones; a -inf log-prob would otherwise turn the ratio and the KL into NaN.
-- ``_compute_loss``: call the parent with the inputs marked, so the log-prob hook counts non-finite importance
-  ratios of that loss and keeps its policy log-probs; count a non-finite loss (the step guard then skips the step
-  it would poison); hand TRL's just-logged ``kl`` / ``entropy`` of the micro-batch to QUATRO's controllers, and the
-  policy log-probs to QUATRO's replay metrics.
-- ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: call the parent, then save / load guard state.
-  ``_save_checkpoint`` makes the parent write into a staging folder (``_get_output_dir`` answers the staging
-  root while it runs) and publishes the finished checkpoint with one rename.
-
-``SteadyPPOTrainer`` (``steadyrl.trainers.ppo``) overrides, on top of the above (``PPO_HOOKED_METHODS``):
-- ``_generate_and_score_completions``: call the parent (whose ``compute_advantages`` returns sequence rewards for
-  PPO), then replace ``advantages`` with (B, T) GAE advantages and add ``old_values`` / ``returns``.
-- ``_compute_loss``: call the parent with ``self.beta`` set to 0 (no KL term in the loss) inside
-  ``PolicyAndValue.computing_values``, then add the clipped value loss.
-- ``_clip_grad_norm``: log the policy's and the critic's gradient norms apart, then call the parent.
-- ``create_optimizer``: call the parent, move the critic's parameters into their own groups (``ppo.critic_lr``).
-- ``_save`` / ``_load_from_checkpoint``: call the parent on the bare policy, then save / load ``critic.safetensors``.
-PPO relies on these TRL details (``ppo_internals_problems`` checks them): ``_compute_loss`` unsqueezes only 1-D
-advantages (so (B, T) advantages pass through) and adds the KL term only ``if self.beta != 0.0``, read at call time;
-``_generate_and_score_completions`` computes ``ref_per_token_logps`` when ``self.beta != 0.0``.
-
-Private details of TRL, accelerate and DeepSpeed are relied on as well (``internals_problems`` checks them):
-- TRL ``GRPOTrainer``: ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates, and
-  serves ``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present (QUATRO
-  replay relies on both). ``_entropy_bonus_enabled`` is fixed in ``__init__`` and gates the entropy term in
-  ``_compute_loss``, which reads ``self.entropy_coef`` and clamps with ``self.epsilon_low/high`` on every call;
-  QUATRO's entropy floor switches the flag on and rewrites the three attributes between steps. ``_metrics["train"]``
-  gets one ``kl`` (when beta != 0) and one ``entropy`` entry per micro-batch.
-- ``AcceleratedOptimizer._is_overflow`` is what ``accelerator.optimizer_step_was_skipped`` reports; a vetoed
-  step sets it so the Trainer leaves the LR schedule alone (as for an fp16 overflow).
-- ``DeepSpeedZeroOptimizer.step`` (ZeRO-1/2) calls ``scaled_global_norm()``, then ``_update_scale(overflow)``,
-  then returns early ``if self.overflow``; the step guards are installed on the first two
-  (``steadyrl.trainers.step_gate.StepGate.install_deepspeed``).
+Relied on: TRL's ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates and serves
+``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present, unsqueezes only 1-D
+advantages, adds the KL term only ``if self.beta != 0.0`` and reads ``entropy_coef`` / ``epsilon_low/high`` on every
+call; ``_entropy_bonus_enabled`` is fixed in ``__init__``; ``_metrics["train"]`` gets one ``kl`` (beta != 0) and one
+``entropy`` entry per micro-batch; the Trainer calls ``_clip_grad_norm`` once per optimizer step, after the last
+backward, whenever ``max_grad_norm > 0``. accelerate's ``AcceleratedOptimizer._is_overflow`` is what
+``optimizer_step_was_skipped`` reports. DeepSpeed's ``DeepSpeedZeroOptimizer.step`` calls ``scaled_global_norm()``,
+then ``_update_scale(overflow)``, then returns early ``if self.overflow`` (``StepGate.install_deepspeed``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""One factory per guard layer: its ``guards.<layer>`` section -> the SteadyGRPOTrainer keyword arguments it fills.
+"""The guard layers' parts of a ``SteadyGRPOTrainer`` (``GuardParts``), and one factory per layer: its
+``guards.<layer>`` section -> the parts it fills. A factory fills nothing for a disabled layer; ``guard_parts`` merges
+them in the order data meets the layers (GRADE, GEPO, OPEFO, QUATRO), and a part an earlier layer filled wins
+(GEPO's step guard, with its spike test, over OPEFO's non-finite-only one).
 
-A factory returns nothing for a disabled layer. ``layer_kwargs`` merges them in the order data meets the layers
-(GRADE, GEPO, OPEFO, QUATRO); a key an earlier layer filled wins (GEPO's step guard, with its spike test, over
-OPEFO's non-finite-only one).
-
-``mode: observe`` (docs/DESIGN.md, "Observe mode"): a factory fills the ``observe_*`` keys instead of the acting
+``mode: observe`` (docs/DESIGN.md, "Observe mode"): a factory fills the ``observe_*`` parts instead of the acting
 ones (GEPO, GRADE) or builds its runtime with ``observe=True`` (OPEFO, QUATRO). OPEFO's non-finite-only step guard
-acts when OPEFO acts and GEPO gives no acting guard (a non-finite gradient must not reach Adam's moments even
-while GEPO observes), and observes when OPEFO observes and GEPO gives no guard at all. Options that only matter
-when a layer acts are logged once here.
+acts when OPEFO acts and GEPO gives no acting guard, and observes when OPEFO observes and GEPO gives no guard at all.
 """
 
 from __future__ import annotations
@@ -17,14 +14,66 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from steadyrl.config.guard_sections import GepoSection, GradeSection, GuardsSection, OpefoSection, QuatroSection
+from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard
 from steadyrl.guards.reward_scaler import GradeScaler
 from steadyrl.guards.robust_advantage import GEPOAdvantage
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 
+if TYPE_CHECKING:
+    from steadyrl.trainers.opefo_runtime import OpefoRuntime
+    from steadyrl.trainers.quatro_runtime import QuatroRuntime
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GuardParts:
+    """What the guard layers put into a ``SteadyGRPOTrainer``. Every part is optional; none at all is plain TRL.
+
+    reward_processor: raw rewards of the whole generation batch -> scaled rewards (GRADE, ``RewardProcessor``).
+    advantage_fn: grouped rewards (num_prompts, G) -> advantages (GEPO, ``AdvantageFunction``); default with only a
+        reward processor: TRL's own group normalisation with ``args.scale_rewards``.
+    step_guards: asked before every optimizer step with the global pre-clip gradient norm (``StepGuard``).
+    logprob_min: clamp every per-token log-prob (policy, old and reference) at this floor; None leaves TRL's.
+    finite_checks: count non-finite log-probs, importance ratios and losses per step (``gepo/nonfinite_*``).
+    kl_compensation: (lo, hi) clamp of GRADE's KL factor of beta, or None.
+    opefo / quatro: the OPEFO and QUATRO runtimes (``OpefoRuntime`` needs a step guard: the skip it feeds back).
+    micro_batch_guard: a ``SpikeGuard`` judging each micro-batch's own gradient (``granularity: micro_batch``).
+    stateful: extra named objects with ``state_dict``/``load_state_dict`` saved in every checkpoint.
+    observe_*: the same parts observing (docs/DESIGN.md, "Observe mode"): decisions computed and logged as
+        ``would`` metrics, never applied (``observe_rewards``: the reward processor runs, the raw rewards train).
+    """
+
+    reward_processor: RewardProcessor | None = None
+    advantage_fn: AdvantageFunction | None = None
+    step_guards: list[StepGuard] = field(default_factory=list)
+    logprob_min: float | None = None
+    finite_checks: bool = False
+    kl_compensation: tuple[float, float] | None = None
+    opefo: OpefoRuntime | None = None
+    quatro: QuatroRuntime | None = None
+    micro_batch_guard: SpikeGuard | None = None
+    stateful: dict[str, Any] = field(default_factory=dict)
+    observe_rewards: bool = False
+    observe_advantage_fn: AdvantageFunction | None = None
+    observe_step_guards: list[StepGuard] = field(default_factory=list)
+    observe_logprob_min: float | None = None
+    observe_micro_batch_guard: SpikeGuard | None = None
+
+    @property
+    def any_step_guard(self) -> bool:
+        return bool(self.step_guards or self.observe_step_guards)
+
+    @property
+    def rewrites_advantages(self) -> bool:
+        """Whether steadyrl computes the advantages (else TRL's stay untouched)."""
+        filters = self.quatro is not None and self.quatro.filters_on
+        parts = (self.reward_processor, self.advantage_fn, self.observe_advantage_fn)
+        return filters or any(p is not None for p in parts)
 
 
 def grade_layer(section: GradeSection) -> dict[str, Any]:
@@ -98,8 +147,19 @@ LAYERS: tuple[tuple[str, Callable[[Any], dict[str, Any]]], ...] = (
 )
 
 
-def layer_kwargs(guards: GuardsSection) -> dict[str, Any]:
-    """SteadyGRPOTrainer's extension points filled from the ``guards`` section (nothing when all are off)."""
+def guard_parts(guards: GuardParts | GuardsSection | dict[str, Any] | str | None) -> GuardParts:
+    """``GuardParts`` from ``"all"`` (every layer on, shipped defaults), a ``GuardsSection``, a dict shaped like the
+    YAML ``guards:`` section (validated like it: unknown keys raise ``ConfigError``), parts as they are, or None."""
+    from steadyrl.config.typed import _build
+
+    if guards is None or isinstance(guards, GuardParts):
+        return guards or GuardParts()
+    if guards == "all":
+        guards = {layer: {"enabled": True} for layer in ("gepo", "opefo", "quatro", "grade")}
+    if isinstance(guards, dict):
+        guards = _build(GuardsSection, guards, "guards", {})
+    if not isinstance(guards, GuardsSection):
+        raise TypeError(f'guards= takes "all", a GuardsSection, a dict or GuardParts, got {type(guards).__name__}')
     out: dict[str, Any] = {}
     for name, factory in LAYERS:
         filled = factory(getattr(guards, name))
@@ -110,4 +170,4 @@ def layer_kwargs(guards: GuardsSection) -> dict[str, Any]:
             filled.pop("observe_step_guards")  # GEPO observes already, non-finite norms included
         for key, value in filled.items():
             out.setdefault(key, value)
-    return out
+    return GuardParts(**out)

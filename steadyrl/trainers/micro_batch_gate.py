@@ -1,32 +1,23 @@
 """The spike decision per micro-batch (``guards.gepo.spike.granularity: micro_batch``; docs/DESIGN.md, "GEPO: spike
 skip").
 
-With gradient accumulation, the default decision (``granularity: step``, ``StepGate``) sees one norm per optimizer
-step: a micro-batch whose gradient is k times its siblings' raises it only (A - 1 + k) / A times for A accumulation
-steps, so the step is clipped, not skipped. Here every micro-batch is judged on its own gradient:
-
-- before each backward pass the gradients accumulated so far are copied (no copy for the first micro-batch of a
-  step: there is nothing yet); after it, the micro-batch's own contribution is ``grad - copy``, and a second
-  ``SpikeGuard`` (own EMA) decides on its norm on the step's scale: A x the contribution, the gradient of that
-  micro-batch's loss before the Trainer divides it by A, so ``abs_threshold`` means what it means per step;
-- a dropped micro-batch's contribution is removed (the gradients go back to the copy), and the step trains on the
-  mean of the kept ones: the accumulated gradient is rescaled by A / kept;
-- under DDP every backward pass runs without the all-reduce (``no_sync``) and the gradients are all-reduced once,
-  before the step decision, as the mean over every kept micro-batch of every rank (one collective per step, which
-  also carries the counts). Each rank judges its own micro-batches: the decision is local, the result global;
-- a step whose every micro-batch was dropped (on every rank) is skipped like a vetoed step (``gepo/skipped_
-  micro_batches``). The step gate then still decides on the whole step's norm as usual.
-
-In observe mode (``guards.gepo.mode: observe``) nothing is dropped: the would-drops are counted
-(``gepo/would_drop_micro_batches``). Not under DeepSpeed: ZeRO reduces each micro-batch into its gradient partitions
-inside the backward pass (refused in config checks). Costs one copy of the trainable gradients while A > 1.
-A dropped micro-batch does not go to OPEFO's error feedback: it is the poisoned part, not a deferred update.
+With gradient accumulation the step gate sees one norm per optimizer step, in which one spiking micro-batch of A is
+diluted. Here each micro-batch is judged on its own gradient: the gradients accumulated before its backward are
+copied, its contribution is ``grad - copy``, and a second ``SpikeGuard`` (own EMA) decides on A x its norm (the
+step's scale). A dropped micro-batch's contribution is removed and the step trains on the mean of the kept ones.
+Under DDP every backward runs in ``no_sync`` and ``finish`` all-reduces the kept gradients once, with the counts; each
+rank judges its own micro-batches. A step whose every micro-batch was dropped is skipped like a vetoed step
+(``gepo/skipped_micro_batches``). Observe mode only counts (``gepo/would_drop_micro_batches``). Not under DeepSpeed
+(refused). Costs one copy of the trainable gradients while A > 1; a dropped micro-batch is not fed back (OPEFO).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +29,7 @@ from steadyrl.metrics import (
     GEPO_DROPPED_MICRO_BATCHES,
     GEPO_MICRO_SPIKE_EMA,
     GEPO_WOULD_DROP_MICRO_BATCHES,
+    GUARD_PART_GEPO_SPIKE,
 )
 from steadyrl.trainers.context import RuntimeContext
 
@@ -65,8 +57,22 @@ class MicroBatchGate:
         self._prev: list[torch.Tensor | None] | None = None
         self._seen = 0
         self._dropped = 0
+        self.params: list[torch.nn.Parameter] | None = None  # the trainable parameters, from the first micro-batch
 
     # ------------------------------------------------------------------ around each backward pass
+
+    @contextlib.contextmanager
+    def around_backward(self, model: torch.nn.Module, sync: contextlib.AbstractContextManager) -> Iterator[None]:
+        """Around one micro-batch's forward and backward (the Trainer's ``training_step``), inside ``sync`` (DDP's
+        ``no_sync``: ``finish`` all-reduces the kept micro-batches)."""
+        if self.params is None:
+            self.params = [p for p in model.parameters() if p.requires_grad]
+        with self.ctx.timer(GUARD_PART_GEPO_SPIKE):  # the gradient copy is guard cost too
+            self.before_backward(self.params)
+        with sync:
+            yield
+        with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
+            self.after_backward(self.params)
 
     def before_backward(self, params: list[torch.nn.Parameter]) -> None:
         """Copy what has accumulated so far (nothing to copy for the first micro-batch of a step)."""
@@ -165,3 +171,25 @@ class MicroBatchGate:
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state["guard"])
         self.dropped_total = float(state.get("dropped_total", 0.0))
+
+
+def micro_batch_gate(
+    act: SpikeGuard | None, observe: SpikeGuard | None, ctx: RuntimeContext, *, deepspeed: bool, max_grad_norm: float,
+    accumulation: int,
+) -> MicroBatchGate | None:  # fmt: skip
+    """The trainer's gate from its acting or observing micro-batch guard (None: neither); refuses what cannot work."""
+    guard = act or observe
+    if guard is None:
+        return None
+    if act is not None and observe is not None:
+        raise ValueError("micro_batch_guard and observe_micro_batch_guard are exclusive")
+    if deepspeed:
+        raise ValueError("guards.gepo.spike.granularity=micro_batch does not work under DeepSpeed; use step")
+    if max_grad_norm <= 0:  # _clip_grad_norm, where the kept micro-batches are averaged, never runs
+        raise ValueError("guards.gepo.spike.granularity=micro_batch needs max_grad_norm > 0")
+    # consecutive drops count in micro-batches: max_consecutive_skips steps' worth of them stops the run
+    accumulation = max(1, int(accumulation))
+    limit = guard.config.max_consecutive_skips * accumulation
+    guard.config = dataclasses.replace(guard.config, max_consecutive_skips=limit)
+    distributed = ctx.processes > 1  # the backward passes run no_sync; finish all-reduces
+    return MicroBatchGate(guard, ctx, observe=observe is not None, distributed=distributed, accumulation=accumulation)

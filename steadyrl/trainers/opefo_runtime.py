@@ -1,49 +1,21 @@
-"""OPEFO inside a running SteadyGRPOTrainer: when to floor, feed back, snapshot, check and roll back.
+"""OPEFO inside a running trainer: when to floor, feed back, snapshot, check, repair and roll back
+(docs/DESIGN.md, the "OPEFO" sections).
 
-The pure pieces (``steadyrl.guards.opefo``) know nothing about the Trainer; this module decides when they run
-and where their tensors live. It never holds the trainer: ``attach`` gives it a ``RuntimeContext`` (metrics,
-events, collectives, step, rank), the optimizer and the trainable parameters it protects, and the registry of
-guard states a snapshot holds; the recovery learning-rate factor it *returns* from ``on_step_end``, and the
-trainer applies it (``steadyrl.trainers.trl_state.LearningRateScale``).
+No trainer here: ``attach`` gives it a ``RuntimeContext``, the optimizer, the trainable parameters and the registry
+of guard states a snapshot holds; the recovery learning-rate factor it *returns* from ``on_step_end`` is written by
+the trainer (``trl_state.LearningRateScale``). It works on the innermost torch optimizer (AdamW): every parameter's
+moments under DDP (equal on all ranks, so the floor runs locally), this rank's fp32 partitions under DeepSpeed ZeRO-2
+(the floor and error feedback reduce over ranks). The finiteness checks always reduce, so every rank decides alike.
 
-- the optimizer they work on is the innermost torch optimizer (AdamW): under DDP it holds every parameter's
-  moments (identical on all ranks), under DeepSpeed ZeRO-2 (the tested stage) it holds this rank's flat fp32 partitions;
-- cross-rank sums: under ZeRO the floor and error feedback reduce over ranks (each holds a different slice);
-  under DDP every rank holds the same state, so they run locally. The finiteness checks always reduce, so a
-  NaN on one rank makes every rank roll back together;
-- error feedback: ``on_skip`` stores the skipped gradient (this rank's partition under ZeRO), ``feed_back``
-  injects it on the next taken steps, after the skip decision and before clipping;
-- after every optimizer step (``on_step_end``): the second-moment floor every ``floor.interval`` steps; a
-  finiteness check of parameters and Adam moments every ``rollback.check_interval`` steps and at once after a
-  step with a non-finite loss or a skip; on failure a rollback; otherwise a healthy snapshot every
-  ``rollback.snapshot_interval`` steps (and one when training starts, so there is always one to go back to).
+After every optimizer step: the floor every ``floor.interval`` steps; a check of weights and Adam moments every
+``rollback.check_interval`` steps and at once after a non-finite loss or a skip; on failure a repair in place (only
+moments bad, few entries) or a rollback to the last healthy snapshot with the LR cut for ``recovery_steps``; else a
+snapshot every ``snapshot_interval`` steps (and one at train begin). Training goes forward: step, data position,
+schedule and RNG are not rewound. Error feedback: ``on_skip`` keeps a skipped step's gradient, ``feed_back`` injects
+it into the next taken steps before clipping.
 
-A failed check whose only fault is non-finite Adam moments (the weights are finite) is repaired in place by
-default (``rollback.repair_state``): the bad entries get first moment 0 and the largest finite second moment of
-their tensor (``optimizer_state.repair_moments``), on every rank, and training goes on with no lost steps and no
-LR cut. It rolls back instead when more than ``repair_max_share`` of the entries are bad, when the moments go bad
-again within ``recovery_steps`` of a repair, or (DDP) when the replicas hold different numbers of bad entries.
-
-A rollback restores, on every rank, the trainable weights, the optimizer state (under ZeRO also the fp32
-master partitions) and every guard's state from the latest healthy snapshot, drops a pending error-feedback
-residual, and scales the learning rate by ``recovery_lr_factor`` for ``recovery_steps`` steps (on top of the
-schedule, which is not rewound: the param groups keep the current step's LR, not the snapshot's). Training
-continues forward: ``global_step``, the data position, the LR schedule and the RNG streams are not rewound, so
-the steps between the snapshot and the failure are lost updates and the batch that caused it is never seen again.
-Snapshots therefore hold weights, optimizer state and guard states only; a scheduler or RNG state in them would
-never be used.
-
-Observe mode (``OpefoRuntime(config, observe=True)``, ``guards.opefo.mode: observe``; docs/DESIGN.md, "Observe
-mode"): the floor decides on the same schedule but changes no entry (``opefo/would_floor_entries``: the entries it
-would have raised, cumulative); a skipped step's gradient is not kept and nothing is fed back
-(``opefo/would_feed_back``); the finiteness checks run on the same schedule and count what would have been a
-rollback (``opefo/would_rollback``), with no restore and no LR cut (``on_step_end`` returns None). No snapshot is
-taken: it exists only to be restored, and it would cost a copy of the weights and moments (RAM or disk) for
-nothing, so observe mode's overhead figure leaves it out.
-
-Memory: a snapshot is one copy of the trainable weights plus the Adam moments held by this rank (CPU RAM for
-``storage: memory``, a file per rank for ``disk``); error feedback holds one copy of this rank's gradients
-while a residual is pending.
+Observe mode: the same decisions on the same schedule, counted as ``opefo/would_*``; nothing is changed and no
+snapshot is taken. Memory: a snapshot is one copy of the trainable weights plus the Adam moments this rank holds.
 """
 
 from __future__ import annotations

@@ -1,46 +1,19 @@
 """SteadyPPOTrainer: PPO with a critic and GAE on TRL's GRPO rollout machinery (generation, rewards, reference).
 
-The loop, per generation batch (docs/DESIGN.md "PPO: critic, rewards and GAE"; the math is in ``steadyrl.ppo.gae``):
+Per generation batch (docs/DESIGN.md, "PPO: critic, rewards and GAE"; the math is in ``steadyrl.ppo.gae``): TRL
+generates, scores and computes the reference log-probs; the rollout station (with ``SequenceRewardPipeline``) gives
+each completion its *sequence reward* (weighted sum, then GRADE); ``_add_gae`` computes the critic's values, the
+per-token KL ``k1|k3(logp_old, logp_ref)``, token rewards ``-beta * kl_t`` plus the sequence reward on the last
+token, GAE (``gamma``, ``lam``) and whitens the advantages over all ranks' real tokens. ``advantages`` becomes (B, T);
+``old_values`` and ``returns`` ride along, so TRL splits, shuffles and buffers them with the rest. ``_compute_loss``
+calls TRL's own loss with ``self.beta`` 0 for the call (the KL is in the reward) inside
+``PolicyAndValue.computing_values``, so the same forward gives the values; ``vf_coef * clipped_value_loss`` is added.
 
-1. TRL generates, scores (reward functions / reward models) and computes the reference log-probs (``trainer.beta``
-   > 0 makes it load the reference; under LoRA it disables the adapter instead).
-2. ``compute_advantages`` (the parent's hook, with ``SequenceRewardPipeline``) returns the *sequence reward* of each
-   completion: the weighted sum of the reward functions, then GRADE when enabled. It lands in
-   ``output["advantages"]`` for a moment.
-3. ``_generate_and_score_completions`` then computes the critic's values V_old on the rollout (no grad), the
-   per-token KL ``k1|k3(logp_old, logp_ref)``, token rewards ``-beta * kl_t`` plus the sequence reward on the last
-   completion token, GAE (``gamma``, ``lam``), and whitens the advantages over all ranks' real tokens (optionally
-   tanh soft clip). ``advantages`` becomes (B, T); ``old_values`` and ``returns`` ride along in the batch, so TRL
-   splits, shuffles and buffers them with the rest across ``steps_per_generation`` / ``num_iterations``.
-4. ``_compute_loss`` calls TRL's own loss (clipped ratio, any of grpo/bnpo/dr_grpo/dapo normalisations) with the
-   (B, T) advantages (TRL unsqueezes only 1-D advantages) and ``self.beta`` set to 0 for the duration of the call, so
-   TRL adds no KL term: in PPO the KL is in the reward. The forward runs inside ``PolicyAndValue.computing_values``,
-   so the same forward gives the critic's values; ``vf_coef * clipped_value_loss`` is added.
-
-The critic lives with the policy in one ``PolicyAndValue`` module (``self.model``): one engine, one optimizer; the
-critic's parameters are their own param groups with ``ppo.critic_lr``. Checkpoints: the policy is saved as usual
-(``save_pretrained``, what ``final/`` and any other consumer loads), the whole critic as ``critic.safetensors``
-beside it; the optimizer state of both is the Trainer's own ``optimizer.pt`` (or the DeepSpeed engine's).
-
-QUATRO's adaptive KL: the coefficient it controls is the reward's ``beta`` (``beta_base x`` every factor, GRADE's
-included), read fresh at every reward placement and logged there as ``ppo/beta``. TRL's loss logs no KL here, so
-``_add_gae`` hands the controller the rollout's mean per-token KL (``ppo/kl``: token mean over all ranks' loss
-tokens) and it observes once per generation batch, at the end of the optimizer step that generated it; steps that
-train on an earlier rollout do not observe (see ``steadyrl.trainers.quatro_runtime``).
-
-QUATRO's rollout replay: the parent mixes old rows into each generation's micro-batches after ``_add_gae`` ran, so
-a replayed row carries everything of its own rollout, right-padded over the completion: token advantages (B, T),
-``returns``, ``old_values``, sampling and reference log-probs (``steadyrl.guards.quatro.REPLAY_ROW_KEYS``). Its
-policy ratio is exp(current - its sampling log-probs) and its value loss is clipped around its own ``old_values``,
-i.e. stale rows train like PPO's later epochs. The rows worth replaying (and the fresh rows they displace) are
-ranked by the mean |token advantage| over their loss tokens (``_row_signal``): there are no groups here.
-
-vLLM rollouts need nothing here: TRL builds its ``VLLMGeneration`` around the bare policy during
-``super().__init__``, before the wrapper exists, so each weight sync walks the policy's own parameter names (and
-merges LoRA adapters) and never sees the critic (``tests/vllm_cpu``; ``steadyrl.trainers.vllm_support``).
-
-What this leaves out: ZeRO-3, eval-mode value loss (eval batches get TRL's loss with the sequence reward as a
-flat advantage), and a critic trained less or more often than the policy (both step together).
+The critic lives with the policy in one ``PolicyAndValue`` module (one engine, one optimizer; its own param groups at
+``ppo.critic_lr``). Checkpoints: the policy as usual, the critic as ``critic.safetensors`` beside it. QUATRO's
+adaptive KL controls the reward's ``beta`` and observes the rollout's KL once per generation batch; replayed rows
+keep their token advantages, returns and values, ranked by mean |token advantage|. vLLM needs nothing here: TRL
+builds its generation around the bare policy before the wrapper exists, so weight syncs never see the critic.
 """
 
 from __future__ import annotations
@@ -48,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +45,7 @@ from steadyrl.metrics import (
 from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
 from steadyrl.ppo.value import CriticModel
 from steadyrl.ppo.wrapper import PolicyAndValue
+from steadyrl.trainers import trl_state
 from steadyrl.trainers.advantage_pipeline import SequenceRewardPipeline
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
 
@@ -135,9 +108,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
             import dataclasses
 
             critic_peft = dataclasses.replace(peft_config, task_type=None)  # a bare backbone, not a causal LM
-        critic = CriticModel.from_pretrained(
-            source, init_std=self.ppo.value_head_init_std, reward_stats=stats, peft_config=critic_peft, **model_kwargs
-        )
+        critic = CriticModel.from_pretrained(source, reward_stats=stats, peft_config=critic_peft, **model_kwargs)
         logger.info("PPO critic from %s (%s)", source, critic.init_source)
         return critic
 
@@ -223,9 +194,6 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
 
     # ------------------------------------------------------------------ rewards -> GAE advantages
 
-    def _rewrites_advantages(self) -> bool:
-        return True  # always: the sequence reward, not TRL's group advantage, goes on
-
     def _global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, unbiased var) of ``x`` over the real tokens of every rank (all-reduced n, sum, sum of squares)."""
         real = mask.bool()
@@ -307,10 +275,10 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         if "old_values" not in inputs:  # eval batches: no rollout values
-            with self._kl_out_of_loss():
+            with trl_state.kl_out_of_loss(self):
                 return super()._compute_loss(model, inputs)
         wrapper = self.policy_and_value
-        with self._kl_out_of_loss(), wrapper.computing_values():
+        with trl_state.kl_out_of_loss(self), wrapper.computing_values():
             loss = super()._compute_loss(model, inputs)
         full_values, wrapper.last_values = wrapper.last_values, None
         assert full_values is not None, "the policy forward of TRL's loss did not run through PolicyAndValue"
@@ -328,20 +296,6 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         self._guard_metric(PPO_CLIPFRAC_VALUE, float(self.accelerator.reduce(clipfrac, reduction="mean")))
         # scaled for gradient accumulation like TRL's grpo/bnpo losses (HF auto-scaling is off in GRPOTrainer)
         return loss + self.ppo.vf_coef * vf_loss / self.current_gradient_accumulation_steps
-
-    @contextlib.contextmanager
-    def _kl_out_of_loss(self) -> Iterator[None]:
-        """TRL adds ``beta * kl`` to the loss when ``self.beta != 0``; PPO's KL is in the reward, so 0 here.
-
-        ``self.beta`` stays the KL coefficient everywhere else: TRL's rollout reads it to compute the reference
-        log-probs, GRADE's compensation and QUATRO's controller scale it, the reward placement uses it. On exit it is
-        the effective ``beta_base x`` every factor again (a factor set meanwhile is kept, not undone).
-        """
-        self.beta = 0.0
-        try:
-            yield
-        finally:
-            self.beta = self.beta_base * math.prod(self.beta_factors.values())
 
 
 def _grad_norm(parameters: Iterator[torch.nn.Parameter]) -> float:

@@ -1,82 +1,20 @@
-"""QUATRO inside a running SteadyGRPOTrainer: when the KL and entropy controllers observe, what they set, where the
-rollout filters cut and how rollout replay mixes old rows into training micro-batches.
+"""QUATRO inside a running trainer: when the KL and entropy controllers observe, what they set, where the rollout
+filters cut and how replay mixes old rows into training micro-batches (docs/DESIGN.md, the "QUATRO" sections).
 
-The pure pieces (``steadyrl.guards.quatro``) know nothing about the Trainer; this module wires them in. It never
-holds the trainer: it gets a ``RuntimeContext`` (metrics, events, collectives, step, rank) and the few settings it
-needs (``QuatroSetup``), and it *returns* what should change in TRL's state (``QuatroControls``: the ``quatro_kl``
-factor of beta, the entropy coefficient, the clip-range scale); ``SteadyGRPOTrainer`` writes them
-(``steadyrl.trainers.trl_state``) after ``bind``, after every optimizer step and after any state load.
+No trainer here: a ``RuntimeContext`` and the settings of ``QuatroSetup``; it *returns* what should change
+(``QuatroControls``: the ``quatro_kl`` factor of beta, the entropy coefficient, the clip-range scale), which the
+trainer writes through ``trl_state``. The stations call it: ``rollout`` (the floor's reward gate, the filters, replay
+mixing), ``loss`` (TRL's kl and entropy per micro-batch, token-weighted; the replay metrics), ``step_end`` (the
+controllers observe the step's means). PPO (``kl_from_rollouts``) measures the KL once per generation batch, where
+it is placed in the reward, and the controller observes once per generation batch.
 
-- measurements: after every training micro-batch loss (``SteadyGRPOTrainer._compute_loss``) the runtime records
-  TRL's just-logged ``kl`` and ``entropy`` (each already a token mean over all ranks) with the micro-batch's token
-  count over all ranks; at the optimizer step's end the step mean is the token-weighted mean of those entries.
-  Micro-batches whose every row the filters excluded (``dropped_rows: exclude``) have no tokens and do not count
-  (TRL logs 0 for them).
-- adaptive KL (after each optimizer step): ``AdaptiveKL.observe(step mean KL)``; its factor becomes
-  the ``quatro_kl`` factor of beta. The effective coefficient is
-  ``trainer.beta = beta_base x quatro_kl x grade`` (GRADE's KL compensation, when on, is the other factor).
-  PPO (a trainer with ``kl_in_reward = True``) has no loss-side KL: its loss runs with beta 0, TRL logs no ``kl``.
-  There the KL is measured once per generation batch, where PPO places ``-beta * kl_t`` in the token rewards
-  (``record_rollout_kl``: the token mean over all ranks' loss tokens of the rollout), and the controller observes
-  *once per generation batch*: at the end of the optimizer step that generated it, the token-weighted mean of the
-  rollouts generated during that step (one in the usual layout). Steps that train on an earlier rollout
-  (``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``) bring no new measurement and
-  do not observe, so ``update_every`` counts generation batches in PPO, and a rollout's KL is never counted twice.
-  The new coefficient applies from the next rollout's reward placement on (like GRPO's, from the next step's loss).
-- entropy floor (after each optimizer step): ``EntropyFloor.observe(step mean entropy)``, then TRL's own entropy
-  bonus coefficient ``entropy_coef = the user's trainer.entropy_coef + floor.bonus`` (the trainer switches TRL's
-  ``_entropy_bonus_enabled`` on at bind time; with coefficient 0 the term adds exactly 0) and, for the loss types
-  whose epsilon is PPO's clip range (``CLIP_LOSS_TYPES``), ``epsilon_low/high = initial x floor.clip_scale()``. Both
-  apply from the next step on.
-- filters (per generation batch, train mode): the gathered weighted rewards and token ids of the whole generation
-  batch go through ``RolloutFilter`` (``filter_generation``); the advantage pipeline then computes advantages with
-  ``masked_group_advantages`` (dropped rows get advantage 0); only with ``filters.dropped_rows: exclude`` does
-  ``mask_dropped_rows`` also zero the completion mask of this rank's dropped rows.
-- replay (per rank, train mode; ``ReplayBuffer`` seeded with ``args.seed + rank``):
-  1. sampling log-probs: after every generation batch is scored
-     (``SteadyGRPOTrainer._generate_and_score_completions``) ``trl_state.ensure_sampling_logps`` fills
-     ``old_per_token_logps`` where TRL left it None (TRL computes it only when it believes the data is off-policy:
-     ``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``, or vLLM's importance sampling
-     correction). It is one no-grad forward of the current model over the generation batch, TRL's own
-     ``_get_per_token_logps_and_entropies`` with TRL's arguments, before any optimizer step, i.e. the log-probs of
-     the policy that sampled the rows. Fresh rows then train with ratio exp(current - these), 1 up to float
-     rounding on their first pass (TRL's ``per_token_logps.detach()`` gives exactly 1), so a run with replay on is
-     not bit-identical to one without it even before anything is replayed.
-  2. mixing (``SteadyGRPOTrainer._prepare_inputs``, only on the calls where TRL generated, i.e. once per
-     ``steps_per_generation x num_iterations`` micro-steps): every micro-batch TRL just split off is mixed with
-     rows of earlier generations (``ReplayBuffer.mix``), then the fresh micro-batches are added to the buffer, so
-     a micro-batch never replays rows of its own generation. The mixed micro-batches replace TRL's buffered ones
-     (so all ``num_iterations`` passes train on the same mixed rows). ``num_items_in_batch`` (the dapo/cispo/vespo
-     normaliser, summed over ranks) is recounted over the mixed rows; every mixed micro-batch carries
-     ``REPLAY_STEP_KEY`` (B,): the optimizer step a replayed row was sampled at, -1 on fresh rows.
-  3. metrics (each training micro-batch's loss, summed over ranks): ``quatro/replay_frac`` (replayed rows / rows),
-     ``quatro/replay_age_mean`` (optimizer steps between sampling and this loss, replayed rows only) and
-     ``quatro/replay_ratio_mean`` (token mean of exp(loss log-probs - stored sampling log-probs) over the replayed
-     rows' loss tokens: the importance ratio TRL's loss forms for them, before clipping; a token mean also under
-     ``importance_sampling_level: sequence``). The last two are left out of the log when nothing was replayed.
-  Interplay: whether TRL computes the old log-probs itself (e.g. ``num_iterations > 1`` with one generation per
-  optimizer step) or ``trl_state.ensure_sampling_logps`` does, every row, fresh or replayed, is ratio-corrected
-  against its own sampling policy in every pass, so any ``steps_per_generation`` / ``num_iterations`` combination works.
-  Replayed rows keep their reference log-probs (the reference never moves, so they stay exact; present when
-  beta != 0 at generation) and their advantage (computed within their own group at sampling time). With vLLM's
-  importance sampling correction a replayed row also keeps its ``importance_sampling_ratio`` (the vLLM-vs-trainer
-  mismatch at its sampling time; TRL multiplies it into the per-token loss, next to the policy-drift ratio
-  exp(current - old)) and its ``sampling_per_token_logps``. PPO clipping bounds the ratio of stale rows as usual.
-  PPO (``SteadyPPOTrainer``): its GAE runs inside ``_generate_and_score_completions``, before the mixing, so a
-  replayed row also keeps its (B, T) token advantages, ``old_values`` and ``returns`` (value clipping around its own
-  sampling-time values); rows are ranked by the mean |token advantage| over their loss tokens.
+Replay needs every row's sampling log-probs: ``trl_state.ensure_sampling_logps`` fills them where TRL left none (a
+no-grad forward before any update, so a run with replay is not bit-identical to one without even before anything is
+replayed). Mixed micro-batches carry ``REPLAY_STEP_KEY``; ``num_items_in_batch`` is recounted over the mixed rows.
 
-Observe mode (``QuatroRuntime(config, observe=True)``, ``guards.quatro.mode: observe``; docs/DESIGN.md, "Observe
-mode"): the controllers observe exactly as above, but ``controls()`` is empty, so TRL's beta, entropy_coef and
-epsilon stay the user's (TRL's entropy term is not switched on); what they would set is logged
-(``quatro/kl_coef_would``, ``quatro/entropy_bonus_would``, ``quatro/clip_scale_would``,
-``quatro/floor_active_would``). The filters compute their keep mask and log ``quatro/would_filter/<reason>`` and
-``quatro/would_filter_share``; ``filter_generation`` returns None, so every row trains. Replay is inactive (no
-sampling log-probs, no mixing), which ``bind`` says in a log line.
-
-State: the controllers and the filter's length history are identical on every rank and saved with the guard
-state of the main process; the replay buffer (rows and generator) is per rank (``rank_state_dict``, saved in the
-rank files next to TRL's buffered micro-batches, which keep their ``REPLAY_STEP_KEY``).
+Observe mode: the controllers observe, ``controls()`` is empty and the would-be values are logged under ``_would``
+names; the filters log their keep mask; replay is inactive. State: controllers and the filter's length history are
+equal on every rank (guard state of the main process); the replay buffer is per rank (``rank_state_dict``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ and decide the same way, but their veto only counts (``gepo/would_skip``, per re
 feedback, and a non-finite gradient reaches the optimizer exactly as in plain TRL.
 
 Where the decision runs:
-- one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.clip_or_skip`` (gradients are already
+- one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.gate_step`` (gradients are already
   all-reduced there, so the local norm is the global norm and every rank decides the same; under fp16's GradScaler
   the trainer unscales them first);
 - DeepSpeed ZeRO-2: the step runs inside ``accelerator.backward`` -> ``engine.step()``, so the Trainer's
@@ -40,6 +40,7 @@ from steadyrl.metrics import (
     gepo_would_skip,
 )
 from steadyrl.trainers.context import RuntimeContext
+from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,43 @@ class StepGate:
         ctx: RuntimeContext,
         feedback: ErrorFeedbackHook | None = None,
         observers: list[StepGuard] | None = None,
+        deepspeed: bool = False,
     ) -> None:
         self.guards = guards
+        self.deepspeed = deepspeed  # the gate runs inside the ZeRO optimizer's step (``install_deepspeed``)
         self.observers = list(observers or [])
         self.ctx = ctx
         self.feedback = feedback
         self.counters: dict[str, float] = defaultdict(float)
         self._ds_installed = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.guards or self.observers)
+
+    def gate_step(
+        self, model: torch.nn.Module, optimizer: Any, max_grad_norm: float, micro: MicroBatchGate | None = None
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Station 3, from the Trainer's ``_clip_grad_norm`` (one process or DDP): the micro-batch gate's average,
+        then skip or clip. Returns (pre-clip norm, skipped); norm None: nothing to gate here, TRL clips (no step
+        guard, or DeepSpeed, where the gate runs inside the engine's step)."""
+        if micro is not None and micro.params is not None:
+            with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
+                every_one_dropped = micro.finish(micro.params)
+            if every_one_dropped:  # nothing left to train on: the step is skipped like a vetoed one
+                self.veto("micro_batches")
+                model.zero_grad(set_to_none=True)
+                return torch.zeros((), device=self.ctx.device), True
+        if not self.active or self.deepspeed:
+            return None, False
+        scaler = getattr(optimizer, "scaler", None)  # accelerate's GradScaler: fp16 without DeepSpeed
+        if scaler is not None:
+            # The gradients are still multiplied by the loss scale. Unscale them first, as the Trainer's own
+            # clipping does (accelerator.clip_grad_norm_): the gate decides on, feeds back into and clips the true
+            # gradients, and the scaler records its inf check here, so a vetoed step (no gradients left) passes
+            # scaler.step / scaler.update like a step without overflow.
+            scaler.unscale_(optimizer.optimizer)
+        return self.clip_or_skip(model, max_grad_norm)
 
     def decide(self, norm: torch.Tensor, gradients: list[torch.Tensor | None]) -> StepDecision:
         """Ask every step guard about the global pre-clip norm; on a veto, hand them the gradients and count it.

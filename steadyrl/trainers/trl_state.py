@@ -9,13 +9,41 @@ beta != 0) and one ``entropy`` entry per micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from steadyrl.metrics import OPEFO_LR_FACTOR
 from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, QuatroSetup
+
+
+@contextlib.contextmanager
+def kl_out_of_loss(trainer: Any) -> Iterator[None]:
+    """PPO: TRL adds ``beta * kl`` to the loss when ``trainer.beta != 0``; PPO's KL is in the reward, so 0 for the
+    duration. Everywhere else ``beta`` stays the KL coefficient (TRL's rollout reads it for the reference log-probs,
+    GRADE and QUATRO scale it, the reward placement uses it); on exit it is ``beta_base x`` every factor again."""
+    trainer.beta = 0.0
+    try:
+        yield
+    finally:
+        trainer.beta = trainer.beta_base * math.prod(trainer.beta_factors.values())
+
+
+def mix_buffered_inputs(trainer: Any, mix: Callable[[list[Any]], list[Any]], served: Any) -> Any:
+    """Replay: TRL's just-buffered micro-batches of a new generation -> ``mix(them)``; returns the mixed counterpart of
+    the micro-batch TRL served from them (``served``)."""
+    fresh = trainer._buffered_inputs
+    trainer._buffered_inputs = mix(fresh)
+    return trainer._buffered_inputs[next(i for i, batch in enumerate(fresh) if batch is served)]
+
+
+def restore_rollouts(trainer: Any, rollouts: dict[str, Any] | None) -> None:
+    """A checkpoint's rollout buffer and micro-step counter back into TRL (None: the checkpoint had none)."""
+    if rollouts is not None:
+        trainer._step, trainer._buffered_inputs = rollouts["step"], rollouts["buffered_inputs"]
 
 
 def set_beta_factor(trainer: Any, name: str, value: float) -> None:
@@ -136,6 +164,14 @@ class LearningRateScale:
         self._scaled = None if factor == 1.0 else [g["lr"] for g in param_groups]
         self._last_factor = factor
         return True
+
+
+def mark_step_skipped(optimizer: Any, skipped: bool) -> None:
+    """Tell the Trainer whether the optimizer step was skipped (accelerate's ``_is_overflow``, read as
+    ``optimizer_step_was_skipped``), so a skipped step leaves the LR schedule alone, as an fp16 overflow does. Under
+    a GradScaler ``optimizer.step()`` rewrites the flag: ``_GuardClock.on_optimizer_step`` sets it again."""
+    if hasattr(optimizer, "_is_overflow") and (skipped or getattr(optimizer, "scaler", None) is None):
+        optimizer._is_overflow = skipped
 
 
 def apply_lr_factor(trainer: Any, scale: LearningRateScale, factor: float) -> None:

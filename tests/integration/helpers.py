@@ -76,12 +76,13 @@ def hostile_reward(completions: list[str], trainer_state: Any = None, **_: Any) 
     return out
 
 
-def tiny_grpo_trainer(model_dir: Path | str, out: Path | str, guards: dict[str, Any] | None = None, **args: Any):
+def tiny_grpo_trainer(model_dir: Path | str, out: Path | str, guards: Any = None, **args: Any):
     """A ``SteadyGRPOTrainer`` on the tiny model and dataset with the dense ``byte_mean`` reward; ``guards`` are its
-    guard keyword arguments (``quatro=...``, ...), ``args`` override ``grpo_args``."""
+    ``GuardParts`` fields (``quatro=...``, ...), ``args`` override ``grpo_args``."""
     from transformers import AutoTokenizer
 
     from steadyrl.trainers import SteadyGRPOTrainer
+    from steadyrl.trainers.layers import GuardParts
 
     return SteadyGRPOTrainer(
         model=str(model_dir),
@@ -89,7 +90,7 @@ def tiny_grpo_trainer(model_dir: Path | str, out: Path | str, guards: dict[str, 
         args=grpo_args(out, **args),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        **(guards or {}),
+        guards=guards if isinstance(guards, GuardParts) else GuardParts(**(guards or {})),
     )
 
 
@@ -170,7 +171,7 @@ def _row_keys(batch: dict[str, Any]) -> list[tuple]:
 
 
 def _grade_scaler() -> type:
-    from steadyrl.guards.grade import GradeScaler
+    from steadyrl.guards.reward_scaler import GradeScaler
 
     class RecordingGrade(GradeScaler):
         """GRADE that keeps each call's raw input and output (``inputs``, ``outputs``: one (N,) tensor per

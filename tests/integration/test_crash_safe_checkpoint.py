@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from steadyrl.trainers.grpo import COMPLETE_MARKER, STAGING_DIR
+from steadyrl.trainers.checkpoints import COMPLETE_MARKER, STAGING_DIR
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

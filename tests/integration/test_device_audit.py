@@ -13,7 +13,7 @@ import torch
 
 from steadyrl.cli import main
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV
-from steadyrl.guards import rollout_filters
+from steadyrl.guards import moment_floor, rollout_filters
 from tests.integration.device_audit import HostTensorAudit, Mix
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,15 @@ def test_no_guard_path_mixes_a_host_tensor_with_a_device_tensor(tiny_model_dir, 
     # A tensor steadyrl cached in an earlier test was made outside any audit, so the audit would count it as a
     # device tensor and report a false mix (the n-gram filters' powers of the id base, cached per device).
     rollout_filters._powers.cache_clear()
+    monkeypatch.setattr(moment_floor, "SAMPLE_SIZE", 1024)  # the floor's sampled percentile, each step (below)
     audit = HostTensorAudit()
     base = [f"model.path={tiny_model_dir}", *SMALL, *ON]
-    # the paths the shipped config leaves off, too: replay, the near-duplicate filter, the filters' loss mask, and
+    # the paths the shipped config leaves off, too: replay, the filters' loss mask, and
     # two updates per generation (old log-probs, the replay importance ratio); bf16 weights, as on a GPU (the CPU
     # has no bf16 autocast here, so the weights and the optimizer state themselves are bf16)
-    grpo = [*base, "guards.quatro.replay.enabled=true", "guards.quatro.filters.near_duplicate.enabled=true",
+    grpo = [*base, "guards.quatro.replay.enabled=true",
             "guards.quatro.filters.dropped_rows=exclude", "trainer.num_iterations=2",
-            "guards.opefo.floor.interval=1", "guards.opefo.floor.sample_size=1024",  # the floor, sampled, each step
+            "guards.opefo.floor.interval=1",  # the floor each step
             "model.dtype=bfloat16"]  # fmt: skip
     run = tmp_path / "grpo"
     monkeypatch.setenv(FAULT_STEP_ENV, "2")

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from trl import GRPOTrainer
 
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,9 @@ class IdentityRewards:
 def test_guards_off_equals_plain_trl(tiny_model_dir, tmp_path):
     plain, initial = _train(GRPOTrainer, tiny_model_dir, tmp_path / "plain")
     steady, _ = _train(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "steady")
-    routed, _ = _train(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "routed", reward_processor=IdentityRewards())
+    routed, _ = _train(
+        SteadyGRPOTrainer, tiny_model_dir, tmp_path / "routed", guards=GuardParts(reward_processor=IdentityRewards())
+    )
 
     rewards = per_step(plain.state.log_history, "reward")
     assert len(rewards) == 3

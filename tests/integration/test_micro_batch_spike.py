@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import byte_mean, grpo_args, per_step, small_dataset
 
 pytestmark = pytest.mark.slow
@@ -60,8 +61,10 @@ def _run(tiny_model_dir, out, granularity: str):
         ),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        step_guards=[SpikeGuard(config)],
-        micro_batch_guard=SpikeGuard(config) if granularity == "micro_batch" else None,
+        guards=GuardParts(
+            step_guards=[SpikeGuard(config)],
+            micro_batch_guard=SpikeGuard(config) if granularity == "micro_batch" else None,
+        ),
     )
     spike = MicroBatchSpike(trainer)
     trainer.train()
@@ -75,7 +78,7 @@ def test_one_spiking_micro_batch_is_diluted_per_step_and_dropped_per_micro_batch
     norms = per_step(step_run.state.log_history, "grad_norm")
     usual = statistics.median(n for i, n in enumerate(norms) if i != SPIKE_STEP)
     # per step: the spike raises the step's norm, but under spike_factor 5 x the baseline, so the step is taken
-    assert 1.5 * usual < norms[SPIKE_STEP] < 5.0 * step_run.step_guards[0].ema
+    assert 1.5 * usual < norms[SPIKE_STEP] < 5.0 * step_run.parts.step_guards[0].ema
     assert step_run.steady_counters["skipped_steps"] == 0
 
     micro_run, _ = _run(tiny_model_dir, tmp_path / "micro", "micro_batch")

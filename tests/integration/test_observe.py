@@ -27,7 +27,7 @@ from steadyrl.metrics import (
     gepo_would_skip,
     quatro_would_filter,
 )
-from steadyrl.trainers.layers import layer_kwargs
+from steadyrl.trainers.layers import guard_parts
 from tests.integration.helpers import assert_same_weights, per_step, tiny_grpo_trainer, weights
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def _train(model_dir, out, guards: dict):
 
 def test_all_layers_observing_train_like_all_layers_off(tiny_model_dir, tmp_path):
     off = _train(tiny_model_dir, tmp_path / "off", {})
-    observing = _train(tiny_model_dir, tmp_path / "observe", layer_kwargs(observing_guards()))
+    observing = _train(tiny_model_dir, tmp_path / "observe", guard_parts(observing_guards()))
 
     losses = per_step(off.state.log_history, "loss")
     assert len(losses) == STEPS
@@ -115,7 +115,7 @@ def test_observing_guards_resume_exactly(tiny_model_dir, tmp_path):
     args = dict(max_steps=STEPS, beta=BETA, save_strategy="steps", save_steps=2)
 
     def run(out, resume=None):
-        trainer = tiny_grpo_trainer(tiny_model_dir, out, layer_kwargs(guards()), **args)
+        trainer = tiny_grpo_trainer(tiny_model_dir, out, guard_parts(guards()), **args)
         trainer.add_callback(GradSpikeAtStep(step=3, scale=1e4))
         trainer.add_callback(CorruptOptimizerState(step=2))
         trainer.train(resume_from_checkpoint=resume)

@@ -11,9 +11,12 @@ from transformers import AutoTokenizer, TrainerCallback
 
 from steadyrl.faults import CorruptOptimizerState
 from steadyrl.guards.base import StepDecision
-from steadyrl.guards.opefo import FloorConfig, OpefoConfig, RollbackConfig
+from steadyrl.guards.moment_floor import FloorConfig
+from steadyrl.guards.opefo import OpefoConfig
+from steadyrl.guards.rollback import RollbackConfig
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.layers import GuardParts
 from steadyrl.trainers.opefo_runtime import OpefoRuntime, optimizer_chain
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
@@ -53,8 +56,7 @@ def _trainer(model_dir, out, guards, opefo=None, callbacks=(), **args):
         args=grpo_args(out, **{"max_grad_norm": 1.0, "lr_scheduler_type": "constant", **args}),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        step_guards=guards,
-        opefo=opefo,
+        guards=GuardParts(step_guards=guards, opefo=opefo),
         callbacks=[after := AfterGuards(), *callbacks],  # before any fault injector: sees the step as guarded
     )
     return trainer, after

@@ -4,6 +4,7 @@ beta, QUATRO's rollout replay (GAE tensors kept, exact resume)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from trl import GRPOConfig
 
 import steadyrl.trainers.ppo as ppo_module
 from steadyrl.config.schema import PPOSection
-from steadyrl.trainers.grpo import COMPLETE_MARKER
+from steadyrl.trainers.checkpoints import COMPLETE_MARKER
+from steadyrl.trainers.layers import GuardParts
 from steadyrl.trainers.ppo import CRITIC_FILE, SteadyPPOTrainer
 from steadyrl.trainers.ppo_config import SteadyPPOConfig
 from tests.integration.helpers import (
@@ -36,7 +38,11 @@ PPO_METRICS = ("ppo/value_loss", "ppo/explained_variance", "ppo/returns_mean", "
 def _trainer(
     model_dir: Path, out: Path, ppo: PPOSection | None = None, guards: dict | None = None, **args
 ) -> SteadyPPOTrainer:
+    """``guards``: ``GuardParts`` fields, and other trainer keyword arguments (``peft_config``)."""
     args = {"num_generations": 1, "beta": 0.04, **args}
+    fields = {f.name for f in dataclasses.fields(GuardParts)}
+    parts = {k: v for k, v in (guards or {}).items() if k in fields}
+    extra = {k: v for k, v in (guards or {}).items() if k not in fields}
     return SteadyPPOTrainer(
         model=str(model_dir),
         reward_funcs=[byte_mean],
@@ -44,7 +50,8 @@ def _trainer(
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         ppo=ppo or PPOSection(critic_lr=3e-3),
-        **(guards or {}),
+        guards=GuardParts(**parts),
+        **extra,
     )
 
 
@@ -120,7 +127,8 @@ def test_ppo_resume_is_exact_with_critic_and_its_optimizer(tiny_model_dir, tmp_p
 
 def _quatro_kl(**kl) -> dict:
     """QUATRO's adaptive KL alone; the tiny target makes every positive rollout KL push beta up."""
-    from steadyrl.guards.quatro import KLConfig, QuatroConfig
+    from steadyrl.guards.kl_controller import KLConfig
+    from steadyrl.guards.quatro import QuatroConfig
     from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
     kl = {"target": 1e-9, "up": 1.5, "down": 0.5, "beta_range": [0.25, 4.0], **kl}  # two-sided: rollout 1 lowers beta
@@ -201,7 +209,7 @@ def test_grade_feeds_gae_and_the_spike_guard_watches_the_joint_step(tiny_model_d
     """GRADE scales the sequence reward before GAE (docs/DESIGN.md, "GRADE: reward scaler"): the sequence rewards
     GAE's reward placement receives are GRADE's output, row by row; the step guard sees one norm over policy +
     critic and skips nothing on a healthy run."""
-    from steadyrl.guards.grade import GradeConfig
+    from steadyrl.guards.reward_scaler import GradeConfig
     from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 
     placed = []
@@ -309,7 +317,8 @@ def test_cli_ppo_with_every_guard_layer_that_applies(tiny_model_dir, tmp_path):
 
 def _quatro_replay(replay_ratio: float = 0.3125) -> dict:
     """QUATRO's rollout replay alone (0.3125 x 8 = 2.5 -> 3 replayed rows per micro-batch once warm)."""
-    from steadyrl.guards.quatro import QuatroConfig, ReplayConfig
+    from steadyrl.guards.quatro import QuatroConfig
+    from steadyrl.guards.replay import ReplayConfig
     from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
     return {"quatro": QuatroRuntime(QuatroConfig(replay=ReplayConfig(replay_ratio=replay_ratio)))}
@@ -399,7 +408,8 @@ def test_brake_moments_scale_the_policys_moments_and_leave_the_critics(tiny_mode
     """PPO with ``brake_moments``: the factor the floor returns after a step (here 0.5, then 2.0, fixed so the test
     does not wait for a collapse) scales the policy's exp_avg (its square: exp_avg_sq); the critic's param groups,
     whose value loss the brake does not scale, keep the moments the step left, exactly."""
-    from steadyrl.guards.quatro import EntropyConfig, QuatroConfig
+    from steadyrl.guards.entropy_floor import EntropyConfig
+    from steadyrl.guards.quatro import QuatroConfig
     from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
     quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1)))
@@ -415,7 +425,8 @@ def test_brake_moments_scale_the_policys_moments_and_leave_the_critics(tiny_mode
 def test_unscorable_and_filtered_rows_train_nothing(tiny_model_dir, tmp_path, monkeypatch):
     """A row whose reward is None and a row QUATRO's filters drop get advantage 0 on every token, stay out of the
     whitening (the trained rows' advantages have mean 0 and std 1 by themselves) and get no value-loss weight."""
-    from steadyrl.guards.quatro import FilterConfig, QuatroConfig
+    from steadyrl.guards.quatro import QuatroConfig
+    from steadyrl.guards.rollout_filters import FilterConfig
     from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
     def reward(completions, **kw):  # row 1 of every batch is unscorable
@@ -436,7 +447,7 @@ def test_unscorable_and_filtered_rows_train_nothing(tiny_model_dir, tmp_path, mo
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
         ppo=PPOSection(critic_lr=3e-3),
-        quatro=quatro,
+        guards=GuardParts(quatro=quatro),
     )
     rollouts, value_masks = [], []
     add_gae = trainer._add_gae

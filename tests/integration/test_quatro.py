@@ -10,22 +10,24 @@ import torch
 from transformers import AutoTokenizer, TrainerCallback
 
 from steadyrl.faults import repetition_reward
-from steadyrl.guards.grade import GradeConfig, GradeScaler
-from steadyrl.guards.quatro import (
-    EntropyConfig,
+from steadyrl.guards import entropy_floor
+from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.kl_controller import KLConfig
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.replay import ReplayConfig
+from steadyrl.guards.reward_scaler import GradeConfig, GradeScaler
+from steadyrl.guards.rollout_filters import (
     FilterConfig,
-    KLConfig,
     LengthConfig,
     ParrotConfig,
-    QuatroConfig,
     RepetitionConfig,
-    ReplayConfig,
     ZeroVarianceConfig,
     ZScoreConfig,
     repeat_share,
 )
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.grpo import load_steady_state
+from steadyrl.trainers.layers import GuardParts
 from steadyrl.trainers.quatro_runtime import QuatroRuntime
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
@@ -50,7 +52,7 @@ def _trainer(model_dir, out, quatro, reward=byte_mean, **args):
         args=grpo_args(out, **args),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        quatro=quatro,
+        guards=GuardParts(quatro=quatro),
     )
     after = AfterGuards(trainer)
     trainer.add_callback(after)
@@ -67,9 +69,7 @@ def test_adaptive_kl_moves_beta_toward_the_target_and_composes_with_grade(tiny_m
         args=grpo_args(tmp_path / "kl", max_steps=5, beta=0.04),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        reward_processor=GradeScaler(GradeConfig()),
-        kl_compensation=(0.5, 2.0),
-        quatro=quatro,
+        guards=GuardParts(reward_processor=GradeScaler(GradeConfig()), kl_compensation=(0.5, 2.0), quatro=quatro),
     )
     after = AfterGuards(trainer)
     trainer.add_callback(after)
@@ -119,10 +119,11 @@ def test_entropy_floor_activates_on_a_collapsing_run(tiny_model_dir, tmp_path):
     assert per_step(history, "entropy_coef")[first + 1] == pytest.approx(bonus[first])
 
 
-def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(tiny_model_dir, tmp_path):
+def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(tiny_model_dir, tmp_path, monkeypatch):
     """The gate reads what the trainer trained on: after 6 steps its window holds the last 4 steps' mean training
     rewards, the ones TRL logs as ``reward`` (gathered, weighted), and ``quatro/floor_held_off`` is logged."""
-    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, gate_window=4)
+    monkeypatch.setattr(entropy_floor, "GATE_WINDOW", 4)
+    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95)
     quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
     trainer, _ = _trainer(
         tiny_model_dir, tmp_path / "gate", quatro, reward=repetition_reward, max_steps=6, learning_rate=3e-2,
@@ -136,10 +137,11 @@ def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(t
     assert len(per_step(history, "quatro/floor_held_off")) == 6
 
 
-def test_the_gate_reads_the_named_reward_not_the_trained_one(tiny_model_dir, tmp_path):
+def test_the_gate_reads_the_named_reward_not_the_trained_one(tiny_model_dir, tmp_path, monkeypatch):
     """``gate_reward`` names a weight-0 reward (``byte_mean``) next to the trained one (``repetition_reward``): the
     gate's window holds the last 4 steps' means of *that* reward as TRL logs it, not the weighted training reward."""
-    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, gate_window=4, gate_reward="byte_mean")
+    monkeypatch.setattr(entropy_floor, "GATE_WINDOW", 4)
+    cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, gate_reward="byte_mean")
     quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
@@ -148,7 +150,7 @@ def test_the_gate_reads_the_named_reward_not_the_trained_one(tiny_model_dir, tmp
                        reward_weights=[1.0, 0.0]),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        quatro=quatro,
+        guards=GuardParts(quatro=quatro),
     )  # fmt: skip
     assert quatro.gate_column == 1
     trainer.train()
@@ -391,41 +393,3 @@ def test_the_optimizer_steps_on_the_moments_the_brake_scaled(tiny_model_dir, tmp
         for (m, v), (m2, v2) in zip(stepped, guarded, strict=True):
             assert torch.equal(m2, m * expected) and torch.equal(v2, v * (expected * expected))
         assert any(bool(m.abs().sum() > 0) for m, _ in stepped)  # real moments: the equalities can fail
-
-
-@pytest.mark.parametrize("mode", ["act", "observe"])
-def test_the_loss_trains_on_the_covariance_clips_advantages(tiny_model_dir, tmp_path, mode):
-    """The seam of the entropy floor's covariance clip: with the control at 1 the loss TRL computes is TRL's own loss
-    on the same batch with the advantage of exactly the tokens ``cov_clip_mask`` picks set to 0 (every sharpening
-    token at cov_clip 1), the micro-batch keeps its own advantages afterwards, and ``quatro/cov_clipped`` is the share
-    picked. In observe mode the loss is TRL's unchanged and the share is logged as ``quatro/cov_clipped_would``."""
-    from trl import GRPOTrainer
-
-    from steadyrl.guards.entropy_floor import cov_clip_mask
-
-    clip_only = EntropyConfig(cov_clip=1.0, pg_brake=0.0)  # the brake (on by default) would scale this loss too
-    trainer, inputs, plain = _loss_seam(tiny_model_dir, tmp_path / mode, clip_only, mode)
-    original = inputs["advantages"]
-    with torch.no_grad():
-        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attention, 6, compute_entropy=True
-        )
-    chosen = cov_clip_mask(logps, entropies, original, inputs["completion_mask"], 1.0)
-    assert 0 < int(chosen.sum()) < int(inputs["completion_mask"].sum())
-    zeroed = dict(inputs, advantages=original.unsqueeze(1).expand(8, 6).masked_fill(chosen, 0.0))
-    with torch.no_grad():
-        by_hand = GRPOTrainer._compute_loss(trainer, trainer.model, zeroed)
-    assert not torch.allclose(by_hand, plain)  # the clip changes this loss: the equalities below can fail
-
-    expected = plain if mode == "observe" else by_hand
-    assert _floor_loss(trainer, inputs, 1.0) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)  # at its top
-    name = "quatro/cov_clipped_would" if mode == "observe" else "quatro/cov_clipped"
-    share = float(chosen.sum()) / float(inputs["completion_mask"].sum())
-    assert trainer._metrics["train"][name][-1] == pytest.approx(share, rel=1e-12)
-
-    trainer.quatro.entropy.control = 0.0  # the floor off: TRL's loss, a share of 0
-    with torch.no_grad():
-        assert float(trainer._compute_loss(trainer.model, inputs)) == pytest.approx(float(plain), rel=1e-6)
-    assert trainer._metrics["train"][name][-1] == 0.0

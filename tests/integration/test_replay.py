@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steadyrl.guards.quatro import QuatroConfig, ReplayConfig
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.replay import ReplayConfig
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY, QuatroRuntime
 from tests.integration.helpers import per_step, tiny_grpo_trainer

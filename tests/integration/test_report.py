@@ -15,6 +15,7 @@ from steadyrl.evidence import load_history
 from steadyrl.evidence.report import PANELS, write_report
 from steadyrl.guards.spike import SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import byte_mean, grpo_args, small_dataset
 
 ALL_PANELS = {p.name for p in PANELS}
@@ -28,7 +29,7 @@ def train(model_dir, out, reward_funcs, max_steps):
         args=grpo_args(out, max_steps=max_steps),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        step_guards=[SpikeGuard()],
+        guards=GuardParts(step_guards=[SpikeGuard()]),
     )
     trainer.add_callback(MetricsLog(out))
     trainer.train()

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 from steadyrl.trainers import SteadyGRPOTrainer
-from steadyrl.trainers.grpo import COMPLETE_MARKER, find_resume_checkpoint
+from steadyrl.trainers.checkpoints import COMPLETE_MARKER, find_resume_checkpoint
+from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import (
     assert_same_weights,
     byte_mean,
@@ -105,7 +106,7 @@ def test_guard_state_is_saved_and_restored(tiny_model_dir, tmp_path):
             args=grpo_args(out, max_steps=4, save_steps=2, save_strategy="steps"),
             train_dataset=small_dataset(),
             processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-            reward_processor=processor,
+            guards=GuardParts(reward_processor=processor),
         )
 
     straight = CountingRewards()
@@ -131,7 +132,7 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_rotation_counts_complete_checkpoints_only(tmp_path):
     """save_total_limit=1 with a newer but incomplete folder: the newest *complete* checkpoint survives."""
-    from steadyrl.trainers.grpo import rotate_complete_checkpoints
+    from steadyrl.trainers.checkpoints import rotate_complete_checkpoints
 
     _fake_checkpoints(tmp_path)
     rotate_complete_checkpoints(tmp_path, save_total_limit=1)
@@ -143,7 +144,7 @@ def test_resume_is_exact_with_every_stateful_guard(tiny_model_dir, tmp_path):
     """GEPO's spike guard and advantages, GRADE with KL compensation; one rollout per 2 steps, resumed at step 3,
     inside the window of the rollout generated at step 3. That rollout's KL factor of beta (0.5: GRADE whitened it)
     is used again at step 4, so it must come back from the checkpoint; the spike guard's EMA and counters too."""
-    from steadyrl.guards.grade import GradeConfig, GradeScaler
+    from steadyrl.guards.reward_scaler import GradeConfig, GradeScaler
     from steadyrl.guards.robust_advantage import GEPOAdvantage
     from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 
@@ -163,8 +164,8 @@ def test_resume_is_exact_with_every_stateful_guard(tiny_model_dir, tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-3"))
 
     assert resumed.beta_factors == straight.beta_factors and resumed.beta == straight.beta
-    assert resumed.step_guards[0].state_dict() == straight.step_guards[0].state_dict()
-    assert resumed.reward_processor.state_dict() == straight.reward_processor.state_dict()
-    assert straight.step_guards[0].accepted == 4 and straight.step_guards[0].ema is not None
+    assert resumed.parts.step_guards[0].state_dict() == straight.parts.step_guards[0].state_dict()
+    assert resumed.parts.reward_processor.state_dict() == straight.parts.reward_processor.state_dict()
+    assert straight.parts.step_guards[0].accepted == 4 and straight.parts.step_guards[0].ema is not None
     assert_same_weights(weights(resumed.model), weights(straight.model))
     assert _logs_from(resumed.state.log_history, 3) == _logs_from(straight.state.log_history, 3)

@@ -56,9 +56,9 @@ def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
         "grade": {"enabled": True, "window_size": 64, "warmup": 16, "clip_start": 16, "quantile_every": 1, "tau": 0.2},
     }
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, guards))
-    assert type(trainer.reward_processor).__name__ == "GradeScaler"
-    assert type(trainer.advantage_fn).__name__ == "GEPOAdvantage"
-    assert [type(g).__name__ for g in trainer.step_guards] == ["SpikeGuard"]
+    assert type(trainer.parts.reward_processor).__name__ == "GradeScaler"
+    assert type(trainer.parts.advantage_fn).__name__ == "GEPOAdvantage"
+    assert [type(g).__name__ for g in trainer.parts.step_guards] == ["SpikeGuard"]
     trainer.train()
 
     assert trainer.state.global_step == 4
@@ -70,11 +70,11 @@ def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
     clip_high = per_step(history, "grade/clip_frac_high")
     assert len(clip_high) == 4 and max(clip_high) > 0  # the 1e9 rows are tail-clipped once the window is warm
     assert all(math.isfinite(x) for x in per_step(history, "grade/scaled_std"))
-    assert per_step(history, "gepo/skipped_steps")[-1] == trainer.step_guards[0].skipped
+    assert per_step(history, "gepo/skipped_steps")[-1] == trainer.parts.step_guards[0].skipped
     (monitor,) = [c for c in trainer.callback_handler.callbacks if type(c).__name__ == "SignalMonitor"]
     assert [step for step, _ in monitor.warnings] == [2, 4]
     assert all(w.startswith("entropy falling fast") for _, w in monitor.warnings)
-    assert trainer.logprob_min == -100.0 and per_step(history, "gepo/nonfinite_logprobs") == [0.0] * 4
+    assert trainer.parts.logprob_min == -100.0 and per_step(history, "gepo/nonfinite_logprobs") == [0.0] * 4
     assert per_step(history, "gepo/nonfinite_ratios") == [0.0] * 4
     assert per_step(history, "gepo/nonfinite_loss") == [0.0] * 4
 
@@ -115,7 +115,7 @@ def test_logprob_floor_clamps_minus_inf(tiny_model_dir, tmp_path):
 
 def test_grade_kl_compensation_scales_beta(tiny_model_dir, tmp_path):
     """Once GRADE whitens, beta = base beta x clamp(raw_std / scaled_std); before that the factor is 1."""
-    grade = {"enabled": True, "window_size": 64, "warmup": 16, "clip": False, "centre": False}
+    grade = {"enabled": True, "window_size": 64, "warmup": 16, "clip": False, "centring_beta": 0.0}
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"grade": {**grade, "kl_compensation": True}}, beta=0.04))
     trainer.train()
     history = trainer.state.log_history
@@ -158,7 +158,7 @@ def test_grade_scaled_rewards_reach_the_grpo_advantages(tiny_model_dir, tmp_path
     """GRADE's output (not the raw reward) is what TRL's advantages are made of: with scale_rewards=none the
     advantage is the scaled reward minus its group mean, so dropping GRADE changes it by GRADE's 1/std."""
     from steadyrl.guards.advantages import group_normalized_advantages
-    from steadyrl.guards.grade import GradeConfig
+    from steadyrl.guards.reward_scaler import GradeConfig
 
     spy = TrainedOn(monkeypatch)
     grade = RecordingGrade(GradeConfig(warmup=2, clip_start=2, quantile_every=1))

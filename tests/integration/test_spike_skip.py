@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 from steadyrl.faults import inject_nan_loss
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,8 @@ def _trainer(cls, model_dir, out, **kwargs):
 
 def test_nan_loss_step_is_skipped(tiny_model_dir, tmp_path):
     guard = SpikeGuard()
-    steady = _trainer(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "steady", step_guards=[guard], finite_checks=True)
+    parts = GuardParts(step_guards=[guard], finite_checks=True)
+    steady = _trainer(SteadyGRPOTrainer, tiny_model_dir, tmp_path / "steady", guards=parts)
     steady.train()
     assert guard.reasons == {"nonfinite": 1} and steady.steady_counters["skipped_steps"] == 1
     history = steady.state.log_history
@@ -74,7 +76,7 @@ def test_finite_spike_is_skipped_on_the_pre_clip_norm(tiny_model_dir, tmp_path):
         args=grpo_args(tmp_path, max_steps=5, max_grad_norm=1.0),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        step_guards=[guard],
+        guards=GuardParts(step_guards=[guard]),
         callbacks=[after],
     )
     param = next(p for p in trainer.model.parameters() if p.requires_grad)

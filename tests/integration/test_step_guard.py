@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, TrainerCallback
 
 from steadyrl.guards.base import StepDecision
 from steadyrl.trainers import SteadyGRPOTrainer
+from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, small_dataset, weights
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def test_vetoed_step_changes_nothing(tiny_model_dir, tmp_path):
         args=grpo_args(tmp_path, max_grad_norm=1.0),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        step_guards=[guard],
+        guards=GuardParts(step_guards=[guard]),
         callbacks=[snaps],
     )
     trainer.train()
@@ -77,7 +78,7 @@ def _gated_run(model_dir, out, scaler=None):
         args=grpo_args(out, max_grad_norm=1.0),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        step_guards=[guard],
+        guards=GuardParts(step_guards=[guard]),
         callbacks=[snaps],
     )
     if scaler is not None:
@@ -115,7 +116,7 @@ def test_fp16_overflow_is_skipped_and_backs_the_loss_scale_off(tiny_model_dir, t
         args=grpo_args(tmp_path, max_grad_norm=1.0),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        step_guards=[guard],
+        guards=GuardParts(step_guards=[guard]),
         callbacks=[snaps],
     )
     scaler = trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)

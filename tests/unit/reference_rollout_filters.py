@@ -2,8 +2,9 @@
 against (tests/unit/test_rollout_filters_vectorised.py). Trainers do not use this module.
 
 ``ReferenceRolloutFilter`` is ``RolloutFilter`` with the old ``__call__``: token ids as Python lists, the n-gram
-measures of ``rollout_filters`` (``ngrams``, ``parrot_share``, ``repeat_share``, ``jaccard``) row by row. It shares
-the config, the length history and the state of ``RolloutFilter``, so two filters fed the same batches stay in step.
+measures of ``rollout_filters`` (``ngrams``, ``parrot_share``, ``repeat_share``) row by row. It shares the config,
+the module constants (read at call time, so a test may patch them), the length history and the state of
+``RolloutFilter``, so two filters fed the same batches stay in step.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from typing import Any
 
 import torch
 
+from steadyrl.guards import rollout_filters
 from steadyrl.guards.rollout_filters import (
     FILTER_REASONS,
     FilterConfig,
     FilterResult,
     RolloutFilter,
     TokenBatch,
-    _gram_set,
-    jaccard,
     parrot_share,
     repeat_share,
 )
@@ -40,14 +40,14 @@ class ReferenceRolloutFilter(RolloutFilter):
 
     def __init__(self, config: FilterConfig | None = None) -> None:
         super().__init__(config)
-        self._ref_lengths: deque[int] = deque(maxlen=self.config.length.history)
+        self._ref_lengths: deque[int] = deque(maxlen=rollout_filters.LENGTH_HISTORY)
 
     def length_range(self) -> tuple[float, float] | None:
-        ln = self.config.length
-        if not ln.rolling or len(self._ref_lengths) < ln.min_history:
+        if not self.config.length.rolling or len(self._ref_lengths) < rollout_filters.LENGTH_MIN_HISTORY:
             return None
         history = torch.tensor(list(self._ref_lengths), dtype=torch.float64)
-        q = torch.tensor([ln.percentile_low / 100.0, ln.percentile_high / 100.0], dtype=torch.float64)
+        low, high = rollout_filters.LENGTH_PERCENTILES
+        q = torch.tensor([low / 100.0, high / 100.0], dtype=torch.float64)
         low, high = torch.quantile(history, q, interpolation="linear").tolist()
         return low, high
 
@@ -55,7 +55,7 @@ class ReferenceRolloutFilter(RolloutFilter):
         return {"version": 1, "lengths": list(self._ref_lengths), "calls": self.calls, "dropped": dict(self.dropped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._ref_lengths = deque((int(v) for v in state["lengths"]), maxlen=self.config.length.history)
+        self._ref_lengths = deque((int(v) for v in state["lengths"]), maxlen=rollout_filters.LENGTH_HISTORY)
         self.calls = int(state["calls"])
         self.dropped = {name: int(state["dropped"].get(name, 0)) for name in FILTER_REASONS}
 
@@ -103,13 +103,11 @@ class ReferenceRolloutFilter(RolloutFilter):
                 "length",
             )
         if cfg.parrot.enabled:
-            p = cfg.parrot
-            mark([parrot_share(a, b, p.n) > p.max_overlap for a, b in zip(prompts, completions, strict=True)], "parrot")
+            n, p = rollout_filters.PARROT_N, cfg.parrot
+            mark([parrot_share(a, b, n) > p.max_overlap for a, b in zip(prompts, completions, strict=True)], "parrot")
         if cfg.repetition.enabled:
             rep = cfg.repetition
             mark([repeat_share(c, rep.n) > rep.max_repeat_share for c in completions], "repetition")
-        if cfg.near_duplicate.enabled:
-            mark(self._reference_near_duplicate_hits(completions, reason, num_generations), "near_duplicate")
 
         values = r.tolist()
         num_groups = n_rows // num_generations
@@ -145,30 +143,13 @@ class ReferenceRolloutFilter(RolloutFilter):
     def _reference_zscore_hits(self, r: torch.Tensor, finite: torch.Tensor) -> list[bool]:
         zc = self.config.zscore
         values = r[finite]
-        if values.numel() < 2 or torch.unique(values).numel() < zc.min_distinct:
+        if values.numel() < 2 or torch.unique(values).numel() < rollout_filters.MIN_DISTINCT:
             return [False] * r.numel()
         std = values.std().item()
         if not std > 0:
             return [False] * r.numel()
         z = (r - values.mean()) / std
         return (finite & (z.abs() > zc.max_abs_z)).tolist()
-
-    def _reference_near_duplicate_hits(
-        self, completions: list[list[int]], reason: list[str | None], num_generations: int
-    ) -> list[bool]:
-        nd = self.config.near_duplicate
-        hits = [False] * len(completions)
-        for start in range(0, len(completions), num_generations):
-            representatives: list[set[tuple[int, ...]]] = []
-            for i in range(start, start + num_generations):
-                if reason[i] is not None:
-                    continue
-                grams = _gram_set(completions[i], nd.n)
-                if any(jaccard(grams, rep) > nd.max_jaccard for rep in representatives):
-                    hits[i] = True
-                else:
-                    representatives.append(grams)
-        return hits
 
 
 def reference_shares(
@@ -178,14 +159,3 @@ def reference_shares(
     must equal)."""
     parrot = [parrot_share(p, c, parrot_n) for p, c in zip(prompts, completions, strict=True)]
     return parrot, [repeat_share(c, repeat_n) for c in completions]
-
-
-def reference_group_jaccard(
-    completions: Sequence[Sequence[int]], n: int, num_generations: int
-) -> list[list[list[float]]]:
-    """(P, G, G) nested lists: the Jaccard similarity of the ``_gram_set`` of every pair of rows of each group."""
-    out = []
-    for start in range(0, len(completions), num_generations):
-        sets = [_gram_set(c, n) for c in completions[start : start + num_generations]]
-        out.append([[jaccard(a, b) for b in sets] for a in sets])
-    return out

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from steadyrl.guards.advantages import get_advantage_function, group_normalized_advantages
+from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.base import StepDecision, combine_decisions
 
 
@@ -36,10 +36,7 @@ def test_nan_rows_are_excluded_and_zeroed():
     assert adv[0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4), abs=1e-6)
 
 
-def test_registry_and_errors():
-    assert get_advantage_function("group_normalized") is group_normalized_advantages
-    with pytest.raises(ValueError, match=r"valid: \['gepo', 'group_normalized'\]"):
-        get_advantage_function("mad")
+def test_unknown_scale_rewards():
     with pytest.raises(ValueError, match=r"unknown scale_rewards"):
         group_normalized_advantages(torch.zeros(1, 2), "weird")
 

@@ -374,7 +374,7 @@ def test_the_entropy_floor_is_at_its_cap_when_its_control_is_at_1_not_at_the_lar
 
     assert _saturation(rows(0.6)) == []
     changes = _saturation(rows(1.0))
-    assert len(changes) == 1 and changes[0].startswith("guards.quatro.entropy.cov_clip / coef_max: raise them")
+    assert len(changes) == 1 and changes[0].startswith("guards.quatro.entropy.coef_max: raise it")
 
 
 def test_kl_at_its_cap_entropy_bonus_at_its_cap_and_heavy_filtering_are_each_reported_with_the_key():
@@ -389,7 +389,7 @@ def test_kl_at_its_cap_entropy_bonus_at_its_cap_and_heavy_filtering_are_each_rep
         r["quatro/filtered/repetition"], r["quatro/filtered/zero_variance"] = 30.0, 8.0
     changes = _saturation(rows)
     assert any(c.startswith("guards.quatro.kl.beta_range") for c in changes)
-    assert any(c.startswith("guards.quatro.entropy.cov_clip / coef_max") for c in changes)  # a run without control
+    assert any(c.startswith("guards.quatro.entropy.coef_max: raise it") for c in changes)  # a run without control
     assert any(c.startswith("guards.quatro.filters.repetition:") for c in changes)
     text = format_findings(diagnose(History(rows)), History(rows))
     assert "WARNING [saturated_controller]" in text

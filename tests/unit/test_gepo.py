@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steadyrl.guards.base import AdvantageFunction
-from steadyrl.guards.gepo import AdvantageConfig, GEPOAdvantage, nan_median, robust_group_advantages
+from steadyrl.guards.robust_advantage import AdvantageConfig, GEPOAdvantage, nan_median, robust_group_advantages
 
 NAN = float("nan")
 

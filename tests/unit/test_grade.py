@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from steadyrl.guards import reward_scaler
 from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.base import RewardProcessor, Stateful
-from steadyrl.guards.grade import GradeConfig, GradeScaler, prompt_key, soft_tail_clip
+from steadyrl.guards.reward_scaler import EPS, GradeConfig, GradeScaler, prompt_key, soft_tail_clip
 
 NAN = float("nan")
 
@@ -48,7 +49,7 @@ def test_pass_through_before_warmup():
 
 
 def test_whitening_by_hand():
-    scaler = GradeScaler(GradeConfig(window_size=4, warmup=4, clip_start=4, clip=False, centre=False))
+    scaler = GradeScaler(GradeConfig(window_size=4, warmup=4, clip_start=4, clip=False, centring_beta=0.0))
     assert torch.equal(scaler(t(1, 2, 3, 4), ["p"] * 4, 4), t(1, 2, 3, 4))  # window empty before this batch
     out = scaler(t(5, 0, 2.5, NAN), ["p"] * 4, 4)
     # window [1, 2, 3, 4] (this batch not yet in it): mean 2.5, unbiased std sqrt(5/3) = 1.2909944
@@ -78,7 +79,14 @@ def test_non_finite_never_enter_and_come_out_nan():
 
 def test_quantile_bounds_refresh_only_every_quantile_every_steps():
     cfg = GradeConfig(
-        window_size=8, warmup=2, clip_start=2, quantile_window=8, quantile_every=3, tau=0.25, whiten=False, centre=False
+        window_size=8,
+        warmup=2,
+        clip_start=2,
+        quantile_window=8,
+        quantile_every=3,
+        tau=0.25,
+        whiten=False,
+        centring_beta=0.0,
     )
     scaler = GradeScaler(cfg)
     assert torch.equal(scaler(t(0, 1, 2, 3), ["p"] * 4, 4), t(0, 1, 2, 3))  # raw window empty < clip_start
@@ -103,19 +111,11 @@ def test_quantile_bounds_refresh_only_every_quantile_every_steps():
     assert scaler.state_dict()["bounds"] == pytest.approx([0.875, 2.0])  # one step only: no refresh
 
 
-def test_tail_formula_and_anneal_by_hand():
+def test_tail_formula_by_hand():
     out = soft_tail_clip(torch.tensor([-3.0, 0.0, 5.0, NAN]), low=-1.0, high=2.0, slope=0.1)
     # -1 + 0.1 * (-3 + 1) = -1.2; 2 + 0.1 * (5 - 2) = 2.3
     assert out[:3].tolist() == pytest.approx([-1.2, 0.0, 2.3]) and math.isnan(out[3].item())
     assert torch.equal(soft_tail_clip(torch.tensor([-3.0, 5.0]), -1.0, 2.0, 0.0), torch.tensor([-1.0, 2.0]))
-    scaler = GradeScaler(GradeConfig(tail_slope=0.1, tail_slope_end=0.0, anneal_steps=4))
-    assert scaler.current_tail_slope() == 0.1
-    scaler.step()
-    scaler.step()
-    assert scaler.current_tail_slope() == pytest.approx(0.05)
-    for _ in range(10):
-        scaler.step()
-    assert scaler.current_tail_slope() == 0.0
 
 
 def test_centring_by_hand():
@@ -133,8 +133,9 @@ def test_centring_by_hand():
     assert torch.equal(scaler(t(5, 5), [chat2, chat2], 2), t(2.5, 2.5))  # 5 - 0.5 * 5
 
 
-def test_lru_eviction_at_max_prompts():
-    scaler = GradeScaler(GradeConfig(whiten=False, clip=False, centring_beta=1.0, max_prompts=2))
+def test_lru_eviction_at_max_prompts(monkeypatch):
+    monkeypatch.setattr(reward_scaler, "MAX_PROMPTS", 2)
+    scaler = GradeScaler(GradeConfig(whiten=False, clip=False, centring_beta=1.0))
     scaler(t(1, 2), ["a", "b"], 1)
     scaler(t(3), ["c"], 1)  # LRU [a, b, c] -> evict a
     assert [k for k, _, _ in scaler.state_dict()["baselines"]] == [prompt_key("b"), prompt_key("c")]
@@ -157,9 +158,9 @@ def _stream(seed: int, n_batches: int, noise: float = 2.0, spread: float = 1.0) 
     return batches
 
 
-def test_state_round_trip_is_exact():
-    cfg = GradeConfig(window_size=32, warmup=8, clip_start=16, quantile_window=24, quantile_every=2, max_prompts=3)
-    cfg.tail_slope_end, cfg.anneal_steps = 0.0, 10
+def test_state_round_trip_is_exact(monkeypatch):
+    monkeypatch.setattr(reward_scaler, "MAX_PROMPTS", 3)
+    cfg = GradeConfig(window_size=32, warmup=8, clip_start=16, quantile_window=24, quantile_every=2)
     stream = _stream(0, 16)
     a, b = GradeScaler(cfg), GradeScaler(cfg)
     outs_a, outs_b = [], []
@@ -218,7 +219,7 @@ batch_values = st.lists(
 @settings(max_examples=40, deadline=None)
 @given(batches=st.lists(st.tuples(batch_values, st.sampled_from(["a", "b", "c"])), min_size=1, max_size=12))
 def test_finite_inputs_give_finite_outputs(batches):
-    cfg = GradeConfig(window_size=8, warmup=2, clip_start=3, quantile_window=6, quantile_every=1, max_prompts=2)
+    cfg = GradeConfig(window_size=8, warmup=2, clip_start=3, quantile_window=6, quantile_every=1)
     scaler = GradeScaler(cfg)
     for values, prompt in batches:
         r = torch.tensor(values, dtype=torch.float32)
@@ -240,7 +241,9 @@ def test_discrete_reward_is_never_clipped_while_its_pass_rate_rises():
     Bounds from whitened values went stale exactly so (SmolLM2 runs: ``clip_frac_low`` 20-50% of the rows, the
     failing ones squashed to a tenth of their distance to the bound); bounds in raw space tie the values.
     """
-    cfg = GradeConfig(window_size=64, warmup=16, clip_start=16, quantile_window=64, quantile_every=1000, centre=False)
+    cfg = GradeConfig(
+        window_size=64, warmup=16, clip_start=16, quantile_window=64, quantile_every=1000, centring_beta=0.0
+    )
     scaler = GradeScaler(cfg)
     for passes in (4, 4, 4, 12, 12, 12, 12, 12):
         raw_window = torch.tensor(scaler.state_dict()["raw_window"], dtype=torch.float64)
@@ -248,7 +251,7 @@ def test_discrete_reward_is_never_clipped_while_its_pass_rate_rises():
         out = scaler(r, ["p"] * 16, 8)
         scaler.step()
         if len(raw_window) >= cfg.warmup:  # whitened, never clipped: exactly (r - mean) / (std + eps)
-            expected = (r.double() - raw_window.mean()) / (raw_window.std() + cfg.eps)
+            expected = (r.double() - raw_window.mean()) / (raw_window.std() + EPS)
             assert torch.allclose(out.double(), expected, atol=1e-6)
             assert scaler.metrics()["grade/clip_frac_low"] == 0.0
             assert scaler.metrics()["grade/clip_frac_high"] == 0.0
@@ -259,7 +262,7 @@ def test_bounds_follow_the_whitening_of_the_same_window():
     """Clipping a whitened value at whitened bounds equals clipping the raw value at the raw window's quantiles:
     bound = whiten(raw quantile) with the statistics of this batch's whitening, not those of an older batch."""
     cfg = GradeConfig(
-        window_size=8, warmup=4, clip_start=4, quantile_window=8, quantile_every=1000, tau=0.25, centre=False
+        window_size=8, warmup=4, clip_start=4, quantile_window=8, quantile_every=1000, tau=0.25, centring_beta=0.0
     )
     scaler = GradeScaler(cfg)
     scaler(t(0, 1, 2, 3), ["p"] * 4, 4)  # fills the windows, passes through (warmup)
@@ -283,7 +286,7 @@ def test_bounds_follow_the_whitening_of_the_same_window():
 def test_a_version_1_state_rebuilds_its_quantile_window_from_raw_rewards():
     """Version 1 kept whitened values in the quantile window (scales mixed over time): on load the window is
     rebuilt from the tail of the raw window and the bounds are recomputed at the next call."""
-    cfg = GradeConfig(window_size=8, warmup=2, clip_start=2, quantile_window=3, centre=False)
+    cfg = GradeConfig(window_size=8, warmup=2, clip_start=2, quantile_window=3, centring_beta=0.0)
     scaler = GradeScaler(cfg)
     state = scaler.state_dict()
     state.update(version=1, raw_window=[1.0, 2.0, 3.0, 4.0], quantile_window=[-9.0, 9.0], bounds=[-9.0, 9.0])

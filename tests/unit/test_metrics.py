@@ -13,7 +13,6 @@ import steadyrl
 from steadyrl import metrics
 from steadyrl.callbacks.monitor import SUMMARY_KEYS
 from steadyrl.evidence import doctor
-from steadyrl.evidence.early_warnings import MonitorConfig
 
 PACKAGE = Path(steadyrl.__file__).parent
 NAMESPACED = re.compile(r"^(gepo|grade|quatro|opefo|ppo|eval|steadyrl|completions|sampling|rewards)/")
@@ -22,7 +21,6 @@ NAMESPACED = re.compile(r"^(gepo|grade|quatro|opefo|ppo|eval|steadyrl|completion
 def _reader_names() -> list[str]:
     from steadyrl.evidence import observe, report
 
-    monitor = MonitorConfig()
     needs = [name for panel in report.PANELS for name in panel.needs]
     return [
         *doctor.CHECKED,
@@ -33,9 +31,6 @@ def _reader_names() -> list[str]:
         *report.MAXIMISE,
         *needs,
         *SUMMARY_KEYS,
-        monitor.adv_std_key,
-        monitor.entropy_key,
-        monitor.logp_gap_key,
     ]
 
 

@@ -16,11 +16,16 @@ from steadyrl.config.guard_sections import GepoSection, GuardsSection
 from steadyrl.evidence.history import History
 from steadyrl.evidence.observe import format_observe_summary
 from steadyrl.guards.advantages import group_normalized_advantages
-from steadyrl.guards.opefo import FloorConfig, OpefoConfig, RollbackConfig
-from steadyrl.guards.quatro import EntropyConfig, FilterConfig, KLConfig, QuatroConfig, ReplayConfig
+from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.kl_controller import KLConfig
+from steadyrl.guards.moment_floor import FloorConfig
+from steadyrl.guards.opefo import OpefoConfig
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.replay import ReplayConfig
 from steadyrl.guards.reward_scaler import GradeConfig, GradeScaler
 from steadyrl.guards.robust_advantage import GEPOAdvantage
-from steadyrl.guards.rollout_filters import LengthConfig, ParrotConfig, ZeroVarianceConfig, ZScoreConfig
+from steadyrl.guards.rollback import RollbackConfig
+from steadyrl.guards.rollout_filters import FilterConfig, LengthConfig, ParrotConfig, ZeroVarianceConfig, ZScoreConfig
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.metrics import (
     GEPO_SKIPPED_STEPS,
@@ -47,7 +52,7 @@ from steadyrl.metrics import (
 )
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline, RewardBatch, compare_advantages
 from steadyrl.trainers.checkpoints import GuardState
-from steadyrl.trainers.layers import layer_kwargs
+from steadyrl.trainers.layers import guard_parts
 from steadyrl.trainers.opefo_runtime import OpefoRuntime
 from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, QuatroSetup
 from steadyrl.trainers.step_gate import StepGate
@@ -95,15 +100,15 @@ def test_factories_fill_the_observe_keys_and_keep_opefos_acting_nonfinite_skip()
     g = GuardsSection()
     for section in (g.gepo, g.opefo, g.quatro, g.grade):
         section.enabled, section.mode = True, "observe"
-    kwargs = layer_kwargs(g)
-    assert {"observe_advantage_fn", "observe_step_guards", "observe_logprob_min", "observe_rewards"} <= kwargs.keys()
-    assert "advantage_fn" not in kwargs and "step_guards" not in kwargs and "logprob_min" not in kwargs
-    assert len(kwargs["observe_step_guards"]) == 1  # GEPO's; OPEFO's non-finite-only guard would only repeat it
-    assert kwargs["opefo"].observe and kwargs["quatro"].observe
+    parts = guard_parts(g)
+    assert parts.observe_advantage_fn is not None and parts.observe_logprob_min is not None and parts.observe_rewards
+    assert parts.advantage_fn is None and not parts.step_guards and parts.logprob_min is None
+    assert len(parts.observe_step_guards) == 1  # GEPO's; OPEFO's non-finite-only guard would only repeat it
+    assert parts.opefo.observe and parts.quatro.observe
     g.opefo.mode = "act"  # GEPO observes, OPEFO acts: a non-finite gradient must still not reach Adam's moments
-    kwargs = layer_kwargs(g)
-    assert len(kwargs["step_guards"]) == 1 and math.isinf(kwargs["step_guards"][0].config.spike_factor)
-    assert len(kwargs["observe_step_guards"]) == 1 and not kwargs["opefo"].observe
+    parts = guard_parts(g)
+    assert len(parts.step_guards) == 1 and math.isinf(parts.step_guards[0].config.spike_factor)
+    assert len(parts.observe_step_guards) == 1 and not parts.opefo.observe
 
 
 # ----------------------------------------------------------------------------------------------- GEPO

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from steadyrl.guards.gepo import GEPOAdvantage
+from steadyrl.guards.robust_advantage import GEPOAdvantage
 from steadyrl.metrics import GEPO_ADV_MAX_ABS, GEPO_ADV_STD, GEPO_NONFINITE_REWARDS
 from steadyrl.trainers.advantage_pipeline import (
     AdvantagePipeline,

@@ -11,11 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_context import FakeContext
-from reference_rollout_filters import (
-    ReferenceRolloutFilter,
-    reference_group_jaccard,
-    reference_shares,
-)
+from reference_rollout_filters import ReferenceRolloutFilter, reference_shares
 
 from steadyrl.guards import rollout_filters
 from steadyrl.guards.rollout_filters import (
@@ -24,7 +20,6 @@ from steadyrl.guards.rollout_filters import (
     FilterConfig,
     LengthConfig,
     LengthHistory,
-    NearDuplicateConfig,
     ParrotConfig,
     RepetitionConfig,
     RolloutFilter,
@@ -32,8 +27,6 @@ from steadyrl.guards.rollout_filters import (
     ZeroVarianceConfig,
     ZScoreConfig,
     _can_repeat_over,
-    group_jaccard,
-    near_duplicate_hits,
     ngram_codes,
     no_signal_groups,
     parrot_shares,
@@ -108,24 +101,25 @@ def random_batch(
     return torch.tensor(rewards, dtype=torch.float32), prompts, completions
 
 
-def random_config(rng: random.Random) -> FilterConfig:
-    """Every filter on (near_duplicate too), thresholds on and around the shares' exact values."""
+def random_config(rng: random.Random, monkeypatch: pytest.MonkeyPatch) -> FilterConfig:
+    """Every filter on, thresholds on and around the shares' exact values; the module constants (the parrot
+    filter's n, the z-score filter's distinct values, the length filter's rolling range) patched at random too."""
     shares = (0.0, 0.25, 1 / 3, 0.5, 2 / 3, 0.75, 0.8, 0.9, 1.0, rng.random())
     low = rng.choice((1.0, 10.0, 25.0))
+    monkeypatch.setattr(rollout_filters, "MIN_DISTINCT", rng.randint(1, 4))
+    monkeypatch.setattr(rollout_filters, "LENGTH_PERCENTILES", (low, rng.choice((75.0, 90.0, 99.0, 99.99999999))))
+    monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", rng.choice((64, 200)))
+    monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", rng.choice((8, 40)))
+    monkeypatch.setattr(rollout_filters, "PARROT_N", rng.randint(1, 5))
     return FilterConfig(
-        zscore=ZScoreConfig(max_abs_z=rng.choice((0.5, 1.0, 2.0, 3.5)), min_distinct=rng.randint(1, 4)),
+        zscore=ZScoreConfig(max_abs_z=rng.choice((0.5, 1.0, 2.0, 3.5))),
         length=LengthConfig(
             min_tokens=rng.randint(0, 3),
             max_tokens=rng.choice((None, 20, 30)),
             rolling=rng.random() < 0.8,
-            percentile_low=low,
-            percentile_high=rng.choice((75.0, 90.0, 99.0, 99.99999999)),
-            history=rng.choice((64, 200)),
-            min_history=rng.choice((8, 40)),
         ),
-        parrot=ParrotConfig(n=rng.randint(1, 5), max_overlap=rng.choice(shares)),
+        parrot=ParrotConfig(max_overlap=rng.choice(shares)),
         repetition=RepetitionConfig(n=rng.randint(1, 5), max_repeat_share=rng.choice(shares)),
-        near_duplicate=NearDuplicateConfig(enabled=True, n=rng.randint(1, 5), max_jaccard=rng.choice(shares)),
         zero_variance=ZeroVarianceConfig(enabled=rng.random() < 0.8),
         max_drop_share=rng.choice((0.0, 0.5, 1.0)),
     )
@@ -158,13 +152,11 @@ def assert_shares_equal(
     prompts: list[list[int]], completions: list[list[int]], cfg: FilterConfig, group_size: int, batches
 ) -> None:
     prompt_batch, completion_batch = batches
-    parrot, repeat = reference_shares(prompts, completions, cfg.parrot.n, cfg.repetition.n)
-    new_parrot = parrot_shares(prompt_batch, completion_batch, cfg.parrot.n)
+    parrot, repeat = reference_shares(prompts, completions, rollout_filters.PARROT_N, cfg.repetition.n)
+    new_parrot = parrot_shares(prompt_batch, completion_batch, rollout_filters.PARROT_N)
     new_repeat = repeat_shares(completion_batch, cfg.repetition.n)
     assert new_parrot.dtype == new_repeat.dtype == torch.float64
     assert new_parrot.tolist() == parrot and new_repeat.tolist() == repeat  # bit for bit (so also to 1e-12)
-    similarity = group_jaccard(completion_batch, cfg.near_duplicate.n, group_size)
-    assert similarity.tolist() == reference_group_jaccard(completions, cfg.near_duplicate.n, group_size)
 
 
 @pytest.mark.parametrize("pairs", ["broadcast", "sorted"])
@@ -175,7 +167,7 @@ def test_tensor_filters_match_the_reference_row_by_row(seed: int, pairs: str, mo
     if pairs == "sorted":
         monkeypatch.setattr(rollout_filters, "BROADCAST_PAIRS", -1)
     rng = random.Random(seed)
-    cfg = random_config(rng)
+    cfg = random_config(rng, monkeypatch)
     group_size = rng.choice((1, 2, 4, 8, 16))
     new, ref = RolloutFilter(cfg), ReferenceRolloutFilter(cfg)
     for _ in range(8):  # successive calls: the rolling length range comes into play, from each one's own history
@@ -199,17 +191,19 @@ def test_tensor_filters_match_the_reference_row_by_row(seed: int, pairs: str, mo
 
 
 @pytest.mark.parametrize("vocab", [2**20, 2**40, 2**62])
-def test_tensor_filters_match_the_reference_when_ngrams_do_not_fit_one_int64(vocab: int) -> None:
+def test_tensor_filters_match_the_reference_when_ngrams_do_not_fit_one_int64(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ids spread over a range whose n-th power passes 2**63 (and one whose range passes 2**63 itself): the codes
     are dense ranks of packed words, still exact."""
     rng = random.Random(vocab)
+    monkeypatch.setattr(rollout_filters, "MIN_DISTINCT", 1)
     for n in (2, 3, 4, 5):
+        monkeypatch.setattr(rollout_filters, "PARROT_N", n)
         cfg = FilterConfig(
-            zscore=ZScoreConfig(min_distinct=1),
             length=LengthConfig(rolling=False),
-            parrot=ParrotConfig(n=n, max_overlap=0.3),
+            parrot=ParrotConfig(max_overlap=0.3),
             repetition=RepetitionConfig(n=n, max_repeat_share=0.2),
-            near_duplicate=NearDuplicateConfig(enabled=True, n=n, max_jaccard=0.5),
         )
         # a few "tokens" far apart, plus their neighbours: a lossy packing would confuse them
         alphabet = [0, 1, vocab - 1, vocab - 2, vocab // 2, vocab // 2 + 1]
@@ -225,9 +219,9 @@ def test_tensor_filters_match_the_reference_when_ngrams_do_not_fit_one_int64(voc
         )
 
 
-def test_list_and_tensor_inputs_give_the_same_result() -> None:
+def test_list_and_tensor_inputs_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(7)
-    cfg = random_config(rng)
+    cfg = random_config(rng, monkeypatch)
     rewards, prompts, completions = random_batch(rng, 4, 4, 10)
     as_lists = RolloutFilter(cfg)(rewards, prompts, completions, 4)
     as_tensors = RolloutFilter(cfg)(
@@ -239,8 +233,8 @@ def test_list_and_tensor_inputs_give_the_same_result() -> None:
     assert_same(as_lists, ReferenceRolloutFilter(cfg)(rewards, *batches, 4))
 
 
-def test_empty_batch_and_empty_rows() -> None:
-    cfg = random_config(random.Random(3))
+def test_empty_batch_and_empty_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = random_config(random.Random(3), monkeypatch)
     empty = RolloutFilter(cfg)(torch.zeros(0), [], [], 4)
     assert empty.keep.tolist() == [] and empty.zero_variance_groups.tolist() == [] and empty.warning is None
     rewards = torch.tensor([0.0, 1.0, 2.0, 3.0])
@@ -325,41 +319,19 @@ def test_length_quantiles_are_torch_quantile_bit_for_bit() -> None:
         LengthHistory(4).quantiles((0.5,))
 
 
-def test_group_jaccard_and_near_duplicates_by_hand() -> None:
-    rows = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [9], [5], [5], [], []]
-    similarity = group_jaccard(TokenBatch.from_lists(rows), 2, 4)
-    # group 0: {12 23 34}, {12 23 35}, row 0 again, {(9,)}; group 1: (5,) twice and () twice
-    assert similarity[0].tolist() == [
-        [1.0, 2 / 4, 1.0, 0.0],
-        [2 / 4, 1.0, 2 / 4, 0.0],
-        [1.0, 2 / 4, 1.0, 0.0],
-        [0.0, 0.0, 0.0, 1.0],
-    ]
-    same_pair = [[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
-    assert similarity[1].tolist() == same_pair + [row[2:] + row[:2] for row in same_pair]
-    alive = torch.tensor([True] * 8)
-    hits = near_duplicate_hits(TokenBatch.from_lists(rows), alive, 2, 0.5, 4)
-    assert hits.tolist() == [False, False, True, False, False, True, False, True]
-    alive[0] = False  # row 0 gone: row 2 only resembles row 1 (2/4, not above 0.5) and stays
-    assert near_duplicate_hits(TokenBatch.from_lists(rows), alive, 2, 0.5, 4).tolist()[:4] == [False] * 4
-    # a chain: B resembles A (3/5) and is dropped, C resembles B (3/5) but not A (2/6): C stays, B represents nothing
-    chain = TokenBatch.from_lists([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 4, 6], [7]])
-    assert group_jaccard(chain, 2, 4)[0, 1:3, :3].tolist() == [[3 / 5, 1.0, 3 / 5], [2 / 6, 3 / 5, 1.0]]
-    assert near_duplicate_hits(chain, torch.tensor([True] * 4), 2, 0.5, 4).tolist() == [False, True, False, False]
-    # max_jaccard 1.0: nothing is above it, not even an exact copy
-    assert not near_duplicate_hits(TokenBatch.from_lists(rows), torch.tensor([True] * 8), 2, 1.0, 4).any()
-
-
-def test_zscore_length_and_no_signal_by_hand() -> None:
+def test_zscore_length_and_no_signal_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     values = torch.tensor([1, 1, 0, 1, NAN, 1, 2, 2, 0, 5, 3, math.inf], dtype=torch.float64)
     kept = torch.tensor([True] * 9 + [False, True, True])
     # [1 1] equal; [0 1]; [NaN 1] one finite; [2 2] equal; [0 (5 dropped)] one left; [3 inf] one finite
     assert no_signal_groups(values, kept, 2).tolist() == [True, False, True, True, True, True]
 
     # the length range is a float a float32 comparison would round: 1 + 2 * 0.9999999999 = 2.9999999998
+    monkeypatch.setattr(rollout_filters, "LENGTH_PERCENTILES", (0.0, 99.99999999))
+    monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", 8)
+    monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 2)
     cfg = FilterConfig(
         zscore=ZScoreConfig(enabled=False),
-        length=LengthConfig(percentile_low=0.0, percentile_high=99.99999999, history=8, min_history=2),
+        length=LengthConfig(),
         parrot=ParrotConfig(enabled=False),
         repetition=RepetitionConfig(enabled=False),
         zero_variance=ZeroVarianceConfig(enabled=False),
@@ -403,11 +375,11 @@ def test_token_batch_from_mask_and_checks() -> None:
 # ------------------------------------------------------------------------------------ the runtime's gathering
 
 
-def test_runtime_gathers_padded_ids_over_ranks_and_filters_like_the_reference() -> None:
+def test_runtime_gathers_padded_ids_over_ranks_and_filters_like_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks (the fake context repeats this rank's rows): the gathered batch is every rank's rows in rank
     order, prompts left-padded with their mask, completions cut at TRL's lengths, not at ``completion_mask``."""
     rng = random.Random(11)
-    cfg = random_config(rng)
+    cfg = random_config(rng, monkeypatch)
     rewards, prompts, completions = random_batch(rng, 2, 4, 8)
     p_ids, p_mask = padded(prompts, rng, left=True)
     c_ids, c_mask = padded(completions, rng)
@@ -448,19 +420,22 @@ RECORDED = Path(__file__).parent / "data" / "recorded_filter_batches.pt"
 
 
 @pytest.mark.parametrize("filters", ["defaults", "every filter, tight"])
-def test_tensor_filters_match_the_reference_on_recorded_training_batches(filters: str) -> None:
+def test_tensor_filters_match_the_reference_on_recorded_training_batches(
+    filters: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Twelve generation batches QUATRO's filters saw in a real tiny GRPO run (every layer on, steps 1-12: 64 rows,
     6-token prompts, 4-token completions, the gathered weighted rewards), fed in order to the tensor filter and to
     the per-row reference: the same keep masks, reasons, warnings and state after every call. The tight config
-    turns on near-duplicates and sets every threshold where these rows hit it."""
+    sets every threshold where these rows hit it."""
     recorded = torch.load(RECORDED, weights_only=True)["batches"]
     cfg = FilterConfig()
     if filters != "defaults":
+        monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 64)
+        monkeypatch.setattr(rollout_filters, "PARROT_N", 1)
         cfg = FilterConfig(
-            length=LengthConfig(min_history=64, max_tokens=3),
-            parrot=ParrotConfig(n=1, max_overlap=0.5),
+            length=LengthConfig(max_tokens=3),
+            parrot=ParrotConfig(max_overlap=0.5),
             repetition=RepetitionConfig(n=1, max_repeat_share=0.3),
-            near_duplicate=NearDuplicateConfig(enabled=True, n=2, max_jaccard=0.5),
         )
     new, ref = RolloutFilter(cfg), ReferenceRolloutFilter(cfg)
     dropped = dict.fromkeys(FILTER_REASONS, 0)
@@ -474,5 +449,5 @@ def test_tensor_filters_match_the_reference_on_recorded_training_batches(filters
         for reason, count in got.reasons.items():
             dropped[reason] += count
     assert len(recorded) == 12 and dropped["zero_variance"] > 0
-    firing = [r for r in ("length", "parrot", "repetition", "near_duplicate") if dropped[r]]
-    assert firing == ([] if filters == "defaults" else ["length", "parrot", "repetition", "near_duplicate"])
+    firing = [r for r in ("length", "parrot", "repetition") if dropped[r]]
+    assert firing == ([] if filters == "defaults" else ["length", "parrot", "repetition"])

@@ -9,18 +9,14 @@ import pytest
 import torch
 from fake_context import FakeContext
 
-from steadyrl.guards.opefo import FloorConfig, OpefoConfig, RollbackConfig
+from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.kl_controller import KLConfig
+from steadyrl.guards.moment_floor import FloorConfig
+from steadyrl.guards.opefo import OpefoConfig
 from steadyrl.guards.optimizer_state import nonfinite_moment_entries, repair_moments
-from steadyrl.guards.quatro import (
-    EntropyConfig,
-    FilterConfig,
-    KLConfig,
-    LengthConfig,
-    ParrotConfig,
-    QuatroConfig,
-    ZeroVarianceConfig,
-    ZScoreConfig,
-)
+from steadyrl.guards.quatro import QuatroConfig
+from steadyrl.guards.rollback import RollbackConfig
+from steadyrl.guards.rollout_filters import FilterConfig, LengthConfig, ParrotConfig, ZeroVarianceConfig, ZScoreConfig
 from steadyrl.metrics import (
     EVENT_ROLLBACK,
     EVENT_STATE_REPAIR,

@@ -124,8 +124,6 @@ def test_rebase_state_round_trip_mid_streak():
     assert a.state_dict() == b.state_dict() and b.ema == 60.0
 
 
-def test_invalid_rebase_and_zero_norm():
+def test_invalid_rebase():
     with pytest.raises(ValueError, match=r"rebase_after=1 must be 0 \(off\) or >= 2"):
         SpikeGuard(SpikeConfig(rebase_after=1))
-    with pytest.raises(ValueError, match=r"zero_norm=-1.0 must be finite and >= 0"):
-        SpikeGuard(SpikeConfig(zero_norm=-1.0))
