@@ -7,10 +7,19 @@ the readers use is declared here.
 
 Names are namespaced by layer (``gepo/``, ``grade/``, ``quatro/``, ``opefo/``, ``ppo/``, ``eval/``,
 ``steadyrl/``); TRL's own metrics keep TRL's names. Names with a variable part (a reason, a param group, a reward
-function) are made by the small functions below and matched by their prefix.
+function) are made by the small functions below and matched by their prefix. Observe mode's names come from one
+rule, ``would``: what a layer would have done goes under its act-mode name with ``would_`` after the layer.
 """
 
 from __future__ import annotations
+
+
+def would(name: str) -> str:
+    """Observe mode's name for ``name`` (``gepo/skipped_steps`` -> ``gepo/would_skipped_steps``): a decision
+    computed and logged, never applied."""
+    layer, _, rest = name.partition("/")
+    return f"{layer}/would_{rest}"
+
 
 # ----------------------------------------------------------------------------------- TRL / transformers
 
@@ -64,18 +73,18 @@ def gepo_skipped(reason: str) -> str:
 
 
 # observe mode (guards.gepo.mode: observe): what GEPO would have done; nothing of it is applied
-GEPO_WOULD_SKIP = "gepo/would_skip"  # cumulative optimizer steps the step guards would have skipped
-GEPO_WOULD_SKIP_PREFIX = "gepo/would_skip_"  # gepo/would_skip_<reason>, cumulative per reason
-GEPO_WOULD_DROP_MICRO_BATCHES = "gepo/would_drop_micro_batches"  # cumulative, every rank (granularity: micro_batch)
-GEPO_WOULD_STOP = "gepo/would_stop"  # cumulative: would-skips past max_consecutive_skips (act mode stops the run)
-GEPO_WOULD_CLAMP_LOGPROBS = "gepo/would_clamp_logprobs"  # per-token log-probs below logprob_min, per step
-GEPO_WOULD_CLIP_ROWS = "gepo/would_clip_rows"  # rows whose median/MAD z-score the tanh clip shrinks by > 10 %
-GEPO_WOULD_ADV_DIFF_MEAN = "gepo/would_adv_diff_mean"  # mean |GEPO advantage - trained advantage| over rows
+GEPO_WOULD_SKIP = would(GEPO_SKIPPED_STEPS)  # cumulative optimizer steps the step guards would have skipped
+GEPO_WOULD_SKIP_PREFIX = would(GEPO_SKIPPED_PREFIX)  # gepo/would_skipped_<reason>, cumulative per reason
+GEPO_WOULD_DROP_MICRO_BATCHES = would(GEPO_DROPPED_MICRO_BATCHES)  # cumulative, every rank
+GEPO_WOULD_STOP = would("gepo/stop")  # cumulative: would-skips past max_consecutive_skips (act mode stops the run)
+GEPO_WOULD_CLAMP_LOGPROBS = would("gepo/clamp_logprobs")  # per-token log-probs below logprob_min, per step
+GEPO_WOULD_CLIP_ROWS = would("gepo/clip_rows")  # rows whose median/MAD z-score the tanh clip shrinks by > 10 %
+GEPO_WOULD_ADV_DIFF_MEAN = would("gepo/adv_diff_mean")  # mean |GEPO advantage - trained advantage| over rows
 
 
 def gepo_would_skip(reason: str) -> str:
     """Cumulative count of optimizer steps an observing step guard would have skipped for ``reason``."""
-    return f"{GEPO_WOULD_SKIP_PREFIX}{reason}"
+    return would(gepo_skipped(reason))
 
 
 # ----------------------------------------------------------------------------------- GRADE
@@ -89,7 +98,7 @@ GRADE_CLIP_FRAC_HIGH = "grade/clip_frac_high"
 GRADE_WINDOW = "grade/window"
 GRADE_KL_FACTOR = "grade/kl_factor"
 GRADE_BETA = "grade/beta"
-GRADE_KL_FACTOR_WOULD = "grade/kl_factor_would"  # observe mode: the KL compensation factor it would set
+GRADE_KL_FACTOR_WOULD = would(GRADE_KL_FACTOR)  # observe mode: the KL compensation factor it would set
 
 # ----------------------------------------------------------------------------------- QUATRO
 
@@ -117,14 +126,14 @@ QUATRO_REPLAY_FRAC = "quatro/replay_frac"
 QUATRO_REPLAY_AGE_MEAN = "quatro/replay_age_mean"
 QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
 # observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
-QUATRO_KL_COEF_WOULD = "quatro/kl_coef_would"  # the controller's beta (TRL's beta is unchanged)
-QUATRO_ENTROPY_BONUS_WOULD = "quatro/entropy_bonus_would"  # the entropy_coef it would set
-QUATRO_PG_SCALE_WOULD = "quatro/pg_scale_would"  # the factor the floor's brake would put on the advantages
-QUATRO_MOMENT_SCALE_WOULD = "quatro/moment_scale_would"  # the factor brake_moments would have the moments follow
-QUATRO_CLIP_SCALE_WOULD = "quatro/clip_scale_would"  # the epsilon factor it would set
-QUATRO_FLOOR_ACTIVE_WOULD = "quatro/floor_active_would"
-QUATRO_WOULD_FILTER_PREFIX = "quatro/would_filter/"  # quatro/would_filter/<reason>: rows it would drop
-QUATRO_WOULD_FILTER_SHARE = "quatro/would_filter_share"
+QUATRO_KL_COEF_WOULD = would(QUATRO_KL_COEF)  # the controller's beta (TRL's beta is unchanged)
+QUATRO_ENTROPY_BONUS_WOULD = would(QUATRO_ENTROPY_BONUS)  # the entropy_coef it would set
+QUATRO_PG_SCALE_WOULD = would(QUATRO_PG_SCALE)  # the factor the floor's brake would put on the advantages
+QUATRO_MOMENT_SCALE_WOULD = would(QUATRO_MOMENT_SCALE)  # the factor brake_moments would have the moments follow
+QUATRO_CLIP_SCALE_WOULD = would("quatro/clip_scale")  # the epsilon factor it would set
+QUATRO_FLOOR_ACTIVE_WOULD = would(QUATRO_FLOOR_ACTIVE)
+QUATRO_WOULD_FILTER_PREFIX = would(QUATRO_FILTERED_PREFIX)  # quatro/would_filtered/<reason>: rows it would drop
+QUATRO_WOULD_FILTER_SHARE = would(QUATRO_FILTERED_SHARE)
 
 
 def quatro_filtered(reason: str) -> str:
@@ -134,7 +143,7 @@ def quatro_filtered(reason: str) -> str:
 
 def quatro_would_filter(reason: str) -> str:
     """Rows of the generation batch the ``reason`` filter would drop (observe mode: every row trains)."""
-    return f"{QUATRO_WOULD_FILTER_PREFIX}{reason}"
+    return would(quatro_filtered(reason))
 
 
 # ----------------------------------------------------------------------------------- OPEFO
@@ -152,10 +161,10 @@ OPEFO_REPAIRED_ENTRIES = "opefo/repaired_entries"  # cumulative, over all ranks
 OPEFO_RECOVERY_ACTIVE = "opefo/recovery_active"
 OPEFO_LR_FACTOR = "opefo/lr_factor"
 # observe mode (guards.opefo.mode: observe): what OPEFO would have done, cumulative; nothing of it is applied
-OPEFO_WOULD_ROLLBACK = "opefo/would_rollback"  # checks that found non-finite weights or moments
-OPEFO_WOULD_REPAIR = "opefo/would_repair"  # of those, the ones act mode would repair in place instead
-OPEFO_WOULD_FLOOR_ENTRIES = "opefo/would_floor_entries"  # exp_avg_sq entries the floor would raise
-OPEFO_WOULD_FEED_BACK = "opefo/would_feed_back"  # skipped steps whose gradient error feedback would keep
+OPEFO_WOULD_ROLLBACK = would(OPEFO_ROLLBACKS)  # checks that found non-finite weights or moments
+OPEFO_WOULD_REPAIR = would(OPEFO_REPAIRS)  # of those, the ones act mode would repair in place instead
+OPEFO_WOULD_FLOOR_ENTRIES = would("opefo/floor_entries")  # exp_avg_sq entries the floor would raise
+OPEFO_WOULD_FEED_BACK = would("opefo/feed_back")  # skipped steps whose gradient error feedback would keep
 
 
 def opefo_tiny_frac(group: int) -> str:

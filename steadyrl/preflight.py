@@ -48,12 +48,22 @@ SHORT_RUN = (  # every preflight run: short, logged every step, nothing saved or
 )
 SPIKE_NORM_MULTIPLE = 3.0  # abs_threshold = this x the 95th percentile of calm norms
 CUMULATIVE_WOULD = (  # counters logged as running totals
-    M.GEPO_WOULD_SKIP,
+    M.GEPO_WOULD_SKIP_PREFIX,  # gepo/would_skipped_steps and per reason
     M.GEPO_WOULD_STOP,
+    M.GEPO_WOULD_DROP_MICRO_BATCHES,
     M.OPEFO_WOULD_ROLLBACK,
     M.OPEFO_WOULD_REPAIR,
     M.OPEFO_WOULD_FLOOR_ENTRIES,
     M.OPEFO_WOULD_FEED_BACK,
+)
+SETTINGS_WOULD = (  # settings a controller would have made: their last value
+    M.QUATRO_KL_COEF_WOULD,
+    M.QUATRO_ENTROPY_BONUS_WOULD,
+    M.QUATRO_CLIP_SCALE_WOULD,
+    M.QUATRO_FLOOR_ACTIVE_WOULD,
+    M.QUATRO_PG_SCALE_WOULD,
+    M.QUATRO_MOMENT_SCALE_WOULD,
+    M.GRADE_KL_FACTOR_WOULD,
 )
 ENTROPY_MARGIN = 0.9  # proposed floor_ratio = this x (late / early baseline entropy), when below the default
 
@@ -247,13 +257,13 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
                 f"{cfg.trainer.get('max_completion_length')}: raise it, or reward shorter answers; cut completions "
                 "carry no final answer for a verifier to score"
             )
-    for name in sorted(m for m in history.metrics if "would" in m):  # what the observing layers would have done
+    for name in sorted(m for m in history.metrics if "/would_" in m):  # what the observing layers would have done
         values = _finite(history, name)
         if not len(values):
             continue
         if name.startswith(CUMULATIVE_WOULD):
             measured[f"{name} (run total)"] = float(values[-1])
-        elif name.endswith("_would"):  # a setting the controller would have made
+        elif name in SETTINGS_WOULD:
             measured[f"{name} (last step)"] = float(values[-1])
         else:
             measured[f"{name} (mean per step)"] = float(values.mean())

@@ -128,6 +128,7 @@ def _gepo(history: History) -> LayerSummary:
     reasons = {
         name.removeprefix(GEPO_WOULD_SKIP_PREFIX): round(_last(history, name) or 0)
         for name in history.matching(GEPO_WOULD_SKIP_PREFIX)
+        if name != GEPO_WOULD_SKIP  # the total shares the per-reason prefix
     }
     detail = ", ".join(f"{r} {n}" for r, n in reasons.items() if n)
     if history.has(GEPO_WOULD_SKIP):

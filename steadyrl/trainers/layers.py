@@ -87,7 +87,7 @@ def grade_layer(section: GradeSection) -> dict[str, Any]:
         out["observe_rewards"] = True
         logger.info("guards.grade observe mode: rewards are scaled and logged (grade/*); advantages use the raw ones")
         if section.kl_compensation:
-            logger.info("guards.grade.kl_compensation: in observe mode logged as grade/kl_factor_would, not applied")
+            logger.info("guards.grade.kl_compensation: in observe mode logged as grade/would_kl_factor, not applied")
     return out
 
 

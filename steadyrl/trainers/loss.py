@@ -56,7 +56,7 @@ class LossStation:
 
     def _pg_brake(self, inputs: dict[str, Any], training: bool) -> None:
         """The entropy floor's brake (``guards.quatro.entropy.pg_brake``, docs/DESIGN.md): this loss trains on the
-        advantages times ``pg_scale``; logged, and in observe mode logged as ``quatro/pg_scale_would`` only."""
+        advantages times ``pg_scale``; logged, and in observe mode logged as ``quatro/would_pg_scale`` only."""
         floor = self.quatro.entropy if self.quatro is not None else None
         if floor is None or floor.config.pg_brake == 0 or not training or "advantages" not in inputs:
             return

@@ -7,7 +7,7 @@ copied, its contribution is ``grad - copy``, and a second ``SpikeGuard`` (own EM
 step's scale). A dropped micro-batch's contribution is removed and the step trains on the mean of the kept ones.
 Under DDP every backward runs in ``no_sync`` and ``finish`` all-reduces the kept gradients once, with the counts; each
 rank judges its own micro-batches. A step whose every micro-batch was dropped is skipped like a vetoed step
-(``gepo/skipped_micro_batches``). Observe mode only counts (``gepo/would_drop_micro_batches``). Not under DeepSpeed
+(``gepo/skipped_micro_batches``). Observe mode only counts (``gepo/would_dropped_micro_batches``). Not under DeepSpeed
 (refused). Costs one copy of the trainable gradients while A > 1; a dropped micro-batch is not fed back (OPEFO).
 """
 

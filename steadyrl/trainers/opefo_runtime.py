@@ -182,14 +182,13 @@ class OpefoRuntime:
     # ------------------------------------------------------------------ after each optimizer step
 
     def on_step_end(self) -> float | None:
-        """After each optimizer step: floor, check, roll back or snapshot. Returns the recovery factor of the
+        """After each optimizer step: floor, check, then repair, roll back or snapshot. Observe mode takes the same
+        decisions and counts them under ``would`` names instead of applying them. Returns the recovery factor of the
         learning rate for the trainer to apply (1.0 outside a recovery; None when rollback is off or observing)."""
-        if self.observe:
-            return self._observe_step_end()
         step = self.ctx.global_step()
         rb = self.config.rollback
         if self.config.floor.enabled:
-            self.ctx.log_metrics(self.floor.maybe_apply(self.base, step))
+            self._floor(step)
         if rb.enabled:
             due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
             if self._check_now is not None or due:
@@ -198,61 +197,56 @@ class OpefoRuntime:
                     trigger = f" after a {self._check_now}" if self._check_now else ""
                     cause = _cause(bad_weights, state_ok) + trigger
                     refusal = self._refuse_repair(step, bad_weights, state_ok)
-                    if refusal is None:
+                    if self.observe:  # the state is never repaired here: every check that finds it bad counts
+                        self._count_would("repair" if refusal is None else "rollback", step, cause)
+                    elif refusal is None:
                         self._repair(step, cause)
                     else:
                         self._roll_back(step, cause, refusal)
-                elif step % rb.snapshot_interval == 0:
+                elif step % rb.snapshot_interval == 0 and not self.observe:
                     self._snapshot(step)
             self._check_now = None
-            self.ctx.log_metric(OPEFO_ROLLBACKS, float(self.policy.rollbacks))
-            if rb.repair_state:
-                self.ctx.log_metric(OPEFO_REPAIRS, float(self.policy.repairs))
-                self.ctx.log_metric(OPEFO_REPAIRED_ENTRIES, float(self.policy.repaired_entries))
-            self.ctx.log_metric(OPEFO_RECOVERY_ACTIVE, float(self.policy.recovery_active(step)))
+            self._log_counters(step)
+        if self.observe:
+            if self.config.error_feedback.enabled:
+                self.ctx.log_metric(OPEFO_WOULD_FEED_BACK, float(self.would["feed_back"]))
+            return None
         self.ctx.log_metric(OPEFO_EF_PENDING, float(self.feedback.pending))
         return self.policy.lr_factor(step) if rb.enabled else None  # recovery_steps steps after a rollback
 
-    def _observe_step_end(self) -> None:
-        """Observe mode: the floor's and the check's decisions on act mode's schedule, counted, none applied."""
-        step = self.ctx.global_step()
-        rb = self.config.rollback
-        if self.config.floor.enabled:
-            metrics = self.floor.maybe_apply(self.base, step, apply=False)
-            if metrics:
-                self.would["floor_entries"] += self.floor.last_raised
-                self.ctx.log_metrics(
-                    {
-                        k: v
-                        for k, v in metrics.items()
-                        if k != OPEFO_FLOOR_TRIGGERED and not k.startswith(OPEFO_FLOOR_RAISED_FRAC_PREFIX)
-                    }
-                )
-            self.ctx.log_metric(OPEFO_WOULD_FLOOR_ENTRIES, float(self.would["floor_entries"]))
-        if rb.enabled:
-            due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
-            if self._check_now is not None or due:
-                bad_weights, state_ok = self._health()
-                if bad_weights or not state_ok:
-                    cause = _cause(bad_weights, state_ok)
-                    # every check that finds the (never repaired) state bad counts, as a repair when act mode
-                    # could repair it now; the escalation after a repair needs a repair that happened (no
-                    # last_repair is set here)
-                    repair = self._refuse_repair(step, bad_weights, state_ok) is None
-                    self.would["repair" if repair else "rollback"] += 1
-                    if self.would["rollback"] + self.would["repair"] == 1:
-                        logger.warning(
-                            "step %d: observe mode: OPEFO would %s here (cause: %s); training goes on with the "
-                            "non-finite state, as without OPEFO",
-                            step, "repair the moments in place" if repair else "roll back", cause,
-                        )  # fmt: skip
-            self._check_now = None
+    def _floor(self, step: int) -> None:
+        """The second-moment floor on its schedule; observe mode counts the entries it would raise."""
+        metrics = self.floor.maybe_apply(self.base, step, apply=not self.observe)
+        if not self.observe:
+            self.ctx.log_metrics(metrics)
+            return
+        if metrics:
+            self.would["floor_entries"] += self.floor.last_raised
+            decided = (OPEFO_FLOOR_TRIGGERED, OPEFO_FLOOR_RAISED_FRAC_PREFIX)  # what it would have done: counted
+            self.ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith(decided)})
+        self.ctx.log_metric(OPEFO_WOULD_FLOOR_ENTRIES, float(self.would["floor_entries"]))
+
+    def _count_would(self, what: str, step: int, cause: str) -> None:
+        self.would[what] += 1
+        if self.would["rollback"] + self.would["repair"] == 1:
+            logger.warning(
+                "step %d: observe mode: OPEFO would %s here (cause: %s); training goes on with the non-finite "
+                "state, as without OPEFO", step, "repair the moments in place" if what == "repair" else "roll back",
+                cause,
+            )  # fmt: skip
+
+    def _log_counters(self, step: int) -> None:
+        rb, policy = self.config.rollback, self.policy
+        if self.observe:
             self.ctx.log_metric(OPEFO_WOULD_ROLLBACK, float(self.would["rollback"]))
             if rb.repair_state:
                 self.ctx.log_metric(OPEFO_WOULD_REPAIR, float(self.would["repair"]))
-        if self.config.error_feedback.enabled:
-            self.ctx.log_metric(OPEFO_WOULD_FEED_BACK, float(self.would["feed_back"]))
-        return None
+            return
+        self.ctx.log_metric(OPEFO_ROLLBACKS, float(policy.rollbacks))
+        if rb.repair_state:
+            self.ctx.log_metric(OPEFO_REPAIRS, float(policy.repairs))
+            self.ctx.log_metric(OPEFO_REPAIRED_ENTRIES, float(policy.repaired_entries))
+        self.ctx.log_metric(OPEFO_RECOVERY_ACTIVE, float(policy.recovery_active(step)))
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self._named_parameters() if p.requires_grad]

@@ -12,7 +12,7 @@ Replay needs every row's sampling log-probs: ``trl_state.ensure_sampling_logps``
 no-grad forward before any update, so a run with replay is not bit-identical to one without even before anything is
 replayed). Mixed micro-batches carry ``REPLAY_STEP_KEY``; ``num_items_in_batch`` is recounted over the mixed rows.
 
-Observe mode: the controllers observe, ``controls()`` is empty and the would-be values are logged under ``_would``
+Observe mode: the controllers observe, ``controls()`` is empty and the would-be values are logged under ``would``
 names; the filters log their keep mask; replay is inactive. State: controllers and the filter's length history are
 equal on every rank (guard state of the main process); the replay buffer is per rank (``rank_state_dict``).
 """
@@ -37,21 +37,16 @@ from steadyrl.metrics import (
     EVENT_FILTER_WARNING,
     QUATRO_CLIP_SCALE_WOULD,
     QUATRO_ENTROPY_BONUS,
-    QUATRO_ENTROPY_BONUS_WOULD,
     QUATRO_FILTERED_SHARE,
     QUATRO_FLOOR_ACTIVE,
-    QUATRO_FLOOR_ACTIVE_WOULD,
     QUATRO_KL_COEF,
-    QUATRO_KL_COEF_WOULD,
     QUATRO_KL_FACTOR,
     QUATRO_MOMENT_SCALE,
-    QUATRO_MOMENT_SCALE_WOULD,
     QUATRO_REPLAY_AGE_MEAN,
     QUATRO_REPLAY_FRAC,
     QUATRO_REPLAY_RATIO_MEAN,
-    QUATRO_WOULD_FILTER_SHARE,
     quatro_filtered,
-    quatro_would_filter,
+    would,
 )
 from steadyrl.trainers.advantage_pipeline import weighted_rewards
 from steadyrl.trainers.context import RuntimeContext
@@ -282,14 +277,11 @@ class QuatroRuntime:
         return 1.0 if self.observe else factor
 
     def _would_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Observe mode: the values QUATRO would set under their ``_would`` names; measurements keep theirs."""
-        would = self.would_controls()
-        renamed = {QUATRO_KL_COEF: QUATRO_KL_COEF_WOULD, QUATRO_ENTROPY_BONUS: QUATRO_ENTROPY_BONUS_WOULD}
-        renamed[QUATRO_FLOOR_ACTIVE] = QUATRO_FLOOR_ACTIVE_WOULD
-        renamed[QUATRO_MOMENT_SCALE] = QUATRO_MOMENT_SCALE_WOULD
-        out = {renamed.get(k, k): v for k, v in metrics.items() if k != QUATRO_KL_FACTOR}
+        """Observe mode: the values QUATRO would set under their ``would`` names; measurements keep theirs."""
+        out = {would(k) if k in _DECISIONS else k: v for k, v in metrics.items() if k != QUATRO_KL_FACTOR}
         if self.entropy is not None:
-            out[QUATRO_CLIP_SCALE_WOULD] = would.clip_scale if would.clip_scale is not None else 1.0
+            clip_scale = self.would_controls().clip_scale
+            out[QUATRO_CLIP_SCALE_WOULD] = clip_scale if clip_scale is not None else 1.0
         return out
 
     # ------------------------------------------------------------------ filters
@@ -503,13 +495,12 @@ def gather_token_batches(
 def _would_filter_metrics(result: FilterResult) -> dict[str, float]:
     """A filter result under observe mode's names: rows each filter would drop, and their share (the count of
     zero-variance groups is a measurement and keeps its name)."""
-    out = {k: v for k, v in result.metrics().items() if k != QUATRO_FILTERED_SHARE and k not in _FILTERED}
-    out.update({quatro_would_filter(reason): float(count) for reason, count in result.reasons.items()})
-    out[QUATRO_WOULD_FILTER_SHARE] = result.metrics()[QUATRO_FILTERED_SHARE]
-    return out
+    return {would(k) if k in _FILTERED else k: v for k, v in result.metrics().items()}
 
 
-_FILTERED = frozenset(quatro_filtered(reason) for reason in FILTER_REASONS)
+# what QUATRO sets (observe mode logs them under their ``would`` names); the other metrics are measurements
+_DECISIONS = frozenset({QUATRO_KL_COEF, QUATRO_ENTROPY_BONUS, QUATRO_FLOOR_ACTIVE, QUATRO_MOMENT_SCALE})
+_FILTERED = frozenset({*(quatro_filtered(reason) for reason in FILTER_REASONS), QUATRO_FILTERED_SHARE})
 
 
 def loss_mask(inputs: dict[str, Any]) -> torch.Tensor:

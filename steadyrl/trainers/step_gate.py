@@ -6,9 +6,9 @@ are dropped, is counted (``gepo/skipped_steps``, per reason ``gepo/skipped_<reas
 A taken step first gets OPEFO's pending error feedback, then the usual clipping.
 
 Observing guards (``observers``: a layer in ``mode: observe``, docs/DESIGN.md, "Observe mode") see the same norm
-and decide the same way, but their veto only counts (``gepo/would_skip``, per reason ``gepo/would_skip_<reason>``;
-``gepo/would_stop`` where the guard would have stopped the run): the step proceeds, nothing is handed to error
-feedback, and a non-finite gradient reaches the optimizer exactly as in plain TRL.
+and decide the same way, but their veto only counts (``gepo/would_skipped_steps``, per reason
+``gepo/would_skipped_<reason>``; ``gepo/would_stop`` where the guard would have stopped the run): the step proceeds,
+nothing is handed to error feedback, and a non-finite gradient reaches the optimizer exactly as in plain TRL.
 
 Where the decision runs:
 - one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.gate_step`` (gradients are already

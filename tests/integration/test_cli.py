@@ -147,7 +147,7 @@ def test_preflight_calibrates_drills_two_faults_and_writes_a_config_that_validat
     assert spike or any("the spike threshold is left at its default" in n for n in report["notes"])
     # the baseline observed: the layers logged what they would do, and nothing was skipped or rolled back
     baseline = [json.loads(line) for line in (out / "runs/baseline/metrics.jsonl").read_text().splitlines()]
-    assert any("quatro/kl_coef_would" in row for row in baseline)
+    assert any("quatro/would_kl_coef" in row for row in baseline)
     assert all(row.get("gepo/skipped_steps", 0) == 0 and row.get("opefo/rollbacks", 0) == 0 for row in baseline)
     tree = yaml.safe_load((out / "preflight.yaml").read_text())
     assert tree["extends"] == str(REPO / "configs/tiny/grpo.yaml") and tree["trainer"]["beta"] == 0.04

@@ -12,6 +12,7 @@ from steadyrl.config.guard_sections import GuardsSection
 from steadyrl.evidence.history import History
 from steadyrl.evidence.observe import format_observe_summary
 from steadyrl.faults import CorruptOptimizerState, GradSpikeAtStep
+from steadyrl.guards.rollout_filters import LENGTH_HISTORY
 from steadyrl.metrics import (
     GEPO_SKIPPED_STEPS,
     GEPO_WOULD_ADV_DIFF_MEAN,
@@ -99,7 +100,7 @@ def test_all_layers_observing_train_like_all_layers_off(tiny_model_dir, tmp_path
         cost["seconds_by_part"]
     )
     # every layer observing: the filters' length history is QUATRO's; OPEFO observing keeps no snapshot in memory
-    history_mib = observing.quatro.filter.config.length.history * 8 / 2**20
+    history_mib = LENGTH_HISTORY * 8 / 2**20
     assert cost["held_mib_by_part"]["quatro"] == pytest.approx(history_mib, abs=1e-3)
 
     # the doctor's summary of the run says what each layer would have done

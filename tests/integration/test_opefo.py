@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer, TrainerCallback
 
 from steadyrl.faults import CorruptOptimizerState
+from steadyrl.guards import moment_floor
 from steadyrl.guards.base import StepDecision
 from steadyrl.guards.moment_floor import FloorConfig
 from steadyrl.guards.opefo import OpefoConfig
@@ -188,12 +189,14 @@ class ZeroLiveSecondMoment(TrainerCallback):
                 st["exp_avg_sq"].view(-1)[st["exp_avg"].abs().argmax()] = 0.0
 
 
-def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path):
+def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path, monkeypatch):
     """Floor (forced to trigger), error feedback pending across the checkpoint, snapshots, checks: 6 straight
     steps == 3 + resume + 3 (torch.equal), and the resumed run starts from exactly the saved Adam moments."""
 
+    monkeypatch.setattr(moment_floor, "TINY", 1e-8)
+
     def opefo():
-        floor = FloorConfig(interval=2, tiny=1e-8, trigger_frac=0.0)
+        floor = FloorConfig(interval=2, trigger_frac=0.0)
         rollback = RollbackConfig(snapshot_interval=2, check_interval=1)
         return OpefoRuntime(OpefoConfig(enabled=True, floor=floor, rollback=rollback))
 

@@ -330,7 +330,7 @@ def _floor_loss(trainer, inputs: dict, control: float) -> float:
 def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode):
     """The seam of the entropy floor's policy-gradient brake: at control 0.75 with pg_brake 1 the loss is TRL's own
     loss on the same batch with every advantage x 0.25, the micro-batch keeps its own advantages afterwards, and
-    ``quatro/pg_scale`` is 0.25. Observe mode: TRL's loss unchanged, ``quatro/pg_scale_would`` 0.25. Control 0: TRL's
+    ``quatro/pg_scale`` is 0.25. Observe mode: TRL's loss unchanged, ``quatro/would_pg_scale`` 0.25. Control 0: TRL's
     loss, factor 1."""
     from trl import GRPOTrainer
 
@@ -342,7 +342,7 @@ def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode
 
     expected = plain if mode == "observe" else by_hand
     assert _floor_loss(trainer, inputs, 0.75) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
-    name = "quatro/pg_scale_would" if mode == "observe" else "quatro/pg_scale"
+    name = "quatro/would_pg_scale" if mode == "observe" else "quatro/pg_scale"
     assert trainer._metrics["train"][name][-1] == 0.25
 
     trainer.quatro.entropy.control = 0.0

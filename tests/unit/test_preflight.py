@@ -32,8 +32,8 @@ def _rows(n: int = 20) -> list[dict]:
                 "entropy": 1.0 - 0.04 * (t - 1),  # first quarter mean 0.92, last quarter mean 0.32
                 "completions/clipped_ratio": 0.5,
                 "completions/mean_length": 30.0,
-                "gepo/would_skip": float(t >= 15),
-                "quatro/would_filter/zero_variance": float(t % 2),  # per step: mean 0.5 over the baseline
+                "gepo/would_skipped_steps": float(t >= 15),
+                "quatro/would_filtered/zero_variance": float(t % 2),  # per step: mean 0.5 over the baseline
             }
         )
     return rows
@@ -48,9 +48,9 @@ def test_calibration_by_hand():
     assert proposed["guards.gepo.spike.abs_threshold"] == float(f"{3 * np.percentile(norms, 95):.3g}")
     # entropy: last / first quarter = 0.32 / 0.92 = 0.348 < 0.8 -> floor_ratio 0.9 x 0.348 = 0.31
     assert proposed["guards.quatro.entropy.floor_ratio"] == 0.31
-    assert measured["quatro/would_filter/zero_variance (mean per step)"] == 0.5
+    assert measured["quatro/would_filtered/zero_variance (mean per step)"] == 0.5
     assert measured["share of completions cut at max_completion_length"] == 0.5
-    assert measured["gepo/would_skip (run total)"] == 1.0
+    assert measured["gepo/would_skipped_steps (run total)"] == 1.0
     assert any("50% of completions hit trainer.max_completion_length" in n for n in notes)
     assert any("the entropy floor would switch on at once" in n for n in notes)
 
