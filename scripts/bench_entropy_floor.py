@@ -33,21 +33,17 @@ Demo (``--demo``). ``configs/tiny/grpo.yaml`` as it is (exact-match reward, lr 1
     python scripts/bench_entropy_floor.py --sft runs/demo-sft/final --demo --out-md demo.md
     python scripts/bench_entropy_floor.py --sft runs/demo-sft/final --quick     # 1 seed, 12 steps per variant
     ... --reuse        # tables and plot again from the finished runs in --out, training only what is missing
-    ... --set guards.quatro.entropy.cov_clip=1 --set guards.quatro.entropy.clip_while_learning=true
-                       # overrides for every QUATRO variant (repeatable): the covariance clip, on under the gate
+    ... --set guards.quatro.entropy.pg_brake=0 --set guards.quatro.entropy.coef_max=0.5
+                       # overrides for every QUATRO variant (repeatable): the bonus alone, at a larger cap
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,11 +54,12 @@ import torch
 from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+import experiments as X  # noqa: E402
+from experiments import mean_std  # noqa: E402
 
 from steadyrl.callbacks.periodic_eval import preserved_rng  # noqa: E402
-from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import repetition_reward  # noqa: E402
 from steadyrl.tasks.arithmetic import arithmetic_splits  # noqa: E402
 
@@ -184,56 +181,27 @@ def load_probe(run_dir: Path) -> dict[str, np.ndarray]:
     return {k: np.array([rows[s][k] for s in sorted(rows)], dtype=float) for k in keys}
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join([str(REPO), str(REPO / "scripts")])
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-
-
 def collapse_command(sft: str, out: Path, flags: tuple[str, ...], seed: int, steps: int, lr: float) -> list[str]:
-    return [
-        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+    return X.train_command(
+        REPO / "configs/tiny/grpo.yaml", f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", f"trainer.seed={seed}",
         f"trainer.learning_rate={lr}", f"trainer.beta={BETA}", "trainer.logging_steps=1", 'trainer.save_strategy="no"',
         "trainer.resume_from_checkpoint=null", COLLAPSE_REWARDS, "eval.metric=exact_match", "eval.every=0",
         f"callbacks=['{PROBE_CALLBACK}']", *flags,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def demo_command(sft: str, out: Path, flags: tuple[str, ...], seed: int) -> list[str]:
-    return [
-        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+    return X.train_command(
+        REPO / "configs/tiny/grpo.yaml", f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.beta={BETA}", f"trainer.seed={seed}", "trainer.logging_steps=1",
         'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null", *flags,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
 def _shown(cmd: list[str]) -> str:
     """The command line as it reads from the repository root."""
     return "OMP_NUM_THREADS=1 " + shlex.join(["python", *cmd[1:]]).replace(f"{REPO}/", "")
-
-
-def run(cmd: list[str], out: Path, timeout_s: float) -> tuple[int, float]:
-    """Run one training process into a fresh ``out`` (metrics.jsonl appends); (returncode, wall seconds)."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    start = time.time()
-    code, log = run_with_progress(cmd, out.name, log=out / "log.txt", env=_env(), timeout=timeout_s)
-    returncode = -1 if code is None else code
-    wall = time.time() - start
-    if code is None:
-        (out / "log.txt").write_text(f"timeout after {timeout_s} s\n{log}")
-    (out / "command.txt").write_text(_shown(cmd) + "\n")
-    (out / "run.json").write_text(json.dumps({"returncode": returncode, "wall_s": wall}))
-    return returncode, wall
-
-
-def rerun_or_reuse(cmd: list[str], out: Path, timeout_s: float, reuse: bool) -> tuple[int, float]:
-    """``run``, or with ``reuse`` the (returncode, wall seconds) an earlier run left in ``out/run.json``."""
-    if reuse and (out / "run.json").is_file():
-        done = json.loads((out / "run.json").read_text())
-        return done["returncode"], done["wall_s"]
-    return run(cmd, out, timeout_s)
 
 
 def _finite_series(history: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -274,14 +242,13 @@ def _band_and_collapse(steps: np.ndarray, entropy: np.ndarray) -> dict[str, Any]
     }
 
 
-def summarise_collapse(run_dir: Path, returncode: int, wall_s: float) -> dict[str, Any]:
+def summarise_collapse(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     """One collapse run: probe and TRL entropy series, floor band, collapse step, end values, QUATRO counters."""
-    out: dict[str, Any] = {"returncode": returncode, "wall_s": wall_s, "status": "ok" if returncode == 0 else "died"}
-    try:
-        history = load_history(run_dir)
-    except HistoryNotFoundError:
+    out: dict[str, Any] = {"returncode": run.returncode, "wall_s": run.wall_s, "status": run.status}
+    history = run.history
+    if history is None:
         return {**out, "status": "died"}
-    probe = load_probe(run_dir)
+    probe = load_probe(job.out)
     probe_floor = _band_and_collapse(probe["step"], probe["entropy"])
     train_steps, train_entropy = _finite_series(history, "entropy")
     train_floor = _band_and_collapse(train_steps, train_entropy)
@@ -294,7 +261,6 @@ def summarise_collapse(run_dir: Path, returncode: int, wall_s: float) -> dict[st
     _, kl_coef = _finite_series(history, "quatro/kl_coef")
     _, kl = _finite_series(history, "kl")
     trained = probe["step"] >= 1
-    eval_file = run_dir / "eval_results.json"
     return {
         **out,
         "last_step": history.last_step,
@@ -329,19 +295,11 @@ def summarise_collapse(run_dir: Path, returncode: int, wall_s: float) -> dict[st
         "repetition_drops": float(repetition.sum()) if len(repetition) else None,
         "filtered_share_mean": float(share.mean()) if len(share) else None,
         "kl_coef_end": float(kl_coef[-1]) if len(kl_coef) else None,
-        "accuracy": json.loads(eval_file.read_text())["accuracy"] if eval_file.is_file() else None,
+        "accuracy": run.eval["accuracy"] if run.eval else None,
     }
 
 
 # ------------------------------------------------------------------------------------------------ output
-
-
-def _mean_std(values: list[float | None], digits: int = 3) -> str:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return "-"
-    std = statistics.pstdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.{digits}f} ± {std:.{digits}f}"
 
 
 def _collapse(runs: list[dict[str, Any]], key: str, steps: int, what: str = "fell") -> str:
@@ -349,7 +307,7 @@ def _collapse(runs: list[dict[str, Any]], key: str, steps: int, what: str = "fel
     fell = [r[key] for r in runs if r[key] is not None]
     if not fell:
         return f"never in {steps} (0/{len(runs)})"
-    return f"{_mean_std(fell, 1)} ({len(fell)}/{len(runs)} {what})"
+    return f"{mean_std(fell, 1)} ({len(fell)}/{len(runs)} {what})"
 
 
 def collapse_tables(results: dict[tuple[str, int], dict[str, Any]], steps: int) -> str:
@@ -375,21 +333,21 @@ def collapse_tables(results: dict[tuple[str, int], dict[str, Any]], steps: int) 
         ok = [r for r in runs if r["status"] == "ok"]
         no_floor = all(r["floor_active_steps"] is None for r in ok)  # the variant runs no entropy floor
         main.append(
-            f"| {name} | {len(ok)}/{len(runs)} | {_mean_std([r['band'] for r in ok])} | "
+            f"| {name} | {len(ok)}/{len(runs)} | {mean_std([r['band'] for r in ok])} | "
             f"{_collapse(ok, 'collapse_step', steps)} | {_collapse(ok, 'stays_below', steps)} | "
-            f"{_mean_std([r['below_share'] for r in ok], 2)} | "
-            f"{_mean_std([r['entropy_end'] for r in ok])} | {_mean_std([r['reward_end'] for r in ok])} | "
-            f"{_mean_std([r['repetition_drops'] for r in ok], 0)} | {_mean_std([r['accuracy'] for r in ok])} | "
+            f"{mean_std([r['below_share'] for r in ok], 2)} | "
+            f"{mean_std([r['entropy_end'] for r in ok])} | {mean_std([r['reward_end'] for r in ok])} | "
+            f"{mean_std([r['repetition_drops'] for r in ok], 0)} | {mean_std([r['accuracy'] for r in ok])} | "
             f"{statistics.fmean(r['wall_s'] for r in runs):.0f} |"
         )
         diag.append(
-            f"| {name} | {_mean_std([r['train_band'] for r in ok])} | {_collapse(ok, 'train_collapse_step', steps)} | "
-            f"{_mean_std([r['train_entropy_end'] for r in ok])} | {_mean_std([r['controller_floor'] for r in ok])} | "
+            f"| {name} | {mean_std([r['train_band'] for r in ok])} | {_collapse(ok, 'train_collapse_step', steps)} | "
+            f"{mean_std([r['train_entropy_end'] for r in ok])} | {mean_std([r['controller_floor'] for r in ok])} | "
             f"{'-' if no_floor else _collapse(ok, 'floor_first_active', steps, 'active')} | "
-            f"{_mean_std([r['floor_active_steps'] for r in ok], 0)} | {_mean_std([r['bonus_max'] for r in ok])} | "
-            f"{_mean_std([r['distinct_end'] for r in ok], 2)} | {_mean_std([r['probe_repetition_end'] for r in ok])} | "
-            f"{_mean_std([r['filtered_share_mean'] for r in ok], 2)} | {_mean_std([r['kl_coef_end'] for r in ok])} | "
-            f"{_mean_std([r['kl_end'] for r in ok], 4)} |"
+            f"{mean_std([r['floor_active_steps'] for r in ok], 0)} | {mean_std([r['bonus_max'] for r in ok])} | "
+            f"{mean_std([r['distinct_end'] for r in ok], 2)} | {mean_std([r['probe_repetition_end'] for r in ok])} | "
+            f"{mean_std([r['filtered_share_mean'] for r in ok], 2)} | {mean_std([r['kl_coef_end'] for r in ok])} | "
+            f"{mean_std([r['kl_end'] for r in ok], 4)} |"
         )
     return "\n".join(main) + "\n\nDiagnostics:\n\n" + "\n".join(diag)
 
@@ -465,26 +423,30 @@ def variant_overrides(name: str, extra: list[str] | None) -> tuple[str, ...]:
 def main_collapse(args: argparse.Namespace) -> str:
     seeds, steps = (range(1), 12) if args.quick else (range(args.seeds), args.steps)
     names = [n.strip() for n in args.variants.split(",")] if args.variants else list(VARIANTS)
-    results: dict[tuple[str, int], dict[str, Any]] = {}
     root, start = Path(args.out), time.time()
+    jobs = []
     for seed in seeds:  # seed-major: a partial benchmark still compares both variants
         for name in names:
             out = root / f"{VARIANTS[name][0]}-s{seed}"
             cmd = collapse_command(args.sft, out, variant_overrides(name, args.set), seed, steps, args.lr)
-            returncode, wall = rerun_or_reuse(cmd, out, args.timeout, args.reuse)
-            results[(name, seed)] = summarise_collapse(out, returncode, wall)
-            r = results[(name, seed)]
-            print(
-                f"{name} seed {seed}: rc {returncode}, {wall:.0f} s, collapse step {r.get('collapse_step')}, "
-                f"entropy end {r.get('entropy_end')}, reward end {r.get('reward_end')}, "
-                f"repetition drops {r.get('repetition_drops')}",
-                flush=True,
-            )
+            jobs.append(X.Job(name, "forced_collapse", seed, out, tuple(cmd)))
+
+    def report(job: X.Job, r: dict[str, Any]) -> None:
+        print(
+            f"{job.variant} seed {job.seed}: rc {r['returncode']}, {r['wall_s']:.0f} s, collapse step "
+            f"{r.get('collapse_step')}, entropy end {r.get('entropy_end')}, reward end {r.get('reward_end')}, "
+            f"repetition drops {r.get('repetition_drops')}",
+            flush=True,
+        )
+
+    done = X.run_jobs(jobs, summarise_collapse, timeout=args.timeout, reuse=args.reuse, paths=[REPO / "scripts"],
+                      after=report)  # fmt: skip
+    results = {(v, seed): r for (v, _, seed), r in done.items()}
     root.mkdir(parents=True, exist_ok=True)
     (root / "results.json").write_text(json.dumps({f"{v}|{s}": r for (v, s), r in results.items()}, indent=1))
     if args.png:
         plot_collapse(results, Path(args.png), args.lr)
-    command = "python scripts/bench_entropy_floor.py " + shlex.join(sys.argv[1:])
+    command = X.script_command("bench_entropy_floor.py")
     if args.results:
         write_results(Path(args.results), command, results, names, list(seeds), steps)
     return (
@@ -504,37 +466,21 @@ RESULT_METRICS = ("band", "collapse_step", "stays_below", "below_share", "entrop
 def write_results(path: Path, command: str, results: dict, names: list[str], seeds: list[int], steps: int) -> None:
     """The collapse runs in the shared RESULTS.md format: scenario ``forced_collapse``, one cell per variant;
     ``accuracy`` is the greedy exact match at the end (logged only: the trained reward is the repetition one)."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    cells = []
-    for name in names:
-        runs = [results[(name, seed)] for seed in seeds]
-        cells.append({
-            "scenario": "forced_collapse", "variant": name, "seeds": seeds,
-            "died": [r["status"] != "ok" for r in runs],
-            "accuracy": [r.get("accuracy") if r["status"] == "ok" else None for r in runs],
-            "metrics": {key: [r.get(key) for r in runs] for key in RESULT_METRICS},
-        })  # fmt: skip
-    doc = {
-        "benchmark": "entropy_floor",
-        "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} {command}",
-        "commit": commit,
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core CPU, no GPU",
-        "model": "tiny-llama-0.9m (SFT checkpoint)",
-        "steps": steps,
-        "cells": cells,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    cells = [
+        X.cell("forced_collapse", name, seeds, [results[(name, seed)] for seed in seeds], RESULT_METRICS,
+               died=lambda r: r["status"] != "ok")
+        for name in names
+    ]  # fmt: skip
+    doc = X.results_doc("entropy_floor", cells, command=f"OMP_NUM_THREADS=1 {command}", sha=X.commit(),
+                        model="tiny-llama-0.9m (SFT checkpoint)", steps=steps)  # fmt: skip
+    X.write_results(path, doc, indent=2)
 
 
-def summarise_demo(run_dir: Path, returncode: int, wall_s: float) -> dict[str, Any]:
+def summarise_demo(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     """One demo run: final greedy accuracy and rewards, eval accuracy during training, QUATRO's filters and KL."""
-    eval_file = run_dir / "eval_results.json"
-    if returncode != 0 or not eval_file.is_file():
-        return {"status": "died", "returncode": returncode, "wall_s": wall_s}
-    result = json.loads(eval_file.read_text())
-    history = load_history(run_dir)
+    wall_s, result, history = run.wall_s, run.eval, run.history
+    if run.status != "ok" or result is None:
+        return {"status": "died", "returncode": run.returncode, "wall_s": wall_s}
     eval_steps, eval_accuracy = _finite_series(history, "eval/accuracy")
     _, share = _finite_series(history, "quatro/filtered_share")
     _, repetition = _finite_series(history, "quatro/filtered/repetition")
@@ -575,36 +521,39 @@ def main_demo(args: argparse.Namespace) -> str:
     if sft is not None:
         numeric = sft["rewards"].get("numeric_match", math.nan)
         lines.append(f"| SFT ({args.sft}) | - | - | {sft['accuracy']:.3f} | - | - | {numeric:.3f} |" + " - |" * 8)
-    commands, results = [], {}
+    commands, jobs = [], []
     for name in DEMO_VARIANTS:
         for seed in seeds:
             out = root / f"demo-{VARIANTS[name][0]}-s{seed}"
             cmd = demo_command(args.sft, out, variant_overrides(name, args.set), seed)
             if seed == 0:
                 commands.append(_shown(cmd))
-            results[(name, seed)] = summarise_demo(out, *rerun_or_reuse(cmd, out, args.timeout, args.reuse))
-            print(f"demo {name} seed {seed}: {results[(name, seed)]}", flush=True)
+            jobs.append(X.Job(name, "demo", seed, out, tuple(cmd)))
+    done = X.run_jobs(jobs, summarise_demo, timeout=args.timeout, reuse=args.reuse, paths=[REPO / "scripts"],
+                      after=lambda job, r: print(f"demo {job.variant} seed {job.seed}: {r}", flush=True))  # fmt: skip
+    results = {(v, seed): r for (v, _, seed), r in done.items()}
+    for name in DEMO_VARIANTS:
         runs = [results[(name, seed)] for seed in seeds]
         ok = [r for r in runs if r["status"] == "ok"]
         gains = [100 * (r["accuracy"] - sft["accuracy"]) for r in ok] if sft is not None else []
-        share = _mean_std([r["filtered_share_mean"] for r in ok])
+        share = mean_std([r["filtered_share_mean"] for r in ok])
         share_max = max((r["filtered_share_max"] for r in ok if r["filtered_share_max"] is not None), default=None)
-        coef = _mean_std([r["kl_coef_end"] for r in ok])
+        coef = mean_std([r["kl_coef_end"] for r in ok])
         coef_from = _collapse(ok, "kl_coef_max_from", 200, "at β_max") if coef != "-" else ""
         per_seed = ", ".join(f"{r['accuracy']:.3f}" for r in ok)
         col = {key: [r[key] for r in ok] for key in ok[0]} if ok else {}
         lines.append(
-            f"| GRPO, {name} | {BETA} | {len(ok)}/{len(runs)} | {_mean_std([r['accuracy'] for r in ok])} | "
-            f"{per_seed} | {_mean_std(gains, 1)} | "
-            f"{_mean_std([r['numeric_match'] for r in ok])} | {_mean_std([r['eval_at_50'] for r in ok])} | "
+            f"| GRPO, {name} | {BETA} | {len(ok)}/{len(runs)} | {mean_std([r['accuracy'] for r in ok])} | "
+            f"{per_seed} | {mean_std(gains, 1)} | "
+            f"{mean_std([r['numeric_match'] for r in ok])} | {mean_std([r['eval_at_50'] for r in ok])} | "
             f"{share}{f' ({share_max:.2f})' if share_max is not None else ''} | "
-            f"{_mean_std(col.get('repetition_drops', []), 0)} | {_mean_std(col.get('zero_variance_drops', []), 0)} | "
-            f"{coef}{f' ({coef_from})' if coef_from else ''} | {_mean_std([r['kl_end'] for r in ok], 3)} | "
-            f"{_mean_std(col.get('floor_active_steps', []), 0)} | {statistics.fmean(r['wall_s'] for r in runs):.0f} |"
+            f"{mean_std(col.get('repetition_drops', []), 0)} | {mean_std(col.get('zero_variance_drops', []), 0)} | "
+            f"{coef}{f' ({coef_from})' if coef_from else ''} | {mean_std([r['kl_end'] for r in ok], 3)} | "
+            f"{mean_std(col.get('floor_active_steps', []), 0)} | {statistics.fmean(r['wall_s'] for r in runs):.0f} |"
         )
     root.mkdir(parents=True, exist_ok=True)
     (root / "demo_results.json").write_text(json.dumps({f"{v}|{s}": r for (v, s), r in results.items()}, indent=1))
-    command = "python scripts/bench_entropy_floor.py " + shlex.join(sys.argv[1:])
+    command = X.script_command("bench_entropy_floor.py")
     return (
         f"```\nOMP_NUM_THREADS=1 {command}   # {len(results)} runs, one at a time, {time.time() - start:.0f} s\n"
         "# each run (seed 0 shown; trainer.seed=1, 2 for the others):\n" + "\n".join(commands) + "\n```\n\n"

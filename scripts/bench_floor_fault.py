@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,9 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+import experiments as X  # noqa: E402
 
 from steadyrl.guards.moment_floor import FloorConfig, SecondMomentFloor  # noqa: E402
 
@@ -98,10 +97,12 @@ def _furthest_above_group(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 def clean_checkpoint(model_dir: str, seed: int, out: Path) -> dict[str, Any]:
     """Two GRPO steps of the tiny config from the checkpoint (``steadyrl train``, every guard off), then the floor
     check on the saved Adam state (checkpoint-2/optimizer.pt)."""
-    cmd = [sys.executable, "-m", "steadyrl", "train", "configs/tiny/grpo.yaml", f"model.path={model_dir}",
+    cmd = X.train_command("configs/tiny/grpo.yaml", f"model.path={model_dir}",
            f"trainer.output_dir={out}", "trainer.max_steps=2", "trainer.save_steps=2", f"trainer.seed={seed}",
-           "trainer.resume_from_checkpoint=null", "eval.enabled=false"]  # fmt: skip
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+           "trainer.resume_from_checkpoint=null", "eval.enabled=false")  # fmt: skip
+    run = X.launch(cmd, out, env=dict(os.environ))
+    if run.status != "ok":
+        raise SystemExit(f"run failed ({run.returncode}): {' '.join(cmd)}\n{run.log[-3000:]}")
     saved = torch.load(out / "checkpoint-2" / "optimizer.pt", weights_only=False)
     params: list[list[torch.nn.Parameter]] = []
     for group in saved["param_groups"]:
@@ -202,7 +203,6 @@ def main() -> None:
         print(f"  floor {rule:9s}: zeroed entries move {r['mean_ratio']:.1f}x (mean |dw|) their fault-free step; "
               f"per entry: median {r['median_ratio']:.1f}x, p99 {r['p99_ratio']:.1f}x")  # fmt: skip
     if args.results:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
         cells = [
             {"scenario": "half_zeroed", "variant": rule, "seeds": [args.seed], "died": [False],
              "accuracy": [None], "metrics": {k: [fault[rule][k]] for k in ("mean_ratio", "median_ratio", "p99_ratio")}}
@@ -213,19 +213,13 @@ def main() -> None:
              "accuracy": [None], "metrics": {"triggers": [float(clean["steadyrl_rule_triggers"])],
                                               "seed_rule_triggers": [float(clean["seed_rule_triggers"])]}}
         )  # fmt: skip
-        results = {
-            "benchmark": "opefo_floor",
-            "command": "python scripts/bench_floor_fault.py " + " ".join(sys.argv[1:]),
-            "commit": commit.strip(),
-            "date": datetime.date.today().isoformat(),
-            "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
-            "model": args.model,
-            "steps": args.warmup + 1,
-            "cells": cells,
-            "details": {"clean_checkpoint": clean, "half_zeroed": fault},
-        }
+        results = X.results_doc(
+            "opefo_floor", cells, command="python scripts/bench_floor_fault.py " + " ".join(sys.argv[1:]),
+            sha=X.commit(), model=args.model, steps=args.warmup + 1,
+            details={"clean_checkpoint": clean, "half_zeroed": fault},
+        )  # fmt: skip
         path = REPO / args.results
-        path.write_text(json.dumps(results, indent=2) + "\n")
+        X.write_results(path, results, indent=2)
         print(f"wrote {path}")
 
 

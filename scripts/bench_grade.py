@@ -30,28 +30,22 @@ share is the share of the gradient variance the tail carries.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.evidence.history import load_history  # noqa: E402
+import experiments as X  # noqa: E402
 
 GROUPS = {  # name: (label, overrides)
     "plain": ("A: raw PPO", ["guards.grade.enabled=false"]),
     "grade-whiten": ("B: whitening only + KL compensation", [
-        "guards.grade.enabled=true", "guards.grade.clip=false", "guards.grade.centre=false",
+        "guards.grade.enabled=true", "guards.grade.clip=false", "guards.grade.centring_beta=0",
         "guards.grade.kl_compensation=true",
     ]),
     "grade": ("C: full GRADE + KL compensation", ["guards.grade.enabled=true", "guards.grade.kl_compensation=true"]),
@@ -60,34 +54,14 @@ SCENARIOS = {"rm": 0.0, "rm-artefacts": 0.05}  # artefact rate
 TAIL = 0.05
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True, check=False).stdout.strip()  # fmt: skip
-    return out.stdout.strip() + ("+dirty" if dirty else "")
-
-
-def train(sft: str, rm: str, out: Path, group: str, rate: float, seed: int, steps: int) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "rewards.jsonl"
-    for stale in (log, out / "metrics.jsonl", out / "eval_results.json"):
-        stale.unlink(missing_ok=True)
+def train_command(sft: str, rm: str, out: Path, group: str, rate: float, seed: int, steps: int) -> list[str]:
     rewards = (f"rewards=[{{name: rm, fn: 'steadyrl.faults:reward_model_artefacts', kwargs: {{path: '{rm}', "
-               f"rate: {rate}, seed: {seed}, log: '{log}'}}}}, {{fn: exact_match, weight: 0.0}}, "
+               f"rate: {rate}, seed: {seed}, log: '{out / 'rewards.jsonl'}'}}}}, {{fn: exact_match, weight: 0.0}}, "
                "{fn: numeric_match, weight: 0.0}]")  # fmt: skip
-    cmd = [sys.executable, "-m", "steadyrl", "train", "configs/tiny/ppo.yaml", f"model.path={sft}", rewards,
+    return X.train_command("configs/tiny/ppo.yaml", f"model.path={sft}", rewards,
            *GROUPS[group][1], f"trainer.output_dir={out}", f"trainer.seed={seed}", f"trainer.max_steps={steps}",
            "trainer.logging_steps=1", 'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null",
-           "eval.metric=exact_match", "eval.every=0"]  # fmt: skip
-    start = time.perf_counter()
-    code, _ = run_with_progress(cmd, f"{out.parent.name}/{out.name}", log=out / "bench.log", cwd=REPO)
-    row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": time.perf_counter() - start}
-    row["died"] = code != 0
-    if code == 0:
-        result = json.loads((out / "eval_results.json").read_text())
-        row["accuracy"] = result["rewards"]["exact_match"]
-        row["numeric_match"] = result["rewards"]["numeric_match"]
-    return row
+           "eval.metric=exact_match", "eval.every=0")  # fmt: skip
 
 
 def cv(values: list[float]) -> float:
@@ -118,7 +92,7 @@ def replay(batches: list[dict[str, Any]], group: str, steps_per_rollout: int) ->
 
     if group == "plain":
         return [b["rewards"] for b in batches]
-    section = GradeSection(enabled=True, **({"clip": False, "centre": False} if group == "grade-whiten" else {}))
+    section = GradeSection(enabled=True, **({"clip": False, "centring_beta": 0.0} if group == "grade-whiten" else {}))
     config = GradeConfig(**{f: getattr(section, f) for f in GradeConfig.__dataclass_fields__})
     scaler = GradeScaler(config)
     out = []
@@ -130,8 +104,7 @@ def replay(batches: list[dict[str, Any]], group: str, steps_per_rollout: int) ->
     return out
 
 
-def analyse(out: Path, group: str, window: int, steps_per_rollout: int) -> dict[str, Any]:
-    history = load_history(out)
+def analyse(out: Path, history: Any, group: str, window: int, steps_per_rollout: int) -> dict[str, Any]:
     rows = [r for r in history.rows if r.get("ppo/policy_grad_norm") is not None]
     policy = [float(r["ppo/policy_grad_norm"]) for r in rows]
     total = [float(r["grad_norm"]) for r in rows if r.get("grad_norm") is not None]
@@ -224,7 +197,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20, help="W: optimizer steps per grad-norm CV window")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--groups", default=",".join(GROUPS))
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", "--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds before a run is killed (counted as died)")
     parser.add_argument("--out", default="runs/bench-grade")
     parser.add_argument("--results", default="docs/results/grade_ppo.json")
     parser.add_argument("--plot", default="docs/img/grade_ppo_grad_norm.png")
@@ -234,49 +208,48 @@ def main() -> None:
             f"{args.rm} is not a reward model folder: train one with `steadyrl reward "
             f"configs/tiny/reward.yaml model.path={args.sft} trainer.output_dir={Path(args.rm).parent}`"
         )
-    code_commit = commit()
+    code_commit = X.commit()
     seeds = list(range(args.seeds))
-    jobs = [(s, g, seed) for s in args.scenarios.split(",") for g in args.groups.split(",") for seed in seeds]
+    jobs = []
+    for scenario in args.scenarios.split(","):
+        for group in args.groups.split(","):
+            for seed in seeds:
+                out = REPO / args.out / scenario / f"{group}-s{seed}"
+                cmd = train_command(args.sft, args.rm, out, group, SCENARIOS[scenario], seed, args.steps)
+                jobs.append(X.Job(group, scenario, seed, out, tuple(cmd)))
 
-    def one(job: tuple[str, str, int]) -> tuple[tuple[str, str, int], dict[str, Any]]:
-        scenario, group, seed = job
-        out = REPO / args.out / scenario / f"{group}-s{seed}"
-        row = train(args.sft, args.rm, out, group, SCENARIOS[scenario], seed, args.steps)
+    def summarise(job: X.Job, run: X.Outcome) -> dict[str, Any]:
+        row: dict[str, Any] = {"command": " ".join(job.cmd[1:]), "returncode": run.returncode, "wall_s": run.wall_s}
+        row["died"] = run.status != "ok"
         if not row["died"]:
-            row.update(analyse(out, group, args.window, steps_per_rollout=2))  # configs/tiny/ppo.yaml: 2 epochs
+            row["accuracy"] = run.eval["rewards"]["exact_match"]
+            row["numeric_match"] = run.eval["rewards"]["numeric_match"]
+            row.update(analyse(job.out, run.history, job.variant, args.window, steps_per_rollout=2))  # 2 epochs
+        return row
+
+    def report(job: X.Job, row: dict[str, Any]) -> None:
         print(
-            f"[bench_grade] {scenario} {group} s{seed}: acc {row.get('accuracy')} cv "
+            f"[bench_grade] {job.scenario} {job.variant} s{job.seed}: acc {row.get('accuracy')} cv "
             f"{row.get('grad_norm_cv_window')} tail {row.get('tail_share_raw')} {row['wall_s']:.0f} s",
             flush=True,
         )
-        return job, row
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        done = dict(pool.map(one, jobs))
+    done = X.run_jobs(jobs, summarise, timeout=args.timeout, workers=args.workers, log_name="bench.log", after=report)
+    done = {(scenario, group, seed): row for (group, scenario, seed), row in done.items()}
     cells = []
     for scenario in args.scenarios.split(","):
         for group in args.groups.split(","):
             rows = [done[(scenario, group, seed)] for seed in seeds]
             names = sorted({k for r in rows for k in r} - {"accuracy", "died", "command", "returncode"})
-            cells.append({"scenario": scenario, "variant": group, "seeds": seeds, "died": [r["died"] for r in rows],
-                          "accuracy": [r.get("accuracy") for r in rows],
-                          "metrics": {k: [r.get(k) for r in rows] for k in names},
-                          "note": f"{GROUPS[group][0]}; python {rows[0]['command']}"})  # fmt: skip
-    results = {
-        "benchmark": "grade_ppo",
-        "command": ("python scripts/bench_grade.py " + " ".join(sys.argv[1:])).strip(),
-        "commit": code_commit,
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
-        "model": "tiny-llama-0.9m (runs/demo-sft/final) + its reward model",
-        "steps": args.steps,
-        "window": args.window,
-        "artefacts": {"rate": SCENARIOS["rm-artefacts"], "magnitude": [5.0, 20.0], "unit": "reward-model std"},
-        "cells": cells,
-    }
+            note = f"{GROUPS[group][0]}; python {rows[0]['command']}"
+            cells.append(X.cell(scenario, group, seeds, rows, names, died=lambda r: r["died"], note=note))
+    results = X.results_doc(
+        "grade_ppo", cells, command=X.script_command("bench_grade.py").strip(), sha=code_commit,
+        model="tiny-llama-0.9m (runs/demo-sft/final) + its reward model", steps=args.steps, window=args.window,
+        artefacts={"rate": SCENARIOS["rm-artefacts"], "magnitude": [5.0, 20.0], "unit": "reward-model std"},
+    )  # fmt: skip
     path = REPO / args.results
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    X.write_results(path, results, indent=2)
     plot(cells, REPO / args.plot)
     print(table(cells))
     print(f"wrote {path} and {args.plot}")

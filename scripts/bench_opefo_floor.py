@@ -13,18 +13,18 @@ among the entries above ``tiny`` (should be 10 % +- 0.12 points, 1 sigma).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from steadyrl.guards.opefo import FloorConfig, SecondMomentFloor
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+import experiments as X  # noqa: E402
+
+from steadyrl.guards.moment_floor import FloorConfig, SecondMomentFloor  # noqa: E402
 
 
 def timed(fn) -> tuple[float, dict[str, float]]:
@@ -87,20 +87,16 @@ def main() -> None:
         f"{100 * rank:.2f}th percentile of the entries above tiny (target 10, 1 sigma 0.12)"
     )
     if args.results:
-        repo = Path(__file__).resolve().parents[1]
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
         cells = [
             {"scenario": name, "variant": "opefo_floor", "seeds": [0], "died": [False], "accuracy": [None],
              "metrics": {"scan_ms_median": [statistics.median(v)], "scan_ms_min": [min(v)], "scan_ms_max": [max(v)]},
              "note": f"{n_params / 1e6:.2f}M fp32 AdamW entries, one CPU thread; an absolute time on this machine"}
             for name, v in (("triggered", triggered), ("not_triggered", quiet))
         ]  # fmt: skip
-        command = "python scripts/bench_opefo_floor.py " + " ".join(sys.argv[1:])
-        doc = {"benchmark": "opefo_floor_scan", "command": command,
-               "commit": commit, "date": datetime.date.today().isoformat(),
-               "machine": f"{os.cpu_count()}-core CPU, no GPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
-               "model": "4 x Linear(5000, 5000)", "steps": 1, "cells": cells}  # fmt: skip
-        Path(args.results).write_text(json.dumps(doc, indent=2) + "\n")
+        model = f"{args.layers} x Linear({args.width}, {args.width})"
+        command = X.script_command("bench_opefo_floor.py")
+        doc = X.results_doc("opefo_floor_scan", cells, command=command, sha=X.commit(), model=model, steps=1)
+        X.write_results(args.results, doc, indent=2)
         print(f"wrote {args.results}")
 
 

@@ -34,20 +34,17 @@ cost: every layer still runs on every batch and every parameter), ``135m`` SmolL
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-from steadyrl.environment import package_versions, source_commit  # noqa: E402
-from steadyrl.evidence.history import load_history  # noqa: E402
+import experiments as X  # noqa: E402
 
 LAYER_NAMES = ("grade", "gepo", "opefo", "quatro")
 COMPRESSED_OPEFO = [  # every OPEFO part paid for in a 20-step run: a check every step, snapshot and floor every 5
@@ -80,18 +77,17 @@ SIZES = {  # name: (config, overrides for both runs, model label)
 
 def train(config: str, out: Path, steps: int, extra: list[str]) -> dict[str, Any]:
     """Seconds per optimizer step, guard seconds per step, peak RSS (MiB), per-step losses and lengths of one run."""
-    cmd = [
-        sys.executable, "-m", "steadyrl", "train", str(REPO / config), *extra,
+    cmd = X.train_command(
+        REPO / config, *extra,
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", 'trainer.save_strategy="no"',
         "trainer.logging_steps=1", "trainer.resume_from_checkpoint=null", "eval.enabled=false", "eval.every=0",
         "callbacks=[steadyrl.callbacks.memory:PeakMemory]",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "PYTHONPATH": str(REPO)}
-    (out / "metrics.jsonl").unlink(missing_ok=True)  # it appends
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise SystemExit(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    rows = load_history(out).rows  # metrics.jsonl: full-precision floats (the printed rows are rounded)
+    )  # fmt: skip
+    env = X.run_env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    run = X.launch(cmd, out, env=env)
+    if run.status != "ok":
+        raise SystemExit(f"run failed ({run.returncode}): {' '.join(cmd)}\n{run.log[-3000:]}")
+    rows = run.history.rows  # metrics.jsonl: full-precision floats (the printed rows are rounded)
     runtime = next(float(row["train_runtime"]) for row in rows if "train_runtime" in row)
     steps_rows = [row for row in rows if "loss" in row and "train_runtime" not in row]
     guard = sum(float(row.get("steadyrl/guard_seconds") or 0.0) for row in rows)
@@ -177,7 +173,7 @@ def main() -> None:
         ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     if args.size == "tiny":
         SIZES["tiny"][1].append(f"model.path={args.sft}")
-    code_commit = source_commit() or "unknown"
+    code_commit = X.commit()
     cells = [measure(args.size, key, args.repeats, args.steps, Path(args.out)) for key in keys]
     print("| size | layers | s/step off | s/step on | ratio on/off (median, min-max) | guard-code share (median, "
           "min-max) | peak RSS on - off, MiB | same trajectory |")  # fmt: skip
@@ -193,27 +189,15 @@ def main() -> None:
         text = ", ".join(f"{name} {100 * statistics.median(v):.2f}%" for name, v in parts.items())
         held = statistics.median(m["guard_held_tensor_mib"])
         print(f"| {cell['scenario']} | {cell['label']} | {text or 'n/a'} | {held:.1f} |")
-    path = REPO / args.results
-    results = json.loads(path.read_text()) if path.is_file() else {"benchmark": "overhead", "cells": []}
     command = (
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} python scripts/bench_overhead.py "
         + " ".join(sys.argv[1:])
     )
     for cell in cells:
         cell.update(command=command, commit=code_commit, model=SIZES[args.size][2], steps=args.steps)
-    replaced = {(c["scenario"], c["variant"]) for c in cells}
-    results["cells"] = [c for c in results["cells"] if (c["scenario"], c["variant"]) not in replaced] + cells
-    results.update(
-        command="see each cell's command",
-        commit=code_commit,
-        date=datetime.date.today().isoformat(),
-        machine=f"{os.cpu_count()}-core CPU, no GPU",
-        packages=package_versions(),
-        model="per cell",
-        steps="per cell",
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    doc = X.results_doc("overhead", cells, command=command, sha=code_commit, model="per cell", steps=args.steps)
+    path = REPO / args.results  # cells of other sizes and rows stay: each carries its own command and commit
+    X.write_results(path, doc, merge=True, same=(), indent=2)
     print(f"wrote {path}")
 
 

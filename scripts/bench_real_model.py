@@ -30,20 +30,18 @@ the end (``inf_left_in_adam``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.environment import machine_line, package_versions  # noqa: E402
+import experiments as X  # noqa: E402
+
 from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
@@ -58,13 +56,6 @@ VARIANTS = {
     "all-minus-grade": (*GUARDS_ON[:1], "guards.grade.enabled=false", *GUARDS_ON[2:]),  # GRADE's share of a change
 }
 METRICS = ("math_answer", "concise_answer")
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True, check=False).stdout.strip()  # fmt: skip
-    return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def evaluate_base(config: str, overrides: list[str]) -> dict[str, Any]:
@@ -91,16 +82,17 @@ def evaluate_base(config: str, overrides: list[str]) -> dict[str, Any]:
     return result
 
 
-RUN_RECORD = "bench_run.json"
+RUN_RECORD = X.RUN_RECORD
 
 
 def collected_run(out: Path) -> tuple[int, float | None]:
-    """(exit code, wall seconds) of a run already in ``out``: from the record this script wrote when it ran it;
-    for a run made before the record existed, the exit code from its final save and no wall time."""
-    record = out / RUN_RECORD
-    if record.is_file():
-        data = json.loads(record.read_text())
-        return int(data["returncode"]), float(data["wall_s"])
+    """(exit code, wall seconds) of a run already in ``out``: from the record written when it ran (``run.json``;
+    ``bench_run.json`` before the shared runner); for a run made before either existed, the exit code from its
+    final save and no wall time."""
+    for record in (out / RUN_RECORD, out / "bench_run.json"):
+        if record.is_file():
+            data = json.loads(record.read_text())
+            return int(data["returncode"]), float(data["wall_s"])
     return (0 if (out / "final").is_dir() else 1), None
 
 
@@ -114,24 +106,18 @@ def train(
     fault_step: int = 5,
     collect_only: bool = False,
 ) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "steadyrl", "train", config, *flags, *overrides,
-           f"trainer.output_dir={out}", f"trainer.seed={seed}", "trainer.resume_from_checkpoint=null"]  # fmt: skip
+    cmd = X.train_command(config, *flags, *overrides,
+           f"trainer.output_dir={out}", f"trainer.seed={seed}", "trainer.resume_from_checkpoint=null")  # fmt: skip
     env = dict(os.environ)
     if fault is not None:
         callback, fault_env = FAULTS[fault]
         cmd.append(f"callbacks=['steadyrl.faults:{callback}']")
         env.update({FAULT_STEP_ENV: str(fault_step), **fault_env})
-    record = out / RUN_RECORD  # this script's own exit code and wall time of the run, for --collect-only
     if collect_only:  # a run already made: rebuild its row from the folder
         code, wall = collected_run(out)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "faults.jsonl", RUN_RECORD):  # the first two append
-            (out / stale).unlink(missing_ok=True)
-        start = time.perf_counter()
-        code, _ = run_with_progress(cmd, out.name, log=out / "bench.log", env=env, cwd=REPO)
-        wall = time.perf_counter() - start
-        record.write_text(json.dumps({"returncode": code, "wall_s": wall}) + "\n")
+    else:  # the caller's OMP_NUM_THREADS (the documented runs use 2)
+        run = X.launch(cmd, out, env=env, log_name="bench.log")
+        code, wall = run.returncode, run.wall_s
     row: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": code, "wall_s": wall, "died": code != 0}
     environment_file = out / "environment.json"  # what the run itself was computed with
     if environment_file.is_file():
@@ -265,7 +251,7 @@ def main() -> None:
     )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
     args = parser.parse_args()
-    code_commit = commit()  # the code that runs (later edits to the tree do not change this record)
+    code_commit = X.commit()  # the code that runs (later edits to the tree do not change this record)
     rows: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
         print(f"[bench_real_model] {variant} ...", flush=True)
@@ -278,20 +264,12 @@ def main() -> None:
                                   args.fault, args.fault_step, collect_only=args.collect_only)  # fmt: skip
         print(f"[bench_real_model] {variant}: {json.dumps({k: v for k, v in rows[variant].items() if k != 'samples'})}",
               flush=True)  # fmt: skip
-    command = "python scripts/bench_real_model.py " + " ".join(sys.argv[1:])
-    results = {
-        "benchmark": "real_model",
-        "command": command.strip(),
-        "commit": code_commit,
-        "date": datetime.date.today().isoformat(),
-        "machine": machine_line(),
-        "model": "smollm2-135m-instruct",
-        "config": args.config,
-        "packages": package_versions(),
-        "steps": max((r.get("steps", 0) for r in rows.values()), default=0),
-        "cells": [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
-        "samples": {v: r.get("samples") for v, r in rows.items()},
-    }
+    results = X.results_doc(
+        "real_model", [cell(v, args.seed, r, args.fault or "clean") for v, r in rows.items()],
+        command=("python scripts/bench_real_model.py " + " ".join(sys.argv[1:])).strip(), sha=code_commit,
+        model="smollm2-135m-instruct", steps=max((r.get("steps", 0) for r in rows.values()), default=0),
+        config=args.config, samples={v: r.get("samples") for v, r in rows.items()},
+    )  # fmt: skip
     for c, row in zip(results["cells"], rows.values(), strict=True):  # per seed: what each seed was computed with
         recorded = row.get("packages") or results["packages"]
         c["metrics"].update(commit=[row.get("commit") or code_commit], packages=[recorded], overrides=[args.overrides])

@@ -12,70 +12,52 @@ which tests/integration/test_equivalence.py shows is bit-identical to trl.GRPOTr
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+import experiments as X  # noqa: E402
+
 VARIANTS = {
     "plain TRL (guards off)": [],
-    "GRADE whitening only": ["guards.grade.enabled=true", "guards.grade.clip=false", "guards.grade.centre=false"],
+    "GRADE whitening only": ["guards.grade.enabled=true", "guards.grade.clip=false", "guards.grade.centring_beta=0"],
     "GRADE full": ["guards.grade.enabled=true"],
     "GEPO advantage": ["guards.gepo.enabled=true", "guards.gepo.spike.enabled=false"],
     "GRADE + GEPO": ["guards.grade.enabled=true", "guards.gepo.enabled=true"],
 }
 
 
-def run_one(sft: str, out: Path, variant: list[str], scale: str, seed: int, steps: int, noise: float) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+def train_command(
+    sft: str, out: Path, variant: list[str], scale: str, seed: int, steps: int, noise: float
+) -> list[str]:
     rewards = (
         f"rewards=[{{name: noisy, fn: 'steadyrl.faults:exact_match_cauchy', kwargs: {{scale: {noise}, seed: {seed}}}}},"
         " {fn: exact_match, weight: 0.0}]"
     )
-    cmd = [
-        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+    return X.train_command(
+        REPO / "configs/tiny/grpo.yaml", f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", f"trainer.seed={seed}",
         f"trainer.scale_rewards={scale}", 'trainer.save_strategy="no"', "trainer.logging_steps=1",
         rewards, "eval.metric=exact_match", *variant,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    start = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (out / "log.txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"died": True, "wall_s": time.time() - start}
-    history = _history(out)
-    norms = [r["grad_norm"] for r in history if isinstance(r.get("grad_norm"), (int, float))]
+    )  # fmt: skip
+
+
+def summarise(job: X.Job, run: X.Outcome) -> dict:
+    """Accuracy and the coefficient of variation of the logged grad norms (metrics.jsonl, full precision)."""
+    if run.status != "ok":
+        return {"died": True, "wall_s": run.wall_s}
+    norms = X.finite(run.history.series("grad_norm")[1].tolist())
     mean = statistics.fmean(norms)
-    result = json.loads((out / "eval_results.json").read_text())
     return {
         "died": False,
-        "accuracy": result["accuracy"],
+        "accuracy": run.eval["accuracy"],
         "grad_norm_cv": statistics.pstdev(norms) / mean if mean else float("nan"),
-        "wall_s": time.time() - start,
+        "wall_s": run.wall_s,
     }
-
-
-def _history(out: Path) -> list[dict]:
-    """Per-step logs: the Trainer prints each log dict (values as strings); parse the training ones."""
-    return [
-        {k: _num(v) for k, v in ast.literal_eval(line).items()}
-        for line in (out / "log.txt").read_text().splitlines()
-        if line.startswith("{'loss'")
-    ]
-
-
-def _num(v):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return v
 
 
 def main() -> None:
@@ -85,7 +67,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--noise", type=float, default=1.0, help="Cauchy scale added to the 0/1 reward")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", "--jobs", type=int, default=2, help="runs at a time")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds before a run is killed (counted as died)")
     ap.add_argument("--quick", action="store_true", help="2 variants, 1 seed, 20 steps, scale_rewards=group")
     ap.add_argument("--doc", default=None, help="markdown file to write the table to")
     args = ap.parse_args()
@@ -94,16 +77,19 @@ def main() -> None:
     if args.quick:
         variants = {k: VARIANTS[k] for k in ("plain TRL (guards off)", "GRADE + GEPO")}
         scales, seeds, steps = ["group"], [0], 20
-    jobs = [(name, scale, seed) for name in variants for scale in scales for seed in seeds]
     root = Path(args.out)
 
-    def work(job):
-        name, scale, seed = job
-        slug = name.split(" (")[0].replace(" + ", "+").replace(" ", "_").lower()
-        return job, run_one(args.sft, root / f"{slug}-{scale}-s{seed}", variants[name], scale, seed, steps, args.noise)
+    def slug(name: str) -> str:
+        return name.split(" (")[0].replace(" + ", "+").replace(" ", "_").lower()
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        results = dict(pool.map(work, jobs))
+    jobs = []
+    for name in variants:
+        for scale in scales:
+            for seed in seeds:
+                out = root / f"{slug(name)}-{scale}-s{seed}"
+                cmd = train_command(args.sft, out, variants[name], scale, seed, steps, args.noise)
+                jobs.append(X.Job(name, scale, seed, out, tuple(cmd)))
+    results = X.run_jobs(jobs, summarise, workers=args.workers, timeout=args.timeout)
     lines = [
         "| variant | scale_rewards | final accuracy (mean ± seed std) | grad-norm CV (mean) | died | wall s/run |",
         "|---|---|---|---|---|---|",
@@ -114,9 +100,8 @@ def main() -> None:
             ok = [r for r in rs if not r["died"]]
             acc = [r["accuracy"] for r in ok]
             cv = [r["grad_norm_cv"] for r in ok]
-            std = statistics.pstdev(acc) if len(acc) > 1 else 0.0
             lines.append(
-                f"| {name} | {scale} | {statistics.fmean(acc):.3f} ± {std:.3f} | {statistics.fmean(cv):.3f} | "
+                f"| {name} | {scale} | {X.mean_std(acc)} | {statistics.fmean(cv):.3f} | "
                 f"{len(rs) - len(ok)}/{len(rs)} | {statistics.fmean(r['wall_s'] for r in rs):.0f} |"
                 if ok
                 else f"| {name} | {scale} | - | - | {len(rs)}/{len(rs)} | - |"

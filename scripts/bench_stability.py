@@ -31,25 +31,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+import experiments as X  # noqa: E402
+from experiments import merge_results, paired_difference  # noqa: E402, F401  (the tests call them from here)
 
 from steadyrl import metrics as M  # noqa: E402
-from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.environment import machine_line, package_versions  # noqa: E402
-from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 
 OPEFO_SHORT_RUNS = ("guards.opefo.rollback.check_interval=2", "guards.opefo.rollback.snapshot_interval=10")
@@ -124,7 +120,7 @@ SCENARIOS = {
 def quatro_validates(sft: str) -> bool:
     """Whether this steadyrl accepts ``guards.quatro.enabled=true`` (``steadyrl validate`` exits 0)."""
     cmd = [sys.executable, "-m", "steadyrl", "validate", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}"]
-    proc = subprocess.run([*cmd, BETA, "guards.quatro.enabled=true"], env=_env({}), capture_output=True, text=True)
+    proc = subprocess.run([*cmd, BETA, "guards.quatro.enabled=true"], env=X.run_env(), capture_output=True, text=True)
     return proc.returncode == 0
 
 
@@ -144,12 +140,6 @@ def variants(quatro: bool) -> dict[str, tuple[str, ...] | None]:
 def result_name(name: str) -> str:
     """The RESULTS.md spelling of a variant: plain, all, gepo, all-minus-quatro-kl, gepo+opefo+filters, ..."""
     return RESULT_NAMES.get(name, name.lower().replace("all - ", "all-minus-").replace(" ", "-"))
-
-
-def commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True)
-    return proc.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 CELL_METRICS = ("skipped", "rollbacks", "repairs", "filtered", "entropy", "grad_norm_cv", "wall_s", "last_step")
@@ -181,54 +171,19 @@ def results_json(
             if not present:
                 continue
             runs = [results[(name, scenario, seed)] for seed in present]
-            cell: dict[str, Any] = {"scenario": scenario, "variant": result_name(name), "seeds": present}
+            note = None
             if any(r["status"] == "not_run" for r in runs):
-                cell["note"] = "not run: the variant does not validate in this steadyrl version"
-            cell["died"] = [r["status"] == "died" for r in runs]
+                note = "not run: the variant does not validate in this steadyrl version"
+            cell = X.cell(scenario, result_name(name), present, runs, CELL_METRICS, note=note)
             cell["accuracy"] = [r.get("accuracy") for r in runs]
-            metrics = {key: [r.get(key) for r in runs] for key in CELL_METRICS}
+            metrics = cell["metrics"]
             metrics["nonfinite_weights"] = [r["status"] == "nonfinite_weights" for r in runs]
             metrics["inf_left_in_adam"] = [bool(r.get("nonfinite_state_at_end")) for r in runs]
             for key in SATURATION_METRICS:
                 metrics[key] = [(r.get("last") or {}).get(key) for r in runs]
-            cell["metrics"] = metrics
             cells.append(cell)
-    return {
-        "benchmark": "stability",
-        "command": command,
-        "commit": sha,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine_line(),
-        "model": "tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)",
-        "packages": package_versions(),
-        "steps": steps,
-        "cells": cells,
-    }
-
-
-def merge_results(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """``new``'s cells replace the same (scenario, variant) cells of ``old``, in place in its order (new ones at
-    the end). Every cell carries the command, commit, date, steps and packages of the run that made it (an old cell
-    without them gets the old file's), and the file's own fields say "per cell" where the cells differ."""
-    if old.get("steps") not in (new["steps"], "per cell"):
-        raise SystemExit(f"--merge: the file's runs have {old.get('steps')} steps, this run {new['steps']}")
-    own = ("command", "commit", "date", "machine", "packages", "steps")
-    for cell in old["cells"]:
-        for key in own:
-            cell.setdefault(key, old.get(key))
-    for cell in new["cells"]:
-        cell.update({key: new[key] for key in own})
-    replaced = {(c["scenario"], c["variant"]): c for c in new["cells"]}
-    cells = [replaced.pop((c["scenario"], c["variant"]), c) for c in old["cells"]] + list(replaced.values())
-    merged = {**new, "cells": cells}
-    for key in own:
-        values = {json.dumps(c.get(key), sort_keys=True) for c in cells}
-        merged[key] = cells[0].get(key) if len(values) == 1 else "per cell"
-    return merged
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+    model = "tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)"
+    return X.results_doc("stability", cells, command=command, sha=sha, model=model, steps=steps)
 
 
 def train_command(
@@ -239,12 +194,12 @@ def train_command(
     rewards = CLEAN_REWARD
     if sc.reward is not None:
         rewards = sc.reward.format(seed=seed, step=fault_step, burst=BURST_STEPS) + ", " + EVAL_REWARD
-    cmd = [
-        sys.executable, "-m", "steadyrl", "train", str(REPO / "configs/tiny/grpo.yaml"), f"model.path={sft}",
+    cmd = X.train_command(
+        REPO / "configs/tiny/grpo.yaml", f"model.path={sft}",
         f"trainer.output_dir={out}", f"trainer.max_steps={steps}", f"trainer.seed={seed}", "trainer.logging_steps=1",
         'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null", f"rewards=[{rewards}]", BETA,
         "eval.metric=exact_match", *sc.overrides, *flags,
-    ]  # fmt: skip
+    )  # fmt: skip
     if sc.callback is not None:
         cmd.append(f"callbacks=['steadyrl.faults:{sc.callback}']")
     if quick:
@@ -260,24 +215,19 @@ def weights_finite(path: Path) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in load_file(str(path)).values() if t.is_floating_point())
 
 
-def summarise_run(run_dir: Path, returncode: int, wall_s: float) -> dict[str, Any]:
+def summarise_run(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     """One run's outcome from its folder: status, step of death, accuracy, entropy, guard counters, fault log."""
-    try:
-        history = load_history(run_dir)
-    except HistoryNotFoundError:
-        history = None
+    run_dir, history = job.out, run.history
     final = run_dir / "final" / "model.safetensors"
-    finite = weights_finite(final) if returncode == 0 and final.is_file() else None
+    finite = weights_finite(final) if run.returncode == 0 and final.is_file() else None
     status = "died" if finite is None else "ok" if finite else "nonfinite_weights"
-    eval_file = run_dir / "eval_results.json"
-    accuracy = json.loads(eval_file.read_text())["accuracy"] if status == "ok" and eval_file.is_file() else None
     faults = read_fault_log(run_dir)
     end = [row for row in faults if row["fault"] == "train_end"]
     out: dict[str, Any] = {
         "status": status,
-        "returncode": returncode,
-        "last_step": history.last_step if history else 0,
-        "accuracy": accuracy,
+        "returncode": run.returncode,
+        "last_step": run.last_step,
+        "accuracy": run.eval["accuracy"] if status == "ok" and run.eval else None,
         "entropy": None,
         "grad_norm_cv": None,
         "skipped": history.count("gepo/skipped_steps", "skip") if history else 0,
@@ -286,7 +236,7 @@ def summarise_run(run_dir: Path, returncode: int, wall_s: float) -> dict[str, An
         "filtered": None,
         "fault_fired_at": next((row["step"] for row in faults if row["fault"] != "train_end"), None),
         "nonfinite_state_at_end": end[-1]["nonfinite_state_entries"] if end else None,
-        "wall_s": wall_s,
+        "wall_s": run.wall_s,
     }
     if history is None:
         return out
@@ -309,42 +259,7 @@ def summarise_run(run_dir: Path, returncode: int, wall_s: float) -> dict[str, An
     return out
 
 
-def run_one(cmd: list[str], extra_env: dict[str, str], out: Path, timeout_s: float) -> dict[str, Any]:
-    if out.exists():
-        shutil.rmtree(out)  # metrics.jsonl and faults.jsonl append: a rerun must not read the last run's rows
-    out.mkdir(parents=True)
-    start = time.time()
-    code, log = run_with_progress(cmd, out.name, log=out / "log.txt", env=_env(extra_env), timeout=timeout_s)
-    returncode = -1 if code is None else code
-    if code is None:
-        (out / "log.txt").write_text(f"timeout after {timeout_s} s\n{log}")
-    (out / "command.txt").write_text(shlex.join(f"{k}={v}" for k, v in extra_env.items()) + " " + shlex.join(cmd))
-    wall_s = time.time() - start
-    (out / "run.json").write_text(json.dumps({"returncode": returncode, "wall_s": wall_s}))
-    return summarise_run(out, returncode, wall_s)
-
-
-def collect_run(out: Path) -> dict[str, Any]:
-    """A finished run's summary from its folder alone (``--collect-only``); ``not_run`` when it never finished."""
-    if (out / "run.json").is_file():
-        meta = json.loads((out / "run.json").read_text())
-        return summarise_run(out, int(meta["returncode"]), float(meta["wall_s"]))
-    log = out / "log.txt"
-    if not log.is_file():
-        return {"status": "not_run"}
-    # written by an older version of this script: success is the CLI's closing eval line
-    returncode = 0 if "after GRPO:" in log.read_text() else 1
-    return summarise_run(out, returncode, float("nan"))
-
-
 # ------------------------------------------------------------------------------------------------ output
-
-
-def _mean_std(values: list[float], digits: int = 3) -> str:
-    if not values:
-        return "-"
-    std = statistics.pstdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.{digits}f} ± {std:.{digits}f}"
 
 
 def _outcome(runs: list[dict[str, Any]]) -> str:
@@ -386,8 +301,8 @@ def table(results: dict[tuple[str, str, int], dict[str, Any]], names: list[str],
             if SCENARIOS[scenario].callback is not None:
                 fired = f"{sum(r['fault_fired_at'] is not None for r in runs)}/{len(runs)}"
             lines.append(
-                f"| {scenario} | {name} | {_outcome(runs)} | {_mean_std([r['accuracy'] for r in ok])} | "
-                f"{_mean_std([r['entropy'] for r in ok if r['entropy'] is not None], 2)} | "
+                f"| {scenario} | {name} | {_outcome(runs)} | {X.mean_std([r['accuracy'] for r in ok])} | "
+                f"{X.mean_std([r['entropy'] for r in ok if r['entropy'] is not None], 2)} | "
                 f"{f'{statistics.fmean(cvs):.2f}' if cvs else '-'} | "
                 f"{statistics.fmean(r['skipped'] for r in runs):.1f} | "
                 f"{statistics.fmean(r['rollbacks'] for r in runs):.1f} | "
@@ -433,18 +348,6 @@ def saturation_table(
 
 SINGLE_LAYERS = ("GRADE", "GEPO", "OPEFO", "QUATRO")
 BAR_CLEAN, BAR_FAULT = -0.01, -0.02  # issue 13: clean all >= plain - 1 point; a fault: within 2 of the best single
-
-
-def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int] | None:
-    """Mean and standard error of a[seed] - b[seed] over the seeds both have (None with fewer than 2).
-
-    Same seed, same checkpoint: two variants that leave most of a run alone share its seed-to-seed spread, so the
-    paired difference is far tighter than the difference of two seed means (whose spread is several points)."""
-    seeds = sorted(set(a) & set(b))
-    if len(seeds) < 2:
-        return None
-    diffs = [a[s] - b[s] for s in seeds]
-    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
 
 
 def bars_table(results: dict[tuple[str, str, int], dict[str, Any]], scenarios: list[str]) -> str:
@@ -571,7 +474,7 @@ def main() -> None:
     ap.add_argument("--fault-step", type=int, default=20, help="step k of the step faults (after GEPO's warm-up)")
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of {', '.join(ALL_NAMES)}")
     ap.add_argument("--scenarios", default=None, help=f"comma-separated subset of {', '.join(SCENARIOS)}")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", "--jobs", type=int, default=2, help="runs at a time")
     ap.add_argument(
         "--set",
         dest="extra",
@@ -641,26 +544,19 @@ def main() -> None:
         job: {"status": "not_run"} for job in jobs if flags_of[job[0]] is None
     }
 
-    def work(job: tuple[str, str, int]) -> tuple[tuple[str, str, int], dict[str, Any]]:
-        name, scenario, seed = job
+    def job(name: str, scenario: str, seed: int) -> X.Job:
         out = root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}"
         flags = (*(flags_of[name] or ()), *args.extra)
         cmd, env = train_command(args.sft, out, flags, scenario, seed, steps, fault_step, args.quick)
-        return job, run_one(cmd, env, out, args.timeout)
+        return X.Job(name, scenario, seed, out, tuple(cmd), tuple(env.items()))
 
-    sha = args.commit or commit()  # the code being measured: taken before any run starts
+    sha = args.commit or X.commit()  # the code being measured: taken before any run starts
     start = time.time()
-    if args.collect_only:  # several invocations may share --out: a combination never run is left out
-        for job in jobs:
-            if job not in results:
-                name, scenario, seed = job
-                run = collect_run(root / f"{name.replace(' ', '_').lower()}-{scenario}-s{seed}")
-                if run["status"] != "not_run":
-                    results[job] = run
-    else:
-        with ThreadPoolExecutor(args.workers) as pool:
-            results.update(pool.map(work, [job for job in jobs if job not in results]))
-    command = "python scripts/bench_stability.py " + shlex.join(sys.argv[1:])
+    # --collect-only: several invocations may share --out, a combination never run is left out
+    todo = [job(*key) for key in jobs if key not in results]
+    results.update(X.run_jobs(todo, summarise_run, timeout=args.timeout, workers=args.workers,
+                              collect_only=args.collect_only))  # fmt: skip
+    command = X.script_command("bench_stability.py")
     markdown = (
         f"```\n{command}   # {sum(r['status'] != 'not_run' for r in results.values())} runs, "
         f"{time.time() - start:.0f} s with {args.workers} workers\n```\n\n"
@@ -683,11 +579,8 @@ def main() -> None:
     if args.png:
         plot(results, names, scenarios, Path(args.png))
     if args.results:
-        doc = results_json(results, names, scenarios, list(seeds), command, steps, sha)
-        if args.merge and Path(args.results).is_file():
-            doc = merge_results(json.loads(Path(args.results).read_text()), doc)
-        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.results).write_text(json.dumps(doc, indent=1) + "\n")
+        X.write_results(args.results, results_json(results, names, scenarios, list(seeds), command, steps, sha),
+                        merge=args.merge)  # fmt: skip
 
 
 if __name__ == "__main__":

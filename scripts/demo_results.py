@@ -13,22 +13,15 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from experiments import commit
+
 from steadyrl import metrics as M
 from steadyrl.evidence.doctor import diagnose, doctor_config_for
 from steadyrl.evidence.history import load_history
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def commit() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
-    return sha.strip() + ("-dirty" if dirty.strip() else "")
 
 
 def machine() -> str:

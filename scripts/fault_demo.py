@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+import experiments as X  # noqa: E402
 
 from steadyrl import metrics as M  # noqa: E402
-from steadyrl.callbacks.progress import run_with_progress  # noqa: E402
-from steadyrl.evidence.history import HistoryNotFoundError, load_history  # noqa: E402
 from steadyrl.faults import FAULT_STEP_ENV, read_fault_log  # noqa: E402
 
 GUARDS_OFF = tuple(f"guards.{layer}.enabled=false" for layer in ("gepo", "opefo", "quatro", "grade"))
@@ -44,30 +44,21 @@ def _error(log: str) -> str:
 
 
 def run(name: str, config: str, overrides: list[str], out: Path, steps: int, step: int) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "faults.jsonl"):
-        (out / stale).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "steadyrl", "train", config, *overrides, f"trainer.output_dir={out}",
+    cmd = X.train_command(config, *overrides, f"trainer.output_dir={out}",
            f"trainer.max_steps={steps}", "trainer.resume_from_checkpoint=null", 'trainer.save_strategy="no"',
-           "callbacks=['steadyrl.faults:NanLossAtStep']"]  # fmt: skip
-    env = {**os.environ, FAULT_STEP_ENV: str(step)}
-    code, log = run_with_progress(cmd, name, log=out / "fault_demo.log", env=env, timeout=3600)
-    returncode = -1 if code is None else code
-    try:
-        history = load_history(out)
-    except HistoryNotFoundError:
-        history = None
+           "callbacks=['steadyrl.faults:NanLossAtStep']")  # fmt: skip
+    env = {**os.environ, FAULT_STEP_ENV: str(step)}  # the caller's threads: the demo's numbers stay its own
+    done = X.launch(cmd, out, env=env, timeout=3600, cwd=None, log_name="fault_demo.log", label=name)
     fired = [row["step"] for row in read_fault_log(out) if row["fault"] == "nan_loss"]
-    skips = [e for e in history.events_of(M.EVENT_SKIP)] if history is not None else []
-    eval_file = out / "eval_results.json"
+    skips = done.history.events_of(M.EVENT_SKIP) if done.history is not None else []
     return {
         "name": name,
-        "returncode": returncode,
-        "last_step": history.last_step if history is not None else 0,
+        "returncode": done.returncode,
+        "last_step": done.last_step,
         "fired_at": fired[0] if fired else None,
         "skips": [(e.get("step"), e.get("reason")) for e in skips],
-        "accuracy": json.loads(eval_file.read_text())["accuracy"] if eval_file.is_file() else None,
-        "error": _error(log) if returncode != 0 else None,
+        "accuracy": done.eval["accuracy"] if done.eval else None,
+        "error": _error(done.log) if done.returncode != 0 else None,
     }
 
 

@@ -22,14 +22,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-from steadyrl.environment import machine_line  # noqa: E402
+import experiments as X  # noqa: E402
+
 from steadyrl.evidence.history import load_history  # noqa: E402
 
 RATIO = 10.0
@@ -88,15 +88,14 @@ def main() -> None:
                 metrics[key].append(value)
             cells_text = " | ".join(f"{row[k]:.3f}" for k in (*RULES, "kl_last20", "kl_max10"))
             lines.append(f"| {scenario} | {seeds[-1]} | {cells_text} | {acc} |")
-        cells.append({"scenario": scenario, "variant": args.variant.replace("_trl", ""), "seeds": seeds,
-                      "died": [False] * len(seeds), "accuracy": accuracy, "metrics": metrics})  # fmt: skip
+        runs = [{"accuracy": a, **{k: v[i] for k, v in metrics.items()}} for i, a in enumerate(accuracy)]
+        cells.append(X.cell(scenario, args.variant.replace("_trl", ""), seeds, runs, list(metrics)))
     print("\n".join(lines))
     if args.results:
-        doc = {"benchmark": "kl_calibration", "command": "python scripts/kl_calibration.py " + " ".join(sys.argv[1:]),
-               "commit": "analysis of the runs in " + args.out, "date": time.strftime("%Y-%m-%d"),
-               "machine": machine_line(), "model": "tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)",
-               "cells": cells}  # fmt: skip
-        Path(args.results).write_text(json.dumps(doc, indent=1) + "\n")
+        doc = X.results_doc("kl_calibration", cells, command=X.script_command("kl_calibration.py"),
+                            sha="analysis of the runs in " + args.out, packages=False, steps=None,
+                            model="tiny-llama-0.9m (SFT checkpoint of configs/tiny/sft.yaml)")  # fmt: skip
+        X.write_results(args.results, doc)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,438 @@
+"""One experiment runner for the bench scripts: variants x scenarios x seeds -> ``steadyrl train`` runs -> cells.
+
+A benchmark names its runs as ``Job``s (variant, scenario, seed, run folder, command line, extra environment);
+``run_jobs`` starts each as its own process (``OMP_NUM_THREADS=1``, ``PYTHONPATH`` = the repository, in a new
+process group that a timeout kills whole; one at a time unless ``workers`` > 1), records its exit code and wall time
+in ``<run folder>/run.json`` and reads the folder back (``metrics.jsonl`` through ``load_history``,
+``eval_results.json``), so ``collect_only`` can rebuild every result from the folders without training. The script
+turns each run into its own summary; ``cell``, ``results_doc`` and ``merge_results`` write them in the shared
+RESULTS.md format (one cell per (scenario, variant), lists per seed; ``--merge`` replaces only this invocation's
+cells, each keeping its own command and commit), and ``paired_difference`` compares two variants seed by seed.
+
+Left out: retries, resuming a half-finished run (a rerun starts its folder afresh: metrics.jsonl appends), and any
+scheduling beyond a thread pool of ``workers`` processes.
+
+    python scripts/experiments.py configs/tiny/grpo.yaml --variant plain= --variant gepo=guards.gepo.enabled=true \\
+        --seeds 3 --out runs/exp --results /tmp/exp.json -- model.path=runs/tiny-sft/final trainer.max_steps=20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_RECORD = "run.json"  # {"returncode", "wall_s", "timed_out"}: written by ``launch``, read by ``read_run``
+Key = tuple[str, str, int]  # (variant, scenario, seed)
+
+
+# ------------------------------------------------------------------------------------------------ launching
+
+
+def train_command(config: str | Path, *overrides: str) -> list[str]:
+    """``python -m steadyrl train CONFIG OVERRIDE...`` with this interpreter."""
+    return [sys.executable, "-m", "steadyrl", "train", str(config), *overrides]
+
+
+def run_env(extra: Mapping[str, str] | None = None, paths: Sequence[str | Path] = ()) -> dict[str, str]:
+    """A child's environment: this one, ``OMP_NUM_THREADS=1``, ``PYTHONPATH`` = the repository (+ ``paths``), then
+    ``extra`` (which may override either)."""
+    path = os.pathsep.join([str(REPO), *map(str, paths)])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra or {})}
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD`` of the repository, with ``-dirty`` when ``git status`` lists any change."""
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+    return sha.strip() + ("-dirty" if dirty.strip() else "")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run: its place in the matrix, its folder, its command line and the environment it adds."""
+
+    variant: str
+    scenario: str
+    seed: int
+    out: Path
+    cmd: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> Key:
+        return (self.variant, self.scenario, self.seed)
+
+
+@dataclass
+class Outcome:
+    """What a run folder says about its run. ``status``: ok (exit 0), died (non-zero exit or timeout), not_run."""
+
+    status: str
+    returncode: int | None = None  # -1 after a timeout
+    wall_s: float = math.nan
+    timed_out: bool = False
+    last_step: int = 0
+    history: Any = None  # steadyrl.evidence.history.History, None without metrics.jsonl
+    eval: dict[str, Any] | None = None  # eval_results.json
+    log: str = field(default="", repr=False)  # the child's output, when this invocation ran it
+
+
+_NOT_SHOWN = ("PYTHONPATH", "STEADYRL_PROGRESS")
+
+
+def _progress_wanted() -> bool:
+    try:
+        from steadyrl.callbacks.progress import progress_wanted
+    except ImportError:
+        return False
+    return progress_wanted(sys.stderr)
+
+
+def launch(
+    cmd: Sequence[str],
+    out: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    cwd: str | Path | None = REPO,
+    log_name: str = "log.txt",
+    label: str | None = None,
+    fresh: bool = True,
+) -> Outcome:
+    """Run ``cmd`` (its own process group) into ``out``; its output goes to ``out/log_name`` and, when progress is
+    wanted (a terminal, ``STEADYRL_PROGRESS=1``), its ``step N`` lines to stderr. After ``timeout`` seconds the whole
+    group is killed (returncode -1, ``timed_out``). ``fresh``: empty ``out`` first (metrics.jsonl and faults.jsonl
+    append, so a rerun must not read the last run's rows). Writes ``out/command.txt`` and ``out/run.json``."""
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    child_env = dict(os.environ if env is None else env)
+    show = _progress_wanted()
+    if show:
+        child_env["STEADYRL_PROGRESS"] = "1"
+    start = time.time()
+    proc = subprocess.Popen(
+        list(cmd), cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    chunks: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        with open(out / log_name, "w") as sink:
+            for line in proc.stdout:
+                chunks.append(line)
+                sink.write(line)
+                sink.flush()
+                if show and line.startswith("step "):
+                    print(f"   {label or out.name}: {line.rstrip()}", file=sys.stderr, flush=True)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the trainer and anything it started
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        code = -1
+    reader.join(timeout=30)
+    wall_s = time.time() - start
+    log = "".join(chunks)
+    if timed_out:
+        (out / log_name).write_text(f"timeout after {timeout} s\n{log}")
+    shown = {"OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "unset")}  # and what the job adds
+    shown.update((k, v) for k, v in child_env.items() if os.environ.get(k) != v and k not in _NOT_SHOWN)
+    (out / "command.txt").write_text(shlex.join([*(f"{k}={v}" for k, v in shown.items()), *cmd]) + "\n")
+    record = {"returncode": code, "wall_s": wall_s, "timed_out": timed_out}
+    (out / RUN_RECORD).write_text(json.dumps(record))
+    return read_run(out, log=log)
+
+
+def read_run(out: Path, log: str = "") -> Outcome:
+    """A run's outcome from its folder alone: ``run.json``, ``metrics.jsonl`` (last step), ``eval_results.json``;
+    ``not_run`` when the folder has no ``run.json``."""
+    from steadyrl.evidence.history import HistoryNotFoundError, load_history
+
+    record = out / RUN_RECORD
+    if not record.is_file():
+        return Outcome(status="not_run")
+    meta = json.loads(record.read_text())
+    code, timed_out = int(meta["returncode"]), bool(meta.get("timed_out", False))
+    try:
+        history = load_history(out)
+    except HistoryNotFoundError:
+        history = None
+    eval_file = out / "eval_results.json"
+    return Outcome(
+        status="ok" if code == 0 else "died",
+        returncode=code,
+        wall_s=float(meta["wall_s"]),
+        timed_out=timed_out,
+        last_step=history.last_step if history is not None else 0,
+        history=history,
+        eval=json.loads(eval_file.read_text()) if code == 0 and eval_file.is_file() else None,
+        log=log,
+    )
+
+
+def run_jobs(
+    jobs: Iterable[Job],
+    summarise: Callable[[Job, Outcome], Any] = lambda job, outcome: outcome,
+    *,
+    timeout: float | None = None,
+    workers: int = 1,
+    collect_only: bool = False,
+    reuse: bool = False,
+    paths: Sequence[str | Path] = (),
+    log_name: str = "log.txt",
+    after: Callable[[Job, Any], None] | None = None,
+) -> dict[Key, Any]:
+    """Run every job (``workers`` at a time, in order) and return ``{job.key: summarise(job, outcome)}`` in the
+    order of ``jobs``. ``collect_only``: start nothing, read each folder (a job never run is left out);
+    ``reuse``: read a folder that already has ``run.json``, run the others. ``after``: called with each result as
+    it comes (progress lines)."""
+    jobs = list(jobs)
+
+    def one(job: Job) -> tuple[Key, Any] | None:
+        if collect_only or (reuse and (job.out / RUN_RECORD).is_file()):
+            outcome = read_run(job.out)
+            if outcome.status == "not_run":
+                return None
+        else:
+            env = run_env(dict(job.env), paths)
+            outcome = launch(job.cmd, job.out, env=env, timeout=timeout, log_name=log_name)
+        result = summarise(job, outcome)
+        if after is not None:
+            after(job, result)
+        return job.key, result
+
+    if workers <= 1:
+        done = [one(job) for job in jobs]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            done = list(pool.map(one, jobs))
+    return dict(item for item in done if item is not None)
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def finite(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def mean_std(values: Iterable[float | None], digits: int = 3) -> str:
+    """``mean ± std`` (population std: the seeds are all there is) over the finite values; ``-`` when none."""
+    vals = finite(values)
+    if not vals:
+        return "-"
+    std = statistics.pstdev(vals) if len(vals) > 1 else 0.0
+    return f"{statistics.fmean(vals):.{digits}f} ± {std:.{digits}f}"
+
+
+def paired_difference(a: Mapping[int, float], b: Mapping[int, float]) -> tuple[float, float, int] | None:
+    """Mean and standard error of a[seed] - b[seed] over the seeds both have (None with fewer than 2).
+
+    Same seed, same checkpoint: two variants that leave most of a run alone share its seed-to-seed spread, so the
+    paired difference is far tighter than the difference of two seed means (whose spread is several points)."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    diffs = [a[s] - b[s] for s in seeds]
+    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
+
+
+# ------------------------------------------------------------------------------------------------ results JSON
+
+
+def cell(
+    scenario: str,
+    variant: str,
+    seeds: Sequence[int],
+    runs: Sequence[Mapping[str, Any]],
+    metrics: Sequence[str] = (),
+    *,
+    died: Callable[[Mapping[str, Any]], bool] = lambda r: r.get("status") == "died",
+    accuracy: str = "accuracy",
+    note: str | None = None,
+) -> dict[str, Any]:
+    """One RESULTS.md cell: per-seed lists in the order of ``seeds`` (``runs`` are the seeds' summaries)."""
+    out: dict[str, Any] = {"scenario": scenario, "variant": variant, "seeds": list(seeds)}
+    if note:
+        out["note"] = note
+    out["died"] = [bool(died(r)) for r in runs]
+    out["accuracy"] = [None if died(r) else r.get(accuracy) for r in runs]
+    out["metrics"] = {key: [r.get(key) for r in runs] for key in metrics}
+    return out
+
+
+def results_doc(
+    benchmark: str,
+    cells: list[dict[str, Any]],
+    *,
+    command: str,
+    sha: str,
+    model: str,
+    steps: int | str | None,
+    packages: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The whole file: benchmark, command, commit, date, machine, model, packages, steps, ``extra``, cells."""
+    from steadyrl.environment import machine_line, package_versions
+
+    doc: dict[str, Any] = {
+        "benchmark": benchmark,
+        "command": command,
+        "commit": sha,
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_line(),
+        "model": model,
+    }
+    if packages:
+        doc["packages"] = package_versions()
+    if steps is not None:
+        doc["steps"] = steps
+    doc.update(**extra, cells=cells)
+    return doc
+
+
+OWN_FIELDS = ("command", "commit", "date", "machine", "packages", "steps")
+
+
+def merge_results(old: dict[str, Any], new: dict[str, Any], same: Sequence[str] = ("steps",)) -> dict[str, Any]:
+    """``new``'s cells replace the same (scenario, variant) cells of ``old``, in place in its order (new ones at
+    the end). Every cell carries the command, commit, date, machine, packages and steps of the run that made it (an
+    old cell without them gets the old file's), and the file's own fields say "per cell" where the cells differ.
+    ``same``: fields the two files must agree on (or the old one says "per cell")."""
+    old, new = copy.deepcopy(old), copy.deepcopy(new)  # the callers' documents stay as they were
+    for key in same:
+        if old.get(key) not in (new.get(key), "per cell"):
+            raise SystemExit(f"--merge: the file's runs have {old.get(key)} {key}, this run {new.get(key)}")
+    for c in old["cells"]:
+        for key in OWN_FIELDS:
+            c.setdefault(key, old.get(key))
+    for c in new["cells"]:
+        c.update({key: new.get(key) for key in OWN_FIELDS if key not in c})
+    replaced = {(c["scenario"], c["variant"]): c for c in new["cells"]}
+    cells = [replaced.pop((c["scenario"], c["variant"]), c) for c in old["cells"]] + list(replaced.values())
+    merged = {**new, "cells": cells}
+    for key in OWN_FIELDS:
+        values = {json.dumps(c.get(key), sort_keys=True) for c in cells}
+        merged[key] = cells[0].get(key) if len(values) == 1 else "per cell"
+    return merged
+
+
+def write_results(
+    path: str | Path, doc: dict[str, Any], *, merge: bool = False, same: Sequence[str] = ("steps",), indent: int = 1
+) -> dict[str, Any]:
+    """Write ``doc`` to ``path`` (with ``merge``: merged into the file already there, ``merge_results``); returns
+    what was written."""
+    path = Path(path)
+    if merge and path.is_file():
+        doc = merge_results(json.loads(path.read_text()), doc, same)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    return doc
+
+
+def script_command(script: str) -> str:
+    """``python scripts/<script> ARGS...`` as this invocation was typed."""
+    return f"python scripts/{script} " + shlex.join(sys.argv[1:])
+
+
+# ------------------------------------------------------------------------------------------------ generic CLI
+
+
+def summary(job: Job, outcome: Outcome) -> dict[str, Any]:
+    """The generic per-run record: status, exit code, timeout, wall time, last step, held-out accuracy."""
+    return {
+        "status": outcome.status,
+        "returncode": outcome.returncode,
+        "timed_out": outcome.timed_out,
+        "wall_s": outcome.wall_s,
+        "last_step": outcome.last_step,
+        "accuracy": (outcome.eval or {}).get("accuracy"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("configs", nargs="+", help="config files (each one a scenario), then -- and overrides for all")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDE[,OVERRIDE...]")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/experiments")
+    ap.add_argument("--results", default=None)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1: timings stay comparable)")
+    ap.add_argument("--collect-only", action="store_true", help="train nothing: rebuild from the run folders")
+    ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
+    ap.add_argument("--baseline", default=None, help="variant the others are compared with, paired by seed")
+    args, overrides = ap.parse_known_args(argv)
+    overrides = [o for o in overrides if o != "--"]
+    variants = dict(v.split("=", 1) for v in args.variant) or {"default": ""}
+    variants = {name: [o for o in flags.split(",") if o] for name, flags in variants.items()}
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    sha = commit()
+    jobs = []
+    for config in args.configs:
+        scenario = Path(config).stem
+        for name, flags in variants.items():
+            for seed in seeds:
+                out = Path(args.out) / f"{name}-{scenario}-s{seed}"
+                cmd = train_command(config, *overrides, *flags, f"trainer.output_dir={out}", f"trainer.seed={seed}")
+                jobs.append(Job(name, scenario, seed, out, tuple(cmd)))
+    results = run_jobs(jobs, summary, timeout=args.timeout, workers=args.jobs, collect_only=args.collect_only)
+    print("| scenario | variant | ok | died (timeout) @ step | accuracy (mean ± seed std) |\n|---|---|---|---|---|")
+    cells = []
+    for config in args.configs:
+        scenario = Path(config).stem
+        for name in variants:
+            present = [s for s in seeds if (name, scenario, s) in results]
+            runs = [results[(name, scenario, s)] for s in present]
+            if not runs:
+                continue
+            cells.append(cell(scenario, name, present, runs, ("last_step", "timed_out", "wall_s")))
+            died = [r for r in runs if r["status"] == "died"]
+            at = ",".join(str(r["last_step"]) for r in died)
+            print(f"| {scenario} | {name} | {len(runs) - len(died)}/{len(runs)} | {len(died)} "
+                  f"({sum(r['timed_out'] for r in died)}){f' @ {at}' if died else ''} | "
+                  f"{mean_std(r['accuracy'] for r in runs)} |")  # fmt: skip
+            if args.baseline and name != args.baseline:
+                acc = {s: r["accuracy"] for s, r in zip(present, runs, strict=True) if r["accuracy"] is not None}
+                ref = {s: results[(args.baseline, scenario, s)]["accuracy"] for s in seeds
+                       if results.get((args.baseline, scenario, s), {}).get("accuracy") is not None}  # fmt: skip
+                diff = paired_difference(acc, ref)
+                if diff is not None:
+                    print(f"|  | {name} − {args.baseline} (paired) | | | {diff[0]:+.3f} ± {diff[1]:.3f} ({diff[2]}) |")
+    if args.results:
+        doc = results_doc("experiments", cells, command=script_command("experiments.py"), sha=sha,
+                          model=", ".join(args.configs), steps=None)  # fmt: skip
+        write_results(args.results, doc, merge=args.merge)
+
+
+if __name__ == "__main__":
+    main()

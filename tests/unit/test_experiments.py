@@ -1,0 +1,220 @@
+"""scripts/experiments.py, the bench scripts' runner, driven with a fake ``train`` program (a few lines of python that
+write metrics.jsonl and eval_results.json): a run that dies, one that hangs past its timeout, collect-only, merge,
+and the paired statistics, all against hand-computed numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _experiments() -> Any:
+    spec = importlib.util.spec_from_file_location("experiments", SCRIPTS / "experiments.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["experiments"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+X = _experiments()
+
+# argv: OUT ACCURACY STEPS [die_at=K | hang | child]. One metrics row per step (loss = step / 10); exit 3 after
+# step K with die_at; with hang, sleep forever after step 1; with child, start a grandchild that writes its pid and
+# sleeps (a timeout must kill it too).
+FAKE_TRAIN = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    out, accuracy, steps = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    os.makedirs(out, exist_ok=True)
+    print("seed env", os.environ.get("FAKE_SEED"), "threads", os.environ["OMP_NUM_THREADS"], flush=True)
+    if mode == "child":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(os.path.join(out, "child.pid"), "w").write(str(child.pid))
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"step": step, "loss": step / 10}) + "\\n")
+            f.flush()
+            if mode == "die_at=%d" % step:
+                print("RuntimeError: boom", flush=True)
+                sys.exit(3)
+            if mode in ("hang", "child"):
+                time.sleep(600)
+    json.dump({"accuracy": accuracy}, open(os.path.join(out, "eval_results.json"), "w"))
+    """
+)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Path:
+    path = tmp_path / "fake_train.py"
+    path.write_text(FAKE_TRAIN)
+    return path
+
+
+def _job(fake: Path, root: Path, variant: str, seed: int, accuracy: float, *mode: str, steps: int = 4) -> Any:
+    out = root / f"{variant}-s{seed}"
+    cmd = (sys.executable, str(fake), str(out), str(accuracy), str(steps), *mode)
+    return X.Job(variant, "clean", seed, out, cmd, (("FAKE_SEED", str(seed)),))
+
+
+def test_runs_read_back_and_a_dead_run_keeps_its_last_step(fake: Path, tmp_path: Path) -> None:
+    jobs = [_job(fake, tmp_path, "plain", 0, 0.5), _job(fake, tmp_path, "gepo", 0, 0.7, "die_at=2")]
+    results = X.run_jobs(jobs, timeout=60)
+    assert list(results) == [("plain", "clean", 0), ("gepo", "clean", 0)]  # the order of the jobs
+    ok, dead = results[("plain", "clean", 0)], results[("gepo", "clean", 0)]
+    assert (ok.status, ok.returncode, ok.last_step, ok.eval, ok.timed_out) == ("ok", 0, 4, {"accuracy": 0.5}, False)
+    assert ok.history.series("loss")[1].tolist() == [0.1, 0.2, 0.3, 0.4]
+    assert (dead.status, dead.returncode, dead.last_step, dead.eval) == ("died", 3, 2, None)
+    assert "RuntimeError: boom" in (tmp_path / "gepo-s0" / "log.txt").read_text()
+    # the child's environment: OMP_NUM_THREADS=1 and the job's own variables
+    assert "seed env 0 threads 1" in dead.log
+    assert json.loads((tmp_path / "gepo-s0" / "run.json").read_text())["returncode"] == 3
+    assert (tmp_path / "plain-s0" / "command.txt").read_text().startswith("OMP_NUM_THREADS=1 FAKE_SEED=0 ")
+
+
+def test_a_rerun_starts_its_folder_afresh(fake: Path, tmp_path: Path) -> None:
+    """metrics.jsonl appends: without emptying the folder the second run would read 8 rows."""
+    job = _job(fake, tmp_path, "plain", 0, 0.5)
+    X.run_jobs([job], timeout=60)
+    again = X.run_jobs([job], timeout=60)[job.key]
+    assert again.history.series("loss")[0].tolist() == [1, 2, 3, 4]
+
+
+def test_timeout_kills_the_process_group_and_counts_as_died(fake: Path, tmp_path: Path) -> None:
+    job = _job(fake, tmp_path, "plain", 0, 0.5, "child")
+    start = time.time()
+    run = X.run_jobs([job], timeout=3)[job.key]
+    assert time.time() - start < 30
+    assert (run.status, run.returncode, run.timed_out, run.last_step) == ("died", -1, True, 1)
+    assert (job.out / "log.txt").read_text().startswith("timeout after 3 s\n")
+    child = int((job.out / "child.pid").read_text())
+    for _ in range(50):  # the grandchild went with its group (reaped by init shortly after)
+        if not Path(f"/proc/{child}").exists() or "State:\tZ" in Path(f"/proc/{child}/status").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"grandchild {child} outlived the timeout")
+    summary = X.run_jobs([job], X.summary, collect_only=True)[job.key]
+    assert summary == {"status": "died", "returncode": -1, "timed_out": True, "wall_s": summary["wall_s"],
+                       "last_step": 1, "accuracy": None}  # fmt: skip
+
+
+def test_collect_only_reads_the_folders_and_leaves_out_runs_never_made(fake: Path, tmp_path: Path) -> None:
+    made = _job(fake, tmp_path, "plain", 0, 0.5)
+    X.run_jobs([made], timeout=60)
+    never = _job(fake, tmp_path, "plain", 1, 0.6)
+    results = X.run_jobs([made, never], X.summary, collect_only=True)
+    assert list(results) == [made.key] and results[made.key]["accuracy"] == 0.5
+    assert not never.out.exists()  # nothing was started
+    # reuse: the finished run is read back, the missing one is made
+    results = X.run_jobs([made, never], X.summary, reuse=True, timeout=60)
+    assert [r["accuracy"] for r in results.values()] == [0.5, 0.6]
+
+
+def test_jobs_in_parallel_keep_the_order_of_the_matrix(fake: Path, tmp_path: Path) -> None:
+    jobs = [_job(fake, tmp_path, v, s, 0.1 * s) for v in ("plain", "all") for s in range(3)]
+    results = X.run_jobs(jobs, X.summary, workers=3, timeout=60)
+    assert list(results) == [j.key for j in jobs]
+    assert [r["accuracy"] for r in results.values()] == [0.0, 0.1, 0.2, 0.0, 0.1, 0.2]
+
+
+def test_paired_difference_and_mean_std_by_hand() -> None:
+    plain = {0: 0.91, 1: 0.90, 2: 0.85, 3: 0.70}
+    guarded = {0: 0.90, 1: 0.88, 2: 0.86}  # seed 3 missing: the pairs are seeds 0-2
+    mean, se, n = X.paired_difference(guarded, plain)
+    # diffs -0.01, -0.02, +0.01: mean -0.006667, sample std 0.015275, s.e. 0.015275 / sqrt(3) = 0.008819
+    assert (round(mean, 6), round(se, 6), n) == (-0.006667, 0.008819, 3)
+    assert X.paired_difference({0: 0.5}, {0: 0.4}) is None
+    # population std: values 0.5, 0.7 -> mean 0.6, std 0.1; None and NaN are left out
+    assert X.mean_std([0.5, None, 0.7, math.nan]) == "0.600 ± 0.100"
+    assert X.mean_std([None]) == "-" and X.mean_std([2.0], 1) == "2.0 ± 0.0"
+
+
+def test_cells_list_per_seed_and_a_dead_run_has_no_accuracy() -> None:
+    runs = [{"status": "ok", "accuracy": 0.5, "last_step": 4}, {"status": "died", "accuracy": 0.7, "last_step": 2}]
+    cell = X.cell("clean", "gepo", [0, 1], runs, ("last_step",), note="why")
+    assert cell == {"scenario": "clean", "variant": "gepo", "seeds": [0, 1], "note": "why", "died": [False, True],
+                    "accuracy": [0.5, None], "metrics": {"last_step": [4, 2]}}  # fmt: skip
+
+
+def _cell(scenario: str, variant: str, accuracy: float) -> dict[str, Any]:
+    return {"scenario": scenario, "variant": variant, "seeds": [0], "died": [False], "accuracy": [accuracy]}
+
+
+def test_merge_replaces_only_this_runs_cells_each_keeping_its_command_and_commit(tmp_path: Path) -> None:
+    base = {"date": "d", "machine": "m", "packages": {}, "steps": 20}
+    old = {**base, "command": "first", "commit": "aaa",
+           "cells": [_cell("clean", "plain", 0.5), _cell("clean", "gepo", 0.6), _cell("nan", "gepo", 0.4)]}  # fmt: skip
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(old))
+    new = {**base, "command": "second", "commit": "bbb-dirty",
+           "cells": [_cell("clean", "gepo", 0.65), _cell("inf", "gepo", 0.3)]}  # fmt: skip
+    merged = X.write_results(path, new, merge=True)
+    assert json.loads(path.read_text()) == merged
+    got = [(c["scenario"], c["variant"], c["accuracy"][0], c["command"], c["commit"]) for c in merged["cells"]]
+    assert got == [("clean", "plain", 0.5, "first", "aaa"), ("clean", "gepo", 0.65, "second", "bbb-dirty"),
+                   ("nan", "gepo", 0.4, "first", "aaa"), ("inf", "gepo", 0.3, "second", "bbb-dirty")]  # fmt: skip
+    assert merged["command"] == merged["commit"] == "per cell" and merged["steps"] == 20
+    # merging again keeps each cell's own record, and refuses runs of another length
+    again = X.merge_results(json.loads(path.read_text()), {**new, "command": "third", "cells": []})
+    assert [c["command"] for c in again["cells"]] == ["first", "second", "first", "second"]
+    with pytest.raises(SystemExit, match="the file's runs have 20 steps, this run 6"):
+        X.merge_results(old, {**new, "steps": 6})
+    mixed = X.merge_results(old, {**new, "steps": 6}, same=())  # bench_overhead: steps per cell
+    assert [c["steps"] for c in mixed["cells"]] == [20, 6, 20, 6] and mixed["steps"] == "per cell"
+    # without --merge the file is replaced
+    assert X.write_results(path, new)["cells"] == new["cells"] and json.loads(path.read_text())["commit"] == "bbb-dirty"
+
+
+def test_commit_is_the_short_sha_with_dirty_when_the_tree_has_changes(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(X, "REPO", repo)
+    assert X.commit() == sha
+    (repo / "f").write_text("2")
+    assert X.commit() == sha + "-dirty"
+
+
+def test_the_generic_cli_writes_paired_cells(fake: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``experiments.py CONFIG --variant ...``: the fake program stands in for ``python -m steadyrl train``; it gets
+    ``CONFIG OVERRIDES... trainer.output_dir=... trainer.seed=...`` and writes an accuracy of seed / 10 (+ 0.05 for
+    the variant that sets its flag)."""
+    program = tmp_path / "cli_train.py"
+    program.write_text(textwrap.dedent("""
+        import json, os, sys
+        args = dict(a.split("=", 1) for a in sys.argv[2:])
+        out, seed = args["trainer.output_dir"], int(args["trainer.seed"])
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, "metrics.jsonl"), "w").write(json.dumps({"step": 3, "loss": 1.0}) + "\\n")
+        acc = seed / 10 + (0.05 if args.get("flag") == "on" else 0.0) + (0.02 * seed if args.get("flag") else 0.0)
+        json.dump({"accuracy": acc}, open(os.path.join(out, "eval_results.json"), "w"))
+    """))  # fmt: skip
+    monkeypatch.setattr(X, "train_command", lambda config, *o: [sys.executable, str(program), str(config), *o])
+    monkeypatch.setattr(X, "commit", lambda: "abc1234")
+    results = tmp_path / "cli.json"
+    X.main(["task.yaml", "--variant", "plain=", "--variant", "flag=flag=on", "--seeds", "3", "--out",
+            str(tmp_path / "runs"), "--results", str(results), "--baseline", "plain", "--", "x=1"])  # fmt: skip
+    doc = json.loads(results.read_text())
+    assert doc["commit"] == "abc1234" and [c["variant"] for c in doc["cells"]] == ["plain", "flag"]
+    assert doc["cells"][1]["accuracy"] == pytest.approx([0.05, 0.17, 0.29])
+    # flag - plain per seed: 0.05, 0.07, 0.09 -> mean 0.07, sample std 0.02, s.e. 0.02 / sqrt(3) = 0.0115
+    assert "| flag − plain (paired) | | | +0.070 ± 0.012 (3) |" in capsys.readouterr().out
