@@ -575,6 +575,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_reward_timeout.py::test_a_timeout_off_the_main_thread_stops_the_call_too",),
     ),
     Mutant(
+        "config_ranges_unchecked",
+        "no declared range of a config field is checked: guards.quatro.kl.up=0.5 or a mode 'watch' load silently",
+        (
+            (
+                "steadyrl/ranges.py",
+                "    problems = range_problems(obj)\n",
+                "    return\n    problems = range_problems(obj)\n",
+            ),
+        ),
+        (
+            "tests/unit/test_ranges.py::test_every_declared_range_is_enforced_by_its_class",
+            "tests/unit/test_ranges.py::test_a_yaml_value_out_of_range_names_the_dotted_key_and_the_file",
+        ),
+    ),
+    Mutant(
         "checkpoint_staging_left_behind",
         "a checkpoint save that failed (a full disk) leaves its staged folder, and the disk space, behind",
         (("steadyrl/trainers/checkpoints.py", "shutil.rmtree(staged, ignore_errors=True)", "pass"),),

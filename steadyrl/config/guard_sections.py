@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from steadyrl.config.loader import FieldValueError
 from steadyrl.evidence.early_warnings import MonitorConfig
 from steadyrl.guards.entropy_floor import EntropyConfig
 from steadyrl.guards.error_feedback import ErrorFeedbackConfig
@@ -26,19 +25,14 @@ from steadyrl.guards.robust_advantage import AdvantageConfig
 from steadyrl.guards.rollback import RollbackConfig
 from steadyrl.guards.rollout_filters import FilterConfig
 from steadyrl.guards.spike import GRANULARITIES, SpikeConfig
+from steadyrl.ranges import Checked, bounded, bounds
 
 # ``guards.<layer>.mode``: ``act`` intervenes; ``observe`` computes and logs every decision the layer would take
 # without changing training (docs/DESIGN.md, "Observe mode").
 MODES = ("act", "observe")
 
 
-def check_mode(mode: str) -> None:
-    """An unknown ``mode`` fails naming the key and the valid values."""
-    if mode not in MODES:
-        raise FieldValueError("mode", f"unknown mode {mode!r}; valid: {list(MODES)}")
-
-
-class GuardSection:
+class GuardSection(Checked):
     """Mixin of a section that subclasses its guard's config dataclass and adds ``enabled`` (and maybe more)."""
 
     def to_config(self) -> Any:
@@ -61,25 +55,18 @@ class GepoSpikeSection(SpikeConfig, GuardSection):
     ``granularity: micro_batch`` also judges every micro-batch on its own gradient (docs/DESIGN.md)."""
 
     enabled: bool = True
-
-    def __post_init__(self) -> None:
-        if self.granularity not in GRANULARITIES:
-            raise FieldValueError(
-                "granularity", f"unknown granularity {self.granularity!r}; valid: {list(GRANULARITIES)}"
-            )
+    granularity: str = bounded("step", choices=GRANULARITIES)
 
 
 @dataclass
-class GepoSection:
+class GepoSection(Checked):
     enabled: bool = False
-    mode: str = "act"  # act | observe: spike skips, log-prob floor and robust advantages only computed and logged
+    # act | observe: spike skips, log-prob floor and robust advantages only computed and logged
+    mode: str = bounded("act", choices=MODES)
     logprob_min: float | None = -100.0  # floor for per-token log-probs before ratios and KL; null = off
     advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
     spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
-
-    def __post_init__(self) -> None:
-        check_mode(self.mode)
 
     @property
     def observing(self) -> bool:
@@ -91,15 +78,11 @@ class GradeSection(GradeConfig, GuardSection):
     """GRADE reward scaler: rolling whitening, quantile tail clip, per-prompt counterfactual centring."""
 
     enabled: bool = False
-    mode: str = "act"  # act | observe: scaled rewards computed and logged, advantages from the raw rewards
+    mode: str = bounded("act", choices=MODES)  # act | observe: scaled rewards computed and logged, advantages from raw
     # scale the KL coefficient by raw_std / scaled_std (clamped) so the KL keeps its weight (docs/DESIGN.md,
     # "GRADE: KL compensation")
     kl_compensation: bool = False
-    kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_mode(self.mode)
+    kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])  # checked when on (checks.py)
 
     @property
     def observing(self) -> bool:
@@ -107,28 +90,28 @@ class GradeSection(GradeConfig, GuardSection):
 
 
 @dataclass
-class OpefoErrorFeedbackSection:
+class OpefoErrorFeedbackSection(Checked):
     """Feed a skipped step's gradient back over the next steps, each piece rescaled to the current gradient."""
 
     enabled: bool = True
-    weights: list[float] = field(default_factory=lambda: [0.3, 0.3, 0.2, 0.2])
+    weights: list[float] = field(  # the ranges of ErrorFeedbackConfig.weights, which also sum them
+        default_factory=lambda: [0.3, 0.3, 0.2, 0.2], metadata=bounds(gt=0, finite=True, min_len=1)
+    )
 
     def __post_init__(self) -> None:
-        ErrorFeedbackConfig(self.enabled, tuple(self.weights))  # its range checks
+        super().__post_init__()
+        ErrorFeedbackConfig(self.enabled, tuple(self.weights))  # the sum
 
 
 @dataclass
-class OpefoSection:
+class OpefoSection(Checked):
     """OPEFO optimizer-state protection: exp_avg_sq floor, error feedback, snapshots with automatic rollback."""
 
     enabled: bool = False
-    mode: str = "act"  # act | observe: no floor, feedback, snapshot, rollback or LR cut; each counted instead
+    mode: str = bounded("act", choices=MODES)  # act | observe: no floor, feedback, snapshot, rollback or LR cut
     floor: FloorConfig = field(default_factory=FloorConfig)
     error_feedback: OpefoErrorFeedbackSection = field(default_factory=OpefoErrorFeedbackSection)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
-
-    def __post_init__(self) -> None:
-        check_mode(self.mode)
 
     @property
     def observing(self) -> bool:
@@ -155,18 +138,16 @@ class QuatroReplaySection(ReplayConfig, GuardSection):
 
 
 @dataclass
-class QuatroSection:
+class QuatroSection(Checked):
     """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters (and replay)."""
 
     enabled: bool = False
-    mode: str = "act"  # act | observe: controllers and filters computed and logged, TRL's beta/entropy_coef kept
+    # act | observe: controllers and filters computed and logged, TRL's beta/entropy_coef kept
+    mode: str = bounded("act", choices=MODES)
     kl: KLConfig = field(default_factory=KLConfig)
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
     replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
-
-    def __post_init__(self) -> None:
-        check_mode(self.mode)
 
     @property
     def observing(self) -> bool:

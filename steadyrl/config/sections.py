@@ -1,7 +1,7 @@
 """The non-guard sections of a run config: model, data, rewards, peft, eval, ppo (typed dataclasses).
 
-Each field's default is the documented default; ``__post_init__`` range checks raise ValueError, which the
-builder (``steadyrl.config.typed``) turns into a ConfigError naming the section.
+Each field's default is the documented default and its range is declared on it (``steadyrl.ranges``); the builder
+(``steadyrl.config.typed``) turns a value out of range into a ConfigError naming the key and the file that set it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from steadyrl.config.loader import FieldValueError
+from steadyrl.ranges import Checked, bounded, bounds
 
 ALGORITHMS = ("grpo", "sft", "reward", "ppo")
 ON_ERROR = ("raise", "retry", "skip")  # rewards[].on_error
@@ -35,7 +36,7 @@ class ModelSection:
 
 
 @dataclass
-class DataSection:
+class DataSection(Checked):
     """``data``: a local jsonl/json/parquet/csv file, a ``datasets`` name, or ``builtin:arithmetic``."""
 
     path: str
@@ -47,15 +48,12 @@ class DataSection:
     chat_template: str | None = None  # a .jinja file path or the template text
     max_samples: int | None = None
     builtin: dict[str, Any] = field(default_factory=dict)  # kwargs for the builtin task generator
-    on_bad_row: str = "error"  # error | skip: empty prompts, empty reward columns, too long (steadyrl.data_rows)
-
-    def __post_init__(self) -> None:
-        if self.on_bad_row not in ON_BAD_ROW:
-            raise FieldValueError("on_bad_row", f"unknown policy {self.on_bad_row!r}; valid: {list(ON_BAD_ROW)}")
+    # error | skip: empty prompts, empty reward columns, too long (steadyrl.data_rows)
+    on_bad_row: str = bounded("error", choices=ON_BAD_ROW)
 
 
 @dataclass
-class RewardSection:
+class RewardSection(Checked):
     """One entry of ``rewards``: a function (``fn``: built-in name or ``module:function``) or a ``model`` path."""
 
     name: str | None = None
@@ -64,25 +62,17 @@ class RewardSection:
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     # a failing ``fn`` (a reward server that times out): steadyrl.rewards.guarded, README "When things go wrong"
-    on_error: str = "raise"  # raise | retry | skip
-    retries: int = 2  # retry, skip: more attempts after a failed one
-    backoff: float = 1.0  # seconds before the first retry, doubled for each next one
+    on_error: str = bounded("raise", choices=ON_ERROR)  # raise | retry | skip
+    retries: int = bounded(2, ge=0)  # retry, skip: more attempts after a failed one
+    backoff: float = bounded(1.0, ge=0)  # seconds before the first retry, doubled for each next one
     # seconds one attempt may take: a late one is stopped and counts as failed (on_error decides). 60 s is far above
     # a healthy call (a verifier scores a batch in well under a second) and far below the 30 min after which a
     # hung rank fails DDP with a message that does not name the reward; null = wait forever
-    timeout: float | None = REWARD_TIMEOUT_S
-    max_consecutive_errors: int = 3  # skip: this many skipped calls in a row stop the run
+    timeout: float | None = bounded(REWARD_TIMEOUT_S, gt=0)
+    max_consecutive_errors: int = bounded(3, ge=1)  # skip: this many skipped calls in a row stop the run
 
     def __post_init__(self) -> None:
-        if self.on_error not in ON_ERROR:
-            raise FieldValueError("on_error", f"unknown policy {self.on_error!r}; valid: {list(ON_ERROR)}")
-        for key in ("retries", "backoff"):
-            if getattr(self, key) < 0:
-                raise FieldValueError(key, f"must be >= 0, got {getattr(self, key)}")
-        if self.timeout is not None and self.timeout <= 0:
-            raise FieldValueError("timeout", f"must be > 0 seconds (or null = wait), got {self.timeout}")
-        if self.max_consecutive_errors < 1:
-            raise FieldValueError("max_consecutive_errors", f"must be >= 1, got {self.max_consecutive_errors}")
+        super().__post_init__()
         if self.fn is None and (self.on_error != "raise" or self.timeout not in (None, REWARD_TIMEOUT_S)):
             key = "on_error" if self.on_error != "raise" else "timeout"
             raise FieldValueError(key, "applies to `fn` rewards only; a reward `model` runs in this process")
@@ -108,7 +98,7 @@ class PeftSection:
 
 
 @dataclass
-class EvalSection:
+class EvalSection(Checked):
     """``eval``: greedy decoding of the eval split, scored with the run's rewards: at the end of training, and
     every ``every`` optimizer steps during it (``eval/*`` metrics; 0 = only at the end)."""
 
@@ -117,20 +107,16 @@ class EvalSection:
     batch_size: int = 64
     metric: str | None = None  # reward name reported as accuracy; default: the first reward
     max_samples: int | None = None
-    every: int = 0
+    every: int = bounded(0, ge=0)  # 0: only at the end
     samples_to_log: int = 3  # prompt -> completion lines in the log at each periodic eval
     on_start: bool = False  # also evaluate before the first step
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"every must be >= 0 (0 = no periodic eval), got {self.every}")
 
 
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")  # preemption.signals
 
 
 @dataclass
-class PreemptionSection:
+class PreemptionSection(Checked):
     """``preemption``: a signal ends the run at the next optimizer-step boundary with a complete checkpoint.
 
     README "When things go wrong" and ``steadyrl.callbacks.preemption``. On the first of ``signals`` every rank
@@ -142,22 +128,16 @@ class PreemptionSection:
     """
 
     enabled: bool = True
-    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
-    exit_code: int = 75  # EX_TEMPFAIL: "try again", what requeue scripts test for
-    relay_window_s: float = 3.0
-
-    def __post_init__(self) -> None:
-        unknown = [s for s in self.signals if s not in PREEMPTION_SIGNALS]
-        if unknown:
-            raise FieldValueError("signals", f"unknown signal(s) {unknown}; valid: {list(PREEMPTION_SIGNALS)}")
-        if not 1 <= self.exit_code <= 125:
-            raise FieldValueError("exit_code", f"must be in 1..125 (above: signal codes), got {self.exit_code}")
-        if self.relay_window_s < 0:
-            raise FieldValueError("relay_window_s", f"must be >= 0, got {self.relay_window_s}")
+    signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM", "SIGINT"], metadata=bounds(choices=PREEMPTION_SIGNALS)
+    )
+    # EX_TEMPFAIL: "try again", what requeue scripts test for (above 125: the shell's codes for signals)
+    exit_code: int = bounded(75, ge=1, le=125)
+    relay_window_s: float = bounded(3.0, ge=0)
 
 
 @dataclass
-class PPOSection:
+class PPOSection(Checked):
     """``ppo``: the critic and the token-level rewards of ``algorithm: ppo``.
 
     docs/DESIGN.md, "PPO: critic, rewards and GAE".
@@ -166,25 +146,19 @@ class PPOSection:
     """
 
     value_model: str | None = None  # critic init: null = the policy's weights; or a reward-model / saved-critic folder
-    vf_coef: float = 0.1  # loss = pg_loss + vf_coef * vf_loss
-    cliprange_value: float = 0.2  # value clipping around the rollout's values (large = off)
-    gamma: float = 1.0
-    lam: float = 0.95
+    vf_coef: float = bounded(0.1, ge=0)  # loss = pg_loss + vf_coef * vf_loss
+    cliprange_value: float = bounded(0.2, ge=0)  # value clipping around the rollout's values (large = off)
+    gamma: float = bounded(1.0, ge=0, le=1)
+    lam: float = bounded(0.95, ge=0, le=1)
     kl_estimator: str = "k1"  # per-token KL in the reward: k1 (logp - ref) or k3
-    critic_lr: float | None = None  # the critic's param-group LR; null = trainer.learning_rate
+    critic_lr: float | None = bounded(None, ge=0)  # the critic's param-group LR; null = trainer.learning_rate
     whiten_advantages: bool = True
-    soft_clip: float | None = None  # tanh soft clip of the whitened advantages at this scale (GEPO's clip); null = off
+    # tanh soft clip of the whitened advantages at this scale (GEPO's clip); null = off
+    soft_clip: float | None = bounded(None, gt=0)
 
     def __post_init__(self) -> None:
-        from steadyrl.ppo.gae import KL_ESTIMATORS
+        from steadyrl.ppo.gae import KL_ESTIMATORS  # a registry of functions (torch): imported when checked
 
+        super().__post_init__()
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator: unknown {self.kl_estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
-        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
-            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
-        if self.vf_coef < 0 or self.cliprange_value < 0:
-            raise ValueError(f"vf_coef and cliprange_value must be >= 0, got {self.vf_coef}, {self.cliprange_value}")
-        if self.critic_lr is not None and self.critic_lr < 0:
-            raise ValueError(f"critic_lr must be >= 0, got {self.critic_lr}")
-        if self.soft_clip is not None and self.soft_clip <= 0:
-            raise ValueError(f"soft_clip must be > 0 (or null = off), got {self.soft_clip}")

@@ -17,6 +17,7 @@ import typing
 from typing import Any
 
 from steadyrl.config.loader import ConfigError, FieldValueError, Origins
+from steadyrl.ranges import RangeError
 
 
 def _where(dotted: str, origins: Origins) -> str:
@@ -106,6 +107,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> An
             raise ConfigError(f"{dotted}: required key is missing")
     try:
         return cls(**kwargs)
+    except RangeError as exc:  # declared ranges (steadyrl.ranges): each key, the file that set it, its range
+        problems = [_where(f"{prefix}.{k}" if prefix else k, origins) + text for k, text in exc.problems]
+        raise ConfigError("; ".join(problems)) from exc
     except FieldValueError as exc:  # a section's own check of one key
         raise ConfigError(_where(f"{prefix}.{exc.key}" if prefix else exc.key, origins) + exc.message) from exc
     except ValueError as exc:  # a section's own range checks (__post_init__)

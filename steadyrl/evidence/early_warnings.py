@@ -23,6 +23,7 @@ from itertools import pairwise
 from typing import Any
 
 from steadyrl.metrics import ENTROPY, GEPO_ADV_STD, SAMPLING_LOGP_GAP
+from steadyrl.ranges import Checked, bounded
 
 RISING_FRACTION = 0.8  # "rising steadily": at least this share of consecutive pairs go up
 # A stale weight sync at a small learning rate moves the vLLM gap less than logp_gap_max: the monitor also warns when
@@ -33,20 +34,16 @@ LOGP_GAP_FLOOR = 0.005
 
 
 @dataclass
-class MonitorConfig:
+class MonitorConfig(Checked):
     enabled: bool = True
-    every: int = 50
-    window: int = 20
+    every: int = bounded(50, ge=1)
+    window: int = bounded(20, ge=2)
     adv_std_rise_ratio: float = 1.5
     entropy_drop_ratio: float = 0.7
     # vLLM rollouts: the per-token |log-prob gap| between vLLM and the policy on the sampled tokens (TRL's metric).
     # It stays near 0 (float noise, bf16 kernels) while each step's weight sync reaches vLLM; a median above this
     # over the window means vLLM generates from other weights than the ones being trained.
     logp_gap_max: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.every < 1 or self.window < 2:
-            raise ValueError(f"every must be >= 1 and window >= 2, got every={self.every}, window={self.window}")
 
 
 def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tuple[int, float]]:

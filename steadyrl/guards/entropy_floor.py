@@ -33,6 +33,7 @@ from steadyrl.metrics import (
     QUATRO_FLOOR_HELD_OFF,
     QUATRO_MOMENT_SCALE,
 )
+from steadyrl.ranges import Checked, bounded
 
 # The learning gate compares the mean reward of the last GATE_WINDOW / 2 steps with that of the GATE_WINDOW / 2
 # before them; "rising" is a difference above GATE_Z standard errors.
@@ -42,17 +43,19 @@ HYSTERESIS = 1.05  # the floor turns off when the window mean is above floor x H
 
 
 @dataclass
-class EntropyConfig:
+class EntropyConfig(Checked):
     enabled: bool = True
-    baseline_steps: int = 10  # optimizer steps whose mean entropy is the baseline
-    floor_ratio: float = 0.8  # floor = floor_ratio x baseline
-    window: int = 5  # rolling window (steps) compared with the floor
-    ki: float = 0.1  # integral gain: control change per step at a relative gap of 1 (the control is in [0, 1])
-    kp: float = 0.4  # proportional gain: control per unit relative gap, on top of the integral
-    coef_max: float = 0.01  # entropy bonus at control 1 (TRL's entropy_coef)
-    pg_brake: float = 1.0  # share of every advantage taken off at control 1; 0: off
-    brake_moments: float = 0.01  # Adam's moments follow the brake's factor, floored at this; 0: off
-    clip_factor: float = 0.5  # epsilon x clip_factor while the floor is active
+    baseline_steps: int = bounded(10, ge=1)  # optimizer steps whose mean entropy is the baseline
+    floor_ratio: float = bounded(0.8, gt=0, le=1)  # floor = floor_ratio x baseline
+    window: int = bounded(5, ge=1)  # rolling window (steps) compared with the floor
+    # integral gain: control change per step at a relative gap of 1 (the control is in [0, 1])
+    ki: float = bounded(0.1, gt=0, finite=True)
+    # proportional gain: control per unit relative gap, on top of the integral
+    kp: float = bounded(0.4, ge=0, finite=True)
+    coef_max: float = bounded(0.01, ge=0, finite=True)  # entropy bonus at control 1 (TRL's entropy_coef)
+    pg_brake: float = bounded(1.0, ge=0, le=1)  # share of every advantage taken off at control 1; 0: off
+    brake_moments: float = bounded(0.01, ge=0, lt=1)  # Adam's moments follow the brake, floored at this; 0: off
+    clip_factor: float = bounded(0.5, gt=0, le=1)  # epsilon x clip_factor while the floor is active
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
     # the reward the gate reads: a `rewards[].name` (weight 0 allowed: a verifier that only watches); None: the
     # weighted training reward, which a reward that pays for the collapse itself also raises
@@ -60,27 +63,10 @@ class EntropyConfig:
     follow_learning: bool = False  # while the gate's reward rises the floor follows entropy down (module docstring)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         problems = []
-        if self.baseline_steps < 1:
-            problems.append(f"baseline_steps must be >= 1, got {self.baseline_steps}")
-        if not 0 < self.floor_ratio <= 1:
-            problems.append(f"floor_ratio must be in (0, 1], got {self.floor_ratio}")
-        if self.window < 1:
-            problems.append(f"window must be >= 1, got {self.window}")
-        if not (math.isfinite(self.ki) and self.ki > 0):
-            problems.append(f"ki must be finite and > 0, got {self.ki}")
-        if not (math.isfinite(self.kp) and self.kp >= 0):
-            problems.append(f"kp must be finite and >= 0, got {self.kp}")
-        if not (math.isfinite(self.coef_max) and self.coef_max >= 0):
-            problems.append(f"coef_max must be finite and >= 0, got {self.coef_max}")
-        if not (isinstance(self.pg_brake, (int, float)) and 0 <= self.pg_brake <= 1):
-            problems.append(f"pg_brake must be in [0, 1], got {self.pg_brake!r}")
-        elif self.coef_max == 0 and self.pg_brake == 0:
+        if self.coef_max == 0 and self.pg_brake == 0:
             problems.append("coef_max and pg_brake are both 0: the floor has no lever (set enabled: false instead)")
-        if not (isinstance(self.brake_moments, (int, float)) and 0 <= self.brake_moments < 1):
-            problems.append(f"brake_moments must be in [0, 1), got {self.brake_moments!r}")
-        if not 0 < self.clip_factor <= 1:
-            problems.append(f"clip_factor must be in (0, 1], got {self.clip_factor}")
         if self.gate_reward is not None and not self.learning_gate:
             problems.append(
                 f"gate_reward={self.gate_reward!r} is read only by the learning gate, but learning_gate is false: set "

@@ -17,24 +17,22 @@ from steadyrl.metrics import (
     OPEFO_EF_PENDING,
     OPEFO_EF_WEIGHT,
 )
+from steadyrl.ranges import Checked, bounded
 
 
 @dataclass
-class ErrorFeedbackConfig:
+class ErrorFeedbackConfig(Checked):
     enabled: bool = True
-    weights: tuple[float, ...] = (0.3, 0.3, 0.2, 0.2)
+    weights: tuple[float, ...] = bounded((0.3, 0.3, 0.2, 0.2), gt=0, finite=True, min_len=1)
 
     def __post_init__(self) -> None:
         self.weights = tuple(float(w) for w in self.weights)
-        problems = []
-        if not self.weights:
-            problems.append("weights must not be empty")
-        elif not all(math.isfinite(w) and w > 0 for w in self.weights):
-            problems.append(f"weights must all be > 0, got {list(self.weights)}")
-        elif abs(sum(self.weights) - 1.0) > 1e-6:
-            problems.append(f"weights must sum to 1 (+-1e-6), got {list(self.weights)} (sum {sum(self.weights)!r})")
-        if problems:
-            raise ValueError("invalid ErrorFeedbackConfig: " + "; ".join(problems))
+        super().__post_init__()
+        if abs(sum(self.weights) - 1.0) > 1e-6:
+            raise ValueError(
+                f"invalid ErrorFeedbackConfig: weights must sum to 1 (+-1e-6), got {list(self.weights)} "
+                f"(sum {sum(self.weights)!r})"
+            )
 
 
 class ErrorFeedback:

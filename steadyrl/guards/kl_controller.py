@@ -27,45 +27,33 @@ from steadyrl.metrics import (
     QUATRO_KL_NAN,
     QUATRO_KL_TARGET,
 )
+from steadyrl.ranges import Checked, bounded, bounds
 
 AUTO = "auto"
 TARGET_MIN = 1e-4  # floor of a calibrated target (a run whose KL is still ~0)
 
 
 @dataclass
-class KLConfig:
+class KLConfig(Checked):
     enabled: bool = True
-    target: float | str = AUTO  # mean per-token KL to the reference, or "auto": calibrated from this run
-    calibration_steps: int = 20  # auto: updates at trainer.beta before the target is set
-    target_ratio: float = 10.0  # auto: target = target_ratio x mean KL of the calibration window's second half
-    update_every: int = 1  # optimizer steps per controller update (PPO: generation batches)
-    up: float = 1.2  # largest factor of one update (KL above target)
-    down: float = 0.8  # smallest factor of one update (KL below target)
-    beta_range: list[float] = field(default_factory=lambda: [1.0, 4.0])  # x trainer.beta
+    # mean per-token KL to the reference, or "auto": calibrated from this run
+    target: float | str = bounded(AUTO, gt=0, finite=True, choices=(AUTO,))
+    calibration_steps: int = bounded(20, ge=2)  # auto: updates at trainer.beta before the target is set
+    # auto: target = target_ratio x mean KL of the calibration window's second half
+    target_ratio: float = bounded(10.0, gt=0, finite=True)
+    update_every: int = bounded(1, ge=1)  # optimizer steps per controller update (PPO: generation batches)
+    up: float = bounded(1.2, gt=1, finite=True)  # largest factor of one update (KL above target)
+    down: float = bounded(0.8, gt=0, lt=1)  # smallest factor of one update (KL below target)
+    beta_range: list[float] = field(  # x trainer.beta
+        default_factory=lambda: [1.0, 4.0], metadata=bounds(gt=0, finite=True, min_len=2, max_len=2)
+    )
 
     def __post_init__(self) -> None:
-        problems = []
-        if isinstance(self.target, str):
-            if self.target != AUTO:
-                problems.append(f"target must be a number > 0 or 'auto', got {self.target!r}")
-        elif not (math.isfinite(self.target) and self.target > 0):
-            problems.append(f"target must be finite and > 0 (or 'auto'), got {self.target}")
-        if self.calibration_steps < 2:
-            problems.append(f"calibration_steps must be >= 2, got {self.calibration_steps}")
-        if not (math.isfinite(self.target_ratio) and self.target_ratio > 0):
-            problems.append(f"target_ratio must be finite and > 0, got {self.target_ratio}")
-        if self.update_every < 1:
-            problems.append(f"update_every must be >= 1, got {self.update_every}")
-        if not (math.isfinite(self.up) and self.up > 1):
-            problems.append(f"up must be finite and > 1, got {self.up}")
-        if not 0 < self.down < 1:
-            problems.append(f"down must be in (0, 1), got {self.down}")
-        if len(self.beta_range) != 2 or not (
-            0 < self.beta_range[0] <= 1 <= self.beta_range[1] and math.isfinite(self.beta_range[1])
-        ):
-            problems.append(f"beta_range must be [low, high] with 0 < low <= 1 <= high < inf, got {self.beta_range}")
-        if problems:
-            raise ValueError("invalid KLConfig: " + "; ".join(problems))
+        super().__post_init__()
+        if not self.beta_range[0] <= 1 <= self.beta_range[1]:
+            raise ValueError(
+                f"invalid KLConfig: beta_range must be [low, high] with low <= 1 <= high, got {self.beta_range}"
+            )
 
     @property
     def auto(self) -> bool:

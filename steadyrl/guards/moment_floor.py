@@ -19,6 +19,7 @@ from steadyrl.metrics import (
     opefo_floor_value,
     opefo_tiny_frac,
 )
+from steadyrl.ranges import Checked, bounded
 
 TINY = 1e-20  # the percentile is taken over the entries above this (the literal p10 over all is ~0 once they are many)
 # the percentile is exact up to this many entries per tensor, else taken from a sample of this many drawn with a
@@ -29,22 +30,11 @@ SAMPLE_SEED = 0
 
 
 @dataclass
-class FloorConfig:
+class FloorConfig(Checked):
     enabled: bool = True
-    interval: int = 100
-    trigger_frac: float = 0.01
-    percentile: float = 10.0
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.interval < 1:
-            problems.append(f"interval must be >= 1, got {self.interval}")
-        if not 0 <= self.trigger_frac < 1:
-            problems.append(f"trigger_frac must be in [0, 1), got {self.trigger_frac}")
-        if not 0 < self.percentile < 100:
-            problems.append(f"percentile must be in (0, 100), got {self.percentile}")
-        if problems:
-            raise ValueError("invalid FloorConfig: " + "; ".join(problems))
+    interval: int = bounded(100, ge=1)
+    trigger_frac: float = bounded(0.01, ge=0, lt=1)
+    percentile: float = bounded(10.0, gt=0, lt=100)
 
 
 def _moments(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:

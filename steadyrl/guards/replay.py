@@ -19,6 +19,7 @@ from steadyrl.metrics import (
     QUATRO_REPLAY_AGE_MEAN,
     QUATRO_REPLAY_FRAC,
 )
+from steadyrl.ranges import Checked, bounded
 
 MIN_ABS_ADVANTAGE = 1e-6  # rows with a smaller |advantage| carry no learning signal and are not stored
 
@@ -65,19 +66,10 @@ LOGPROB_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_toke
 
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(Checked):
     enabled: bool = True
-    capacity: int = 8  # micro-batches remembered, FIFO (docs/DESIGN.md "QUATRO: rollout replay")
-    replay_ratio: float = 0.3  # share of each micro-batch replaced by replayed rows
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.capacity < 1:
-            problems.append(f"capacity must be >= 1, got {self.capacity}")
-        if not 0 <= self.replay_ratio < 1:
-            problems.append(f"replay_ratio must be in [0, 1), got {self.replay_ratio}")
-        if problems:
-            raise ValueError("invalid ReplayConfig: " + "; ".join(problems))
+    capacity: int = bounded(8, ge=1)  # micro-batches remembered, FIFO (docs/DESIGN.md "QUATRO: rollout replay")
+    replay_ratio: float = bounded(0.3, ge=0, lt=1)  # share of each micro-batch replaced by replayed rows
 
     def rows_per_batch(self, batch_size: int) -> int:
         """Rows replayed in a micro-batch of ``batch_size`` once the buffer is warm: round_half_up(ratio x B)."""

@@ -36,42 +36,32 @@ from steadyrl.metrics import (
     GRADE_SCALED_STD,
     GRADE_WINDOW,
 )
+from steadyrl.ranges import Checked, bounded
 
 EPS = 1e-6  # whitening: (r - mean) / (std + EPS)
 MAX_PROMPTS = 500  # prompts whose centring baseline is kept (least recently seen dropped first)
 
 
 @dataclass
-class GradeConfig:
-    window_size: int = 2048
-    warmup: int = 200
-    clip_start: int = 500
-    tau: float = 0.03
-    quantile_window: int = 2000
-    quantile_every: int = 50
-    tail_slope: float = 0.1
-    centring_beta: float = 0.7  # 0: no centring
+class GradeConfig(Checked):
+    window_size: int = bounded(2048, ge=2)
+    warmup: int = bounded(200, ge=2)  # <= window_size
+    clip_start: int = 500  # clip: in [0, window_size]
+    tau: float = bounded(0.03, gt=0, lt=0.5)
+    quantile_window: int = bounded(2000, ge=1)
+    quantile_every: int = bounded(50, ge=1)
+    tail_slope: float = bounded(0.1, ge=0, le=1)
+    centring_beta: float = bounded(0.7, ge=0, le=1)  # 0: no centring
     whiten: bool = True
     clip: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         problems = []
-        if self.window_size < 2:
-            problems.append(f"window_size must be >= 2, got {self.window_size}")
-        if not 2 <= self.warmup <= self.window_size:
-            problems.append(f"warmup must be in [2, window_size={self.window_size}], got {self.warmup}")
+        if self.warmup > self.window_size:
+            problems.append(f"warmup must be <= window_size={self.window_size}, got {self.warmup}")
         if self.clip and not 0 <= self.clip_start <= self.window_size:
             problems.append(f"clip_start must be in [0, window_size={self.window_size}], got {self.clip_start}")
-        if not 0 < self.tau < 0.5:
-            problems.append(f"tau must be in (0, 0.5), got {self.tau}")
-        if self.quantile_window < 1:
-            problems.append(f"quantile_window must be >= 1, got {self.quantile_window}")
-        if self.quantile_every < 1:
-            problems.append(f"quantile_every must be >= 1, got {self.quantile_every}")
-        if not 0 <= self.tail_slope <= 1:
-            problems.append(f"tail_slope must be in [0, 1], got {self.tail_slope}")
-        if not 0 <= self.centring_beta <= 1:
-            problems.append(f"centring_beta must be in [0, 1], got {self.centring_beta}")
         if problems:
             raise ValueError("invalid GradeConfig: " + "; ".join(problems))
 

@@ -16,47 +16,28 @@ from typing import Any
 
 import torch
 
+from steadyrl.ranges import Checked, bounded
+
 STORAGES = ("memory", "disk")
 
 
 @dataclass
-class RollbackConfig:
+class RollbackConfig(Checked):
     enabled: bool = True
-    snapshot_interval: int = 500
-    storage: str = "memory"
+    snapshot_interval: int = bounded(500, ge=1)
+    storage: str = bounded("memory", choices=STORAGES)
     snapshot_dir: str | None = None  # disk storage: base directory; the caller adds one folder per rank
-    check_interval: int = 10
-    recovery_lr_factor: float = 0.3
-    recovery_steps: int = 100
-    max_rollbacks: int = 3
-    rollback_window: int = 1000
+    check_interval: int = bounded(10, ge=1)
+    recovery_lr_factor: float = bounded(0.3, gt=0, le=1)
+    recovery_steps: int = bounded(100, ge=0)
+    max_rollbacks: int = bounded(3, ge=0)
+    rollback_window: int = bounded(1000, ge=1)
     # A check that finds non-finite Adam moments and finite weights resets the bad entries in place (first moment 0,
     # second moment the largest finite one of its tensor) instead of rolling back: no lost steps, no LR cut. It
     # rolls back instead when more than repair_max_share of the moment entries are bad (not a few corrupted
     # entries), or when the moments go bad again within recovery_steps of a repair (not a one-off).
     repair_state: bool = True
-    repair_max_share: float = 0.01
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.snapshot_interval < 1:
-            problems.append(f"snapshot_interval must be >= 1, got {self.snapshot_interval}")
-        if self.storage not in STORAGES:
-            problems.append(f"storage must be one of {', '.join(STORAGES)}, got {self.storage!r}")
-        if self.check_interval < 1:
-            problems.append(f"check_interval must be >= 1, got {self.check_interval}")
-        if not 0 < self.recovery_lr_factor <= 1:
-            problems.append(f"recovery_lr_factor must be in (0, 1], got {self.recovery_lr_factor}")
-        if self.recovery_steps < 0:
-            problems.append(f"recovery_steps must be >= 0, got {self.recovery_steps}")
-        if self.max_rollbacks < 0:
-            problems.append(f"max_rollbacks must be >= 0, got {self.max_rollbacks}")
-        if self.rollback_window < 1:
-            problems.append(f"rollback_window must be >= 1, got {self.rollback_window}")
-        if not 0 < self.repair_max_share <= 1:
-            problems.append(f"repair_max_share must be in (0, 1], got {self.repair_max_share}")
-        if problems:
-            raise ValueError("invalid RollbackConfig: " + "; ".join(problems))
+    repair_max_share: float = bounded(0.01, gt=0, le=1)
 
 
 def _cpu_copy(obj: Any) -> Any:

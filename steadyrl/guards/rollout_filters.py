@@ -25,6 +25,7 @@ from steadyrl.metrics import (
     QUATRO_ZERO_VARIANCE_GROUPS,
     quatro_filtered,
 )
+from steadyrl.ranges import Checked, bounded
 
 # A dropped row is counted under the first of these that dropped it (the order the filters run in).
 DROPPED_ROWS = ("zero_advantage", "exclude")
@@ -39,30 +40,38 @@ PARROT_N = 4  # the parrot filter's n-gram size, in tokens
 
 
 @dataclass
-class ZScoreConfig:
+class ZScoreConfig(Checked):
     enabled: bool = True
-    max_abs_z: float = 3.5  # |r - mean| / std over the whole generation batch
+    max_abs_z: float = bounded(3.5, gt=0, finite=True)  # |r - mean| / std over the whole generation batch
 
 
 @dataclass
-class LengthConfig:
+class LengthConfig(Checked):
     enabled: bool = True
-    min_tokens: int = 0
-    max_tokens: int | None = None
+    min_tokens: int = bounded(0, ge=0)
+    max_tokens: int | None = bounded(None, ge=0)  # >= min_tokens
     rolling: bool = True  # also drop lengths outside the rolling range of recent ones (LENGTH_PERCENTILES)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_tokens is not None and self.max_tokens < self.min_tokens:
+            raise ValueError(
+                f"invalid LengthConfig: max_tokens={self.max_tokens} must be >= min_tokens={self.min_tokens}"
+            )
+
 
 @dataclass
-class ParrotConfig:
+class ParrotConfig(Checked):
     enabled: bool = True
-    max_overlap: float = 0.8  # share of the completion's n-grams that occur in its prompt
+    max_overlap: float = bounded(0.8, ge=0, le=1)  # share of the completion's n-grams that occur in its prompt
 
 
 @dataclass
-class RepetitionConfig:
+class RepetitionConfig(Checked):
     enabled: bool = True
-    n: int = 3
-    max_repeat_share: float = 0.5  # share of the completion's n-grams that repeat an earlier one in it
+    n: int = bounded(3, ge=1)
+    # share of the completion's n-grams that repeat an earlier one in it
+    max_repeat_share: float = bounded(0.5, ge=0, le=1)
 
 
 @dataclass
@@ -71,41 +80,18 @@ class ZeroVarianceConfig:
 
 
 @dataclass
-class FilterConfig:
+class FilterConfig(Checked):
     zscore: ZScoreConfig = field(default_factory=ZScoreConfig)
     length: LengthConfig = field(default_factory=LengthConfig)
     parrot: ParrotConfig = field(default_factory=ParrotConfig)
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
     zero_variance: ZeroVarianceConfig = field(default_factory=ZeroVarianceConfig)
-    max_drop_share: float = 0.5  # dropping more than this share of a batch comes with a warning
+    max_drop_share: float = bounded(0.5, ge=0, le=1)  # dropping more than this share of a batch comes with a warning
     # what a dropped row becomes in the loss: "zero_advantage" (it stays in the loss with advantage 0, so the
     # kept rows keep the weight they have without filters, and the KL term still sees it) or "exclude" (its
     # completion mask is zeroed: the normaliser shrinks and the kept rows' effective learning rate grows by
     # rows / kept rows)
-    dropped_rows: str = "zero_advantage"
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (math.isfinite(self.zscore.max_abs_z) and self.zscore.max_abs_z > 0):
-            problems.append(f"zscore.max_abs_z must be finite and > 0, got {self.zscore.max_abs_z}")
-        ln = self.length
-        if ln.min_tokens < 0:
-            problems.append(f"length.min_tokens must be >= 0, got {ln.min_tokens}")
-        if ln.max_tokens is not None and ln.max_tokens < ln.min_tokens:
-            problems.append(f"length.max_tokens={ln.max_tokens} must be >= length.min_tokens={ln.min_tokens}")
-        if self.repetition.n < 1:
-            problems.append(f"repetition.n must be >= 1, got {self.repetition.n}")
-        for name, value in (
-            ("parrot.max_overlap", self.parrot.max_overlap),
-            ("repetition.max_repeat_share", self.repetition.max_repeat_share),
-            ("max_drop_share", self.max_drop_share),
-        ):
-            if not 0 <= value <= 1:
-                problems.append(f"{name} must be in [0, 1], got {value}")
-        if self.dropped_rows not in DROPPED_ROWS:
-            problems.append(f"dropped_rows must be one of {', '.join(DROPPED_ROWS)}, got {self.dropped_rows!r}")
-        if problems:
-            raise ValueError("invalid FilterConfig: " + "; ".join(problems))
+    dropped_rows: str = bounded("zero_advantage", choices=DROPPED_ROWS)
 
 
 # ------------------------------------------------------------------ per-row measures (Python lists)

@@ -87,7 +87,7 @@ def test_spike_guard_needs_clipping_and_layers_validate(tiny_model_dir, tmp_path
         load_config(tmp_path / "cfg.yaml", ["trainer.max_grad_norm=0"])
     with pytest.raises(ConfigError, match=r"guards.gepo.advantage.clip_scale"):
         load_config(tmp_path / "cfg.yaml", ["guards.gepo.advantage.clip_scale=9"])
-    with pytest.raises(ConfigError, match=r"guards.grade: invalid GradeConfig: tau must be in \(0, 0.5\)"):
+    with pytest.raises(ConfigError, match=r"guards.grade.tau \(set in command line\): must be in \(0, 0.5\)"):
         load_config(tmp_path / "cfg.yaml", ["guards.grade.tau=0.7"])
 
 

@@ -63,7 +63,8 @@ def _code(line: str) -> str:
 
 def test_the_worked_example_is_the_code() -> None:
     """Each python block after "`steadyrl/<file>.py`, ..." is made of that file's lines (comments aside)."""
-    blocks = re.findall(r"`(steadyrl/[\w/]+\.py)`[^\n]*\n(?:[^\n]*\n)*?```python\n(.*?)```", DOC, re.S)
+    # a path, the rest of its paragraph, one blank line, the block
+    blocks = re.findall(r"`(steadyrl/[\w/]+\.py)`[^\n]*\n(?:[^\n]+\n)*\n```python\n(.*?)```", DOC, re.S)
     assert len(blocks) == 2, "the worked example has two code blocks, each after the file it quotes"
     for file, block in blocks:
         source = {_code(line) for line in (REPO / file).read_text().splitlines()}

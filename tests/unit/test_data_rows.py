@@ -72,7 +72,7 @@ def test_on_bad_row_is_validated(tmp_path) -> None:
     path.write_text("model: {path: m}\ndata: {path: d, on_bad_row: drop}\ntrainer: {output_dir: o}\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == f"data.on_bad_row (set in {path}): unknown policy 'drop'; valid: ['error', 'skip']"
+    assert str(info.value) == f"data.on_bad_row (set in {path}): must be one of ['error', 'skip'], got 'drop'"
 
 
 def test_prompt_tokens_are_counted_with_the_runs_tokenizer() -> None:

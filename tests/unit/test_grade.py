@@ -28,7 +28,7 @@ def test_interfaces_and_config_validation():
     assert scaler.config.quantile_every == 50 and scaler.config.window_size == 2048
     with pytest.raises(ValueError, match="tau must be in"):
         GradeConfig(tau=0.5)
-    with pytest.raises(ValueError, match="warmup must be in"):
+    with pytest.raises(ValueError, match="warmup must be <= window_size=4, got 8"):
         GradeConfig(window_size=4, warmup=8)
     with pytest.raises(ValueError, match="does not divide"):
         scaler(t(1, 2, 3), ["a", "a", "a"], 2)

@@ -145,7 +145,7 @@ def test_the_micro_batch_baseline_survives_a_checkpoint():
 def test_an_unknown_granularity_is_a_config_error(value):
     from steadyrl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"guards.gepo.spike.granularity.*valid: \['step', 'micro_batch'\]"):
+    with pytest.raises(ConfigError, match=r"guards.gepo.spike.granularity .*must be one of \['step', 'micro_batch'\]"):
         load_config(REPO / "configs/tiny/grpo-guarded.yaml", [f"guards.gepo.spike.granularity={value}"])
 
 

@@ -43,7 +43,7 @@ def test_short_history_and_none_values():
 
 
 def test_config_checks():
-    with pytest.raises(ValueError, match="window >= 2"):
+    with pytest.raises(ValueError, match="window must be >= 2, got 1"):
         MonitorConfig(window=1)
 
 

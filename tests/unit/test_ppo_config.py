@@ -24,7 +24,7 @@ def test_tiny_ppo_config_resolves_with_its_ppo_section():
 def test_ppo_section_range_checks_and_unknown_keys():
     with pytest.raises(ConfigError, match=r"kl_estimator: unknown 'k2'; valid: \['k1', 'k3'\]"):
         load_config(PPO, ["ppo.kl_estimator=k2"])
-    with pytest.raises(ConfigError, match="gamma and lam must be in"):
+    with pytest.raises(ConfigError, match=r"^ppo.lam \(set in command line\): must be in \[0, 1\], got 1.5$"):
         load_config(PPO, ["ppo.lam=1.5"])
     with pytest.raises(ConfigError, match="Did you mean 'vf_coef'"):
         load_config(PPO, ["ppo.vf_coeff=0.5"])

@@ -73,7 +73,9 @@ def test_config_defaults_and_refusals():
     cfg = load_config(TINY)
     assert cfg.preemption.enabled and cfg.preemption.signals == ["SIGTERM", "SIGINT"]
     assert cfg.preemption.exit_code == 75 and cfg.preemption.relay_window_s == 3.0
-    with pytest.raises(ConfigError, match=r"preemption.signals.*unknown signal\(s\) \['SIGTREM'\]"):
+    with pytest.raises(
+        ConfigError, match=r"signals\[0\] \(set in command line\): must be one of \['SIGTERM', .*got 'SIGTREM'"
+    ):
         load_config(TINY, ["preemption.signals=[SIGTREM]"])
     with pytest.raises(ConfigError, match=r"preemption.exit_code.*1..125"):
         load_config(TINY, ["preemption.exit_code=143"])
