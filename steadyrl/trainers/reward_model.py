@@ -1,29 +1,22 @@
 """The reward-model stage (SFT -> **RM** -> PPO): train with TRL's RewardTrainer, calibrate, serve as a reward.
 
-docs/DESIGN.md, "Reward-model stage": a Bradley-Terry reward model on (chosen, rejected) pairs,
-``loss = -log sigmoid(r_c - r_r)``; after training, check on a held-out calibration set that it separates good from
-bad answers, and normalise its output (subtract the mean, divide by the std) so the RL stage sees rewards on a stable
-scale. Below 60% pairwise accuracy, retrain the reward model before any RL.
+docs/DESIGN.md, "Reward-model stage": a Bradley-Terry reward model on (chosen, rejected) pairs; after training, a
+held-out calibration set checks that it separates good from bad answers (below 60% pairwise accuracy: retrain before
+any RL), and its output is normalised (mean, std) so the RL stage sees rewards on a stable scale.
 
-- :func:`train_reward_model` runs ``trl.RewardTrainer`` (a ``*ForSequenceClassification`` head with one label on
-  the SFT checkpoint) and saves the model and tokenizer to ``output_dir/final``.
-- :func:`calibration_report` scores a held-out preference split and writes ``calibration.json``,
-  ``reward_stats.json`` (mean/std of all chosen + rejected scores) and ``calibration.png`` (histograms).
-- :class:`RewardModelReward` wraps the trained model as a TRL reward function that returns normalised scores.
-- :func:`reward_model_score` is the same as a config reward (one model load per path and process, then cached):
-  ``rewards: [{fn: steadyrl.ppo.reward_stage:reward_model_score, kwargs: {path: runs/tiny-rm/final}}]``.
-- :func:`run_reward_stage` = train + calibrate, what ``steadyrl reward CONFIG`` runs.
+- ``train_reward_model``: ``trl.RewardTrainer`` on the SFT checkpoint, saved to ``output_dir/final``;
+- ``calibration_report``: ``calibration.json``, ``reward_stats.json`` (mean/std of chosen + rejected scores) and
+  ``calibration.png``;
+- ``RewardModelReward`` / ``reward_model_score``: the trained model as a TRL reward function (normalised scores; one
+  load per path and process), e.g. ``rewards: [{fn: steadyrl.ppo.reward_stage:reward_model_score, kwargs: {path:
+  runs/tiny-rm/final}}]``;
+- ``run_reward_stage``: train + calibrate, what ``steadyrl reward CONFIG`` runs.
 
-Text format: ``RewardTrainer`` scores ``prompt + completion + eos`` (it appends EOS to non-conversational text and
-tokenizes with the tokenizer's defaults) and reads the score at the last non-pad token. Calibration and
-:class:`RewardModelReward` build exactly the same token ids. TRL's built-in reward-model path in GRPO scores
-``prompt + completion`` without EOS and without special tokens, i.e. at a position the model was not trained
-to score; that is one reason to use :class:`RewardModelReward` instead of passing the model path to TRL.
-
-What this leaves out: ties and margins in the data (TRL supports a ``margin`` column; the arithmetic pairs have
-none), running (online) normalisation of rewards during RL (the GRADE scaler does that), and
-calibration under ZeRO-3 (it runs the unwrapped model on the main process).
+Calibration and ``RewardModelReward`` score exactly the token ids ``RewardTrainer`` trained on (``prompt +
+completion + eos``, read at the last non-pad token); TRL's built-in reward-model path in GRPO scores without EOS,
+at a position the model was not trained to score.
 """
+
 
 from __future__ import annotations
 

