@@ -61,8 +61,16 @@ ROWS = {  # key: (label, guarded-run overrides); both runs get the size's own ov
     "gepo": ("GEPO", ["guards.gepo.enabled=true"]),
     "opefo": ("OPEFO (defaults)", ["guards.opefo.enabled=true"]),
     "opefo-compressed": ("OPEFO (compressed schedule)", ["guards.opefo.enabled=true", *COMPRESSED_OPEFO]),
-    # the snapshot's size: held in RAM (configs/base/grpo.yaml keeps it on disk), read from guard_cost.json
-    "opefo-ram": ("OPEFO, snapshots in RAM", ["guards.opefo.enabled=true", "guards.opefo.rollback.storage=memory"]),
+    # the snapshot's size: held in RAM (configs/base/grpo.yaml keeps it on disk), read from guard_cost.json; a
+    # snapshot every 2 steps, so the one held at the end has Adam's moments (the one at train begin has none yet)
+    "opefo-ram": (
+        "OPEFO, snapshots in RAM",
+        [
+            "guards.opefo.enabled=true",
+            "guards.opefo.rollback.storage=memory",
+            "guards.opefo.rollback.snapshot_interval=2",
+        ],
+    ),
     "quatro": ("QUATRO (KL + entropy floor + filters)", ["guards.quatro.enabled=true"]),
 }
 OFF = [f"guards.{layer}.enabled=false" for layer in LAYER_NAMES]
