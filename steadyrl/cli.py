@@ -1,21 +1,9 @@
-"""``steadyrl`` command line: train, sft, validate, report, doctor, compare, preflight.
+"""``steadyrl`` command line (``steadyrl -h``): train, sft, reward, validate, report, doctor, compare, preflight.
 
-    steadyrl train CONFIG [section.key=value ...]     GRPO (or whatever ``algorithm`` says)
-    steadyrl sft CONFIG [overrides]                   supervised warm start (``algorithm: sft``)
-    steadyrl reward CONFIG [overrides]                reward model + calibration report (``algorithm: reward``)
-    steadyrl validate CONFIG [overrides]              print the resolved config, or the errors (exit 1)
-    steadyrl report RUN_DIR                           plots + RUN_DIR/report/report.md from the run's logs
-    steadyrl doctor RUN_DIR                           name the failure mode under way: exit 0 healthy,
-                                                      1 a warning or problem found, 2 no logs found
-    steadyrl compare RUN_A RUN_B ... [--out DIR]      several runs overlaid: PNG per metric + compare.md
-    steadyrl preflight CONFIG [overrides] [--out DIR] calibrate the guards on this model (observe-mode baseline),
-                                                      then drill a NaN loss and an inf in Adam's state; writes a
-                                                      config that extends CONFIG with the calibrated values
-
-``report`` and ``doctor`` read ``RUN_DIR/metrics.jsonl`` (the MetricsLog callback), else the newest
-``checkpoint-*/trainer_state.json``; they need no config.
-
-Under ``accelerate launch ... -m steadyrl train CONFIG`` every process runs the same command.
+``train``/``sft``/``reward``/``validate``/``preflight`` take ``CONFIG [section.key=value ...]`` (a config error:
+exit 1). ``report``, ``doctor`` and ``compare`` read run folders (``metrics.jsonl``, else the newest
+``checkpoint-*/trainer_state.json``) and need no config; no logs: exit 2; ``doctor`` exits 1 when it finds a
+failure mode. Under ``accelerate launch ... -m steadyrl train CONFIG`` every process runs the same command.
 """
 
 from __future__ import annotations
@@ -65,50 +53,40 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _compare(run_dirs: list[str], out: str) -> int:
-    """``compare``: exit 0 written, 2 a run has no logs or fewer than two runs."""
-    from steadyrl.evidence import HistoryNotFoundError
-    from steadyrl.evidence.compare import write_comparison
-
-    try:
-        print(write_comparison(run_dirs, out))
-    except (HistoryNotFoundError, ValueError) as exc:
-        print(f"steadyrl: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _evidence(command: str, run_dir: str) -> int:
-    """``report`` / ``doctor``: exit 0 done and healthy, 1 doctor found something, 2 no logs in RUN_DIR."""
+def _evidence(args: argparse.Namespace) -> int:
+    """``report`` / ``doctor`` / ``compare``: exit 0 done and healthy, 1 doctor found something, 2 no logs (or
+    ``compare`` given fewer than two runs)."""
     from steadyrl.evidence import HistoryNotFoundError, diagnose, format_findings, load_history
 
+    errors = (HistoryNotFoundError, ValueError) if args.command == "compare" else HistoryNotFoundError
     try:
-        if command == "report":
+        if args.command == "compare":
+            from steadyrl.evidence.compare import write_comparison
+
+            print(write_comparison(args.run_dirs, args.out))
+            return 0
+        if args.command == "report":
             from steadyrl.evidence.report import write_report
 
-            print(write_report(run_dir))
+            print(write_report(args.run_dir))
             return 0
-        history = load_history(run_dir)
-    except HistoryNotFoundError as exc:
+        history = load_history(args.run_dir)
+    except errors as exc:
         print(f"steadyrl: {exc}", file=sys.stderr)
         return 2
     from steadyrl.evidence.doctor import doctor_config_for
     from steadyrl.evidence.observe import format_observe_summary
 
-    findings = diagnose(history, doctor_config_for(run_dir))
+    findings = diagnose(history, doctor_config_for(args.run_dir))
     print(format_findings(findings, history), end="")
-    observed = format_observe_summary(history, run_dir)  # layers in mode: observe, what they would have done
+    observed = format_observe_summary(history, args.run_dir)  # layers in mode: observe, what they would have done
     if observed:
         print("\n" + observed, end="")
     return 1 if findings else 0
 
 
 def _teardown() -> None:
-    """Destroy the process group before interpreter exit.
-
-    Leaving a gloo/nccl group to be torn down by the interpreter's atexit order aborts some ranks
-    (SIGABRT, 'terminate called without an active exception') after all work is done.
-    """
+    """Destroy the process group before interpreter exit (left to atexit, some ranks abort with SIGABRT)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -116,27 +94,10 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
-def _reward(cfg) -> int:
-    """The reward-model stage; prints the held-out pairwise accuracy (exit 0 even below the 60% warning)."""
-    from steadyrl.trainers.build import run_reward
-
-    report = run_reward(cfg)
-    if report:
-        out = cfg.trainer["output_dir"]
-        print(
-            f"reward model held-out pairwise accuracy: {report['accuracy']:.3f} on {report['n_pairs']} pairs "
-            f"(score mean {report['mean']:.3f}, std {report['std']:.3f}); report in {out}/calibration.json"
-        )
-    _teardown()
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command in ("report", "doctor"):
-        return _evidence(args.command, args.run_dir)
-    if args.command == "compare":
-        return _compare(args.run_dirs, args.out)
+    if args.command in ("report", "doctor", "compare"):
+        return _evidence(args)
     if args.command == "preflight":
         from steadyrl.preflight import main as preflight
 
@@ -152,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        for command in ("sft", "reward"):
-            if args.command == command and cfg.algorithm != command:
-                raise ConfigError(
-                    f"`steadyrl {command}` needs algorithm: {command} in the config, got algorithm: {cfg.algorithm}"
-                )
+        if args.command in ("sft", "reward") and cfg.algorithm != args.command:
+            need = f"`steadyrl {args.command}` needs algorithm: {args.command} in the config"
+            raise ConfigError(f"{need}, got algorithm: {cfg.algorithm}")
         if args.command == "validate":
             if args.accelerate_config:
                 from steadyrl.config.requirements import check_requirements
@@ -164,11 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_requirements(cfg, args.accelerate_config)
             print(yaml.safe_dump(cfg.to_tree(), sort_keys=False), end="")
             return 0
-        if cfg.algorithm == "reward":
-            return _reward(cfg)
-        from steadyrl.trainers.build import run
+        from steadyrl.trainers.build import run, run_reward
 
-        result = run(cfg)
+        result = (run_reward if cfg.algorithm == "reward" else run)(cfg)
     except ConfigError as exc:
         print(f"steadyrl: config error: {exc}", file=sys.stderr)
         return 1
@@ -182,7 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
         _teardown()
         return exc.exit_code
-    if result is not None:
+    if cfg.algorithm == "reward" and result:  # held-out pairwise accuracy (exit 0 even below the 60% warning)
+        print(
+            f"reward model held-out pairwise accuracy: {result['accuracy']:.3f} on {result['n_pairs']} pairs "
+            f"(score mean {result['mean']:.3f}, std {result['std']:.3f}); report in "
+            f"{cfg.trainer['output_dir']}/calibration.json"
+        )
+    elif cfg.algorithm != "reward" and result is not None:
         phase = "SFT" if cfg.algorithm == "sft" else cfg.algorithm.upper()
         print(
             f"eval {result['metric']} after {phase}: {result['accuracy']:.3f} (mean length {result['mean_length']:.1f})"

@@ -1,14 +1,10 @@
-"""Declared ranges of config fields, and the one checker that enforces them.
+"""Declared ranges of config fields, and the one checker that enforces them (imports nothing from steadyrl).
 
-A field declares its range where it is declared, ``window: int = bounded(5, ge=1)`` (or
-``field(..., metadata=bounds(ge=1))``), and its class subclasses ``Checked``, whose ``__post_init__`` raises one
-``RangeError`` naming every field out of its range: ``window must be >= 1, got 0``. A field whose annotation admits
-None may be None; a list or tuple field is checked item by item (``beta_range[1] must be ...``) and its length
-against ``min_len`` / ``max_len``. NaN fails every numeric bound. Checks that relate two fields (``warmup <=
-window_size``) stay code in the class, after ``super().__post_init__()``. The config loader names each field by its
-dotted key and the file that set it (``steadyrl.config.typed``).
-
-Imports nothing from steadyrl: the guards' configs and the config sections both use it.
+A field declares its range, ``window: int = bounded(5, ge=1)`` (or ``field(..., metadata=bounds(ge=1))``), and its
+class subclasses ``Checked``, whose ``__post_init__`` raises one ``RangeError`` naming every field out of its range:
+``window must be >= 1, got 0``. A field whose annotation admits None may be None; a list or tuple field is checked
+item by item (``beta_range[1] must be ...``) and its length against ``min_len`` / ``max_len``. NaN fails every
+numeric bound. Checks across fields stay code in the class, after ``super().__post_init__()``.
 """
 
 from __future__ import annotations
@@ -26,9 +22,8 @@ RANGE = "steadyrl.range"  # the field-metadata key that holds a field's Range
 
 @dataclass(frozen=True)
 class Range:
-    """Bounds on a number (``ge``/``gt``/``le``/``lt``, ``finite`` also rejects +-inf) and/or the allowed values
-    (``choices``; with numeric bounds as well, a value passes if either accepts it). For a list or tuple field they
-    apply to each item, and ``min_len`` / ``max_len`` bound its length."""
+    """Bounds on a number (``finite`` also rejects +-inf) and/or the allowed values (``choices``; with numeric bounds
+    as well, a value passes if either accepts it); for a list or tuple, on each item, ``min_len`` / ``max_len``."""
 
     ge: float | None = None
     gt: float | None = None
@@ -93,8 +88,7 @@ def bounds(**range_: Any) -> dict[str, Range]:
 
 
 def bounded(default: Any, **range_: Any) -> Any:
-    """A dataclass field with ``default`` and a declared Range (a list field: ``field(default_factory=...,
-    metadata=bounds(...))``)."""
+    """A dataclass field with ``default`` and a declared Range."""
     return dataclasses.field(default=default, metadata=bounds(**range_))
 
 
@@ -151,8 +145,8 @@ def check_ranges(obj: Any) -> None:
 
 
 class Checked:
-    """Base of a config dataclass: ``__post_init__`` checks the declared ranges. A subclass with checks of its own
-    (across fields) calls ``super().__post_init__()`` first."""
+    """Base of a config dataclass: ``__post_init__`` checks the declared ranges (a subclass's own checks call
+    ``super().__post_init__()`` first)."""
 
     def __post_init__(self) -> None:
         check_ranges(self)

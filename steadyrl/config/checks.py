@@ -1,21 +1,18 @@
 """Settings that are each valid but cannot go together, checked before any model is loaded; each error says how to
-fix it.
-"""
+fix it. ``cfg`` is a ``RunConfig`` (not imported: ``steadyrl.config.schema`` imports this module)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from steadyrl.config.loader import ConfigError, load_object
-from steadyrl.config.sections import DTYPES
-
-if TYPE_CHECKING:
-    from steadyrl.config.schema import RunConfig
 
 import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+from steadyrl.config.loader import ConfigError, load_object
+from steadyrl.config.sections import DTYPES
+
+BUILTIN_MODELS = ("builtin:tiny-llama", "builtin:smollm2-135m-instruct")
 
 
 def world_size_from_env() -> int:
@@ -35,7 +32,7 @@ def _bf16_supported() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
-def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
+def check_contradictions(cfg: Any, world_size: int | None = None) -> None:
     """Settings that are each valid but cannot go together; each error says how to fix it."""
     t = cfg.trainer
     world_size = world_size or world_size_from_env()
@@ -71,14 +68,19 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
             "Merge the adapter into its base model first (peft's merge_and_unload) and point model.path at the "
             "merged model, or remove the peft section"
         )
-    if cfg.model.path.startswith("builtin:"):
-        _check_builtin_model(cfg.model.path)
+    if cfg.model.path.startswith("builtin:") and cfg.model.path not in BUILTIN_MODELS:
+        raise ConfigError(f"model.path: unknown built-in model {cfg.model.path!r}; valid: {list(BUILTIN_MODELS)}")
+    if cfg.model.path == "builtin:smollm2-135m-instruct":
+        from steadyrl.tasks.smollm2 import gguf_path
+
+        gguf_path()  # what it is built from is installed
     if cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} is not one of {list(DTYPES)}")
 
-    data_path = cfg.data.path
-    if not data_path.startswith("builtin:") and _looks_like_file(data_path) and not Path(data_path).exists():
-        raise ConfigError(f"data.path: file {data_path!r} does not exist")
+    path = cfg.data.path  # a file, by its start or suffix
+    file = path.startswith((".", "/")) or Path(path).suffix in (".jsonl", ".json", ".parquet", ".csv")
+    if not path.startswith("builtin:") and file and not Path(path).exists():
+        raise ConfigError(f"data.path: file {path!r} does not exist")
 
     _check_rewards(cfg)
     for i, spec in enumerate(cfg.callbacks):
@@ -87,31 +89,17 @@ def check_contradictions(cfg: RunConfig, world_size: int | None = None) -> None:
         _check_grpo(cfg, world_size)
     if cfg.algorithm == "ppo":
         _check_ppo(cfg)
-    if cfg.algorithm == "reward":
-        _check_reward(cfg)
+    if cfg.algorithm == "reward" and cfg.data.eval_split is None and cfg.data.eval_path is None:
+        raise ConfigError(
+            "data.eval_split / data.eval_path: the reward stage writes a calibration report on held-out pairs; set one "
+            "(for builtin:arithmetic_preferences, data.eval_split: eval)"
+        )
     from steadyrl.config.requirements import check_requirements
 
     check_requirements(cfg)  # last: the packages the run needs (report_to backends, reward deps, deepspeed)
 
 
-BUILTIN_MODELS = ("builtin:tiny-llama", "builtin:smollm2-135m-instruct")
-
-
-def _check_builtin_model(path: str) -> None:
-    """A built-in model name exists, and what it is built from is installed (before anything loads)."""
-    if path not in BUILTIN_MODELS:
-        raise ConfigError(f"model.path: unknown built-in model {path!r}; valid: {list(BUILTIN_MODELS)}")
-    if path == "builtin:smollm2-135m-instruct":
-        from steadyrl.tasks.smollm2 import gguf_path
-
-        gguf_path()
-
-
-def _looks_like_file(path: str) -> bool:
-    return path.startswith((".", "/")) or Path(path).suffix in (".jsonl", ".json", ".parquet", ".csv")
-
-
-def _check_rewards(cfg: RunConfig) -> None:
+def _check_rewards(cfg: Any) -> None:
     """Reward entries are well-formed, uniquely named and importable (SFT uses them for eval only)."""
     names = []
     for i, reward in enumerate(cfg.rewards):
@@ -128,7 +116,7 @@ def _check_rewards(cfg: RunConfig) -> None:
         raise ConfigError(f"eval.metric: {cfg.eval.metric!r} is not a reward name; valid: {names}")
 
 
-def _check_guards(cfg: RunConfig) -> None:
+def _check_guards(cfg: Any) -> None:
     t, gepo = cfg.trainer, cfg.guards.gepo
     rewrites = cfg.guards.grade.enabled or (gepo.enabled and gepo.advantage.enabled)
     if rewrites and t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
@@ -187,16 +175,10 @@ def _check_guards(cfg: RunConfig) -> None:
             )
 
 
-def _check_quatro(cfg: RunConfig) -> None:
-    """QUATRO's settings against the trainer's: a KL to control, one entropy controller, a replay share that is
-    neither 0 nor the whole micro-batch.
-
-    Replay works with any ``steps_per_generation`` and ``num_iterations`` (rows are mixed in once per generation and
-    train in all its passes; each keeps its sampling log-probs, so its ratio is right in every pass) and with vLLM's
-    importance sampling correction (a replayed row keeps its ``importance_sampling_ratio``, the sampler/trainer
-    mismatch at its sampling time, which multiplies its policy-drift ratio exp(current - old)). Multimodal batches
-    are refused at the first generation (``ReplayBuffer`` names the keys it cannot pad).
-    """
+def _check_quatro(cfg: Any) -> None:
+    """QUATRO's settings against the trainer's: a non-negative beta, the entropy gate's reward, a replay share that
+    is neither 0 nor the whole micro-batch (replay works with any steps_per_generation, num_iterations and vLLM's
+    importance sampling correction: docs/DESIGN.md)."""
     q, t = cfg.guards.quatro, cfg.trainer
     if not q.enabled:
         return
@@ -239,13 +221,9 @@ ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_tor
 DEEPSPEED_ADAM_TYPES = ("adam", "adamw")  # DeepSpeed's optimizer.type: FusedAdam / DeepSpeedCPUAdam, same state
 
 
-def _check_what_guards_cannot_protect(cfg: RunConfig) -> None:
-    """Settings under which a guard would run and protect nothing, refused instead of running silently (issue 14).
-
-    Each is detectable from the config: the Trainer's ``optim``, ``fsdp`` and the DeepSpeed JSON (``trainer.
-    deepspeed``, or the launch's ``ACCELERATE_DEEPSPEED_CONFIG_FILE`` / ``..._OFFLOAD_OPTIMIZER_DEVICE``). Both modes
-    are refused: an observing guard would count nothing on the same grounds.
-    """
+def _check_what_guards_cannot_protect(cfg: Any) -> None:
+    """Settings under which a guard would run and protect nothing (non-Adam state, FSDP, ZeRO-Offload, no ZeRO norm),
+    refused in both modes: an observing guard would count nothing on the same grounds."""
     t, opefo = cfg.trainer, cfg.guards.opefo
     step_guard = cfg.guards.gepo.enabled or opefo.enabled  # both install a step guard (GEPO's, or non-finite-only)
     ds = _deepspeed_config(cfg)
@@ -291,9 +269,19 @@ def _check_what_guards_cannot_protect(cfg: RunConfig) -> None:
         )
 
 
-def _deepspeed_config(cfg: RunConfig) -> dict | None:
+def _read_json(path: str | None) -> Any:
+    """The JSON in file ``path``; None when there is none or it cannot be read (DeepSpeed later names the file)."""
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _deepspeed_config(cfg: Any) -> dict | None:
     """The run's DeepSpeed JSON: ``trainer.deepspeed`` (a dict or a file), else the DeepSpeed launch's config file;
-    None without DeepSpeed or when it cannot be read (an unreadable file fails later, in DeepSpeed, with its path)."""
+    None without DeepSpeed or when it cannot be read."""
     value = cfg.trainer.get("deepspeed")
     if isinstance(value, dict):
         return value
@@ -302,20 +290,14 @@ def _deepspeed_config(cfg: RunConfig) -> dict | None:
         path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if not path:
             return {}  # a DeepSpeed launch configured by the accelerate plugin alone (env values)
-    if not path or not Path(path).is_file():
-        return None
-    try:
-        tree = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+    tree = _read_json(path)
     return tree if isinstance(tree, dict) else None
 
 
-def _fsdp(cfg: RunConfig) -> bool:
+def _fsdp(cfg: Any) -> bool:
     """FSDP from the trainer section (``fsdp``) or the launch (accelerate sets ``ACCELERATE_USE_FSDP``)."""
     value = cfg.trainer.get("fsdp")
-    from_trainer = bool(value) and value not in ("", "none", [], False)
-    return from_trainer or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return (bool(value) and value != "none") or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def _deepspeed_launch() -> bool:
@@ -327,17 +309,12 @@ def _deepspeed_zero_stage() -> int | None:
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     if stage is not None and stage.isdigit():
         return int(stage)
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if path and Path(path).is_file():
-        try:
-            value = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage")
-        except (OSError, ValueError):
-            return None
-        return value if isinstance(value, int) else None
-    return None
+    tree = _read_json(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
+    value = None if tree is None else tree.get("zero_optimization", {}).get("stage")
+    return value if isinstance(value, int) else None
 
 
-def _check_grpo(cfg: RunConfig, world_size: int) -> None:
+def _check_grpo(cfg: Any, world_size: int) -> None:
     t = cfg.trainer
     if not cfg.rewards:
         raise ConfigError(
@@ -364,7 +341,7 @@ def _check_grpo(cfg: RunConfig, world_size: int) -> None:
         )
 
 
-def _check_ppo(cfg: RunConfig) -> None:
+def _check_ppo(cfg: Any) -> None:
     """PPO's settings against the trainer's and the guards'."""
     t, p = cfg.trainer, cfg.ppo
     if p.value_model is not None and not Path(p.value_model).is_dir():
@@ -374,11 +351,7 @@ def _check_ppo(cfg: RunConfig) -> None:
             "guards.gepo.advantage (median/MAD group advantages) is GRPO-only; PPO's advantages come from GAE. Set "
             "guards.gepo.advantage.enabled=false (use ppo.soft_clip for GEPO's tanh clip of the GAE advantages)"
         )
-    # guards.quatro.kl works for PPO: it adapts the reward's KL coefficient from the rollout's KL (SteadyPPOTrainer)
-    # guards.quatro.replay works for PPO: a replayed row keeps its GAE advantages, old values and returns
-    q = cfg.guards.quatro
-    # guards.quatro.entropy.pg_brake / brake_moments work for PPO: the brake scales the GAE advantages, and the
-    # critic's param groups (UNBRAKED_GROUP) keep their Adam moments
+    q = cfg.guards.quatro  # its kl, replay and entropy brake work for PPO (SteadyPPOTrainer)
     if q.enabled and q.filters.enabled and q.filters.zero_variance.enabled:
         raise ConfigError(
             "guards.quatro.filters.zero_variance drops prompt groups whose rewards carry no *relative* signal, a GRPO "
@@ -392,13 +365,4 @@ def _check_ppo(cfg: RunConfig) -> None:
     if t.get("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
         raise ConfigError(
             "trainer.multi_objective_aggregation: PPO uses the weighted sum of rewards (sum_then_normalize)"
-        )
-
-
-def _check_reward(cfg: RunConfig) -> None:
-    """The reward-model stage trains on (prompt, chosen, rejected) pairs and needs held-out pairs to calibrate."""
-    if cfg.data.eval_split is None and cfg.data.eval_path is None:
-        raise ConfigError(
-            "data.eval_split / data.eval_path: the reward stage writes a calibration report on held-out pairs; set one "
-            "(for builtin:arithmetic_preferences, data.eval_split: eval)"
         )

@@ -2,8 +2,8 @@
 
 A section is its guard's own config dataclass plus ``enabled`` (it subclasses the config, so a new option of the
 guard is a config key without touching this file); ``to_config()`` gives the guard's config back. GEPO and QUATRO
-are groups of guards, so their sections hold one such section per guard. The factories that turn sections into
-trainer arguments are in ``steadyrl.trainers.layers``.
+are groups of guards, so their sections hold one such section per guard (``steadyrl.trainers.layers`` turns
+sections into trainer arguments).
 """
 
 from __future__ import annotations
@@ -27,9 +27,16 @@ from steadyrl.guards.rollout_filters import FilterConfig
 from steadyrl.guards.spike import GRANULARITIES, SpikeConfig
 from steadyrl.ranges import Checked, bounded, bounds
 
-# ``guards.<layer>.mode``: ``act`` intervenes; ``observe`` computes and logs every decision the layer would take
-# without changing training (docs/DESIGN.md, "Observe mode").
+# ``guards.<layer>.mode``: ``observe`` computes and logs every decision and changes nothing (DESIGN.md, "Observe mode")
 MODES = ("act", "observe")
+
+
+class Layer(Checked):
+    """A guard layer's section (``enabled``, ``mode``)."""
+
+    @property
+    def observing(self) -> bool:
+        return self.enabled and self.mode == "observe"
 
 
 class GuardSection(Checked):
@@ -59,7 +66,7 @@ class GepoSpikeSection(SpikeConfig, GuardSection):
 
 
 @dataclass
-class GepoSection(Checked):
+class GepoSection(Layer):
     enabled: bool = False
     # act | observe: spike skips, log-prob floor and robust advantages only computed and logged
     mode: str = bounded("act", choices=MODES)
@@ -68,13 +75,9 @@ class GepoSection(Checked):
     spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
-    @property
-    def observing(self) -> bool:
-        return self.enabled and self.mode == "observe"
-
 
 @dataclass
-class GradeSection(GradeConfig, GuardSection):
+class GradeSection(GradeConfig, GuardSection, Layer):
     """GRADE reward scaler: rolling whitening, quantile tail clip, per-prompt counterfactual centring."""
 
     enabled: bool = False
@@ -83,10 +86,6 @@ class GradeSection(GradeConfig, GuardSection):
     # "GRADE: KL compensation")
     kl_compensation: bool = False
     kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])  # checked when on (checks.py)
-
-    @property
-    def observing(self) -> bool:
-        return self.enabled and self.mode == "observe"
 
 
 @dataclass
@@ -104,7 +103,7 @@ class OpefoErrorFeedbackSection(Checked):
 
 
 @dataclass
-class OpefoSection(Checked):
+class OpefoSection(Layer):
     """OPEFO optimizer-state protection: exp_avg_sq floor, error feedback, snapshots with automatic rollback."""
 
     enabled: bool = False
@@ -112,10 +111,6 @@ class OpefoSection(Checked):
     floor: FloorConfig = field(default_factory=FloorConfig)
     error_feedback: OpefoErrorFeedbackSection = field(default_factory=OpefoErrorFeedbackSection)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
-
-    @property
-    def observing(self) -> bool:
-        return self.enabled and self.mode == "observe"
 
     def to_config(self) -> OpefoConfig:
         ef = ErrorFeedbackConfig(self.error_feedback.enabled, tuple(self.error_feedback.weights))
@@ -138,7 +133,7 @@ class QuatroReplaySection(ReplayConfig, GuardSection):
 
 
 @dataclass
-class QuatroSection(Checked):
+class QuatroSection(Layer):
     """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters (and replay)."""
 
     enabled: bool = False
@@ -148,10 +143,6 @@ class QuatroSection(Checked):
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
     replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
-
-    @property
-    def observing(self) -> bool:
-        return self.enabled and self.mode == "observe"
 
     def to_config(self) -> QuatroConfig:
         """The enabled parts."""

@@ -1,54 +1,41 @@
 """Keys a run would accept and never read, refused before anything loads: an option that is not wired is a config
 error, never a silent no-op.
 
-``READ_BY`` is the one table. For each key of the config tree (or a guard mechanism's sub-section, whose dataclass
-goes whole to that guard, so a new option of it is read where the guard is) it names the algorithms whose code path
-reads it, why the others do not, what to do instead, and the conditions under which it is read at all (``eval.on_start``
-only with ``eval.every > 0``). ``check_ignored_keys`` walks the typed config against it: a key that differs from its
-dataclass default and that this run does not read raises a ConfigError naming the key, the algorithm and the fix.
-tests/unit/test_ignored_keys.py walks every key of every section for every algorithm, so a key added without a row
-here fails there.
+``READ_BY`` is the one table: for each key (or section, whose row covers its keys without a row of their own) the
+algorithms whose code path reads it, why the others do not, the fix, and the conditions under which it is read at
+all (``eval.on_start`` only with ``eval.every > 0``). A key that differs from its default and that this
+run does not read raises a ConfigError naming the key, the algorithm and the fix. tests/unit/test_ignored_keys.py
+walks every key for every algorithm, so a key no row covers fails there.
 
-One rule sits beside the table: a section switched off with ``enabled: false`` keeps its other settings for when it
-is switched back on (the ablation ``guards.quatro.enabled=false`` on a tuned config; preflight's calibrated values).
-That holds where the config says ``enabled: false``. Under a section that is off because of its default (the guard
-layers, ``guards.quatro.replay``) and that the config never switches, a setting means its author thinks it acts: it
-is refused.
+A section switched off with ``enabled: false`` in the config keeps its other settings (ablations, preflight's
+calibrated values). Under a section that is off by default and that the config never switches, a setting is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from steadyrl.config.loader import ConfigError, Origins
 from steadyrl.config.sections import ALGORITHMS
 from steadyrl.config.typed import _where
 
-if TYPE_CHECKING:
-    from steadyrl.config.schema import RunConfig
-
 ALL = ALGORITHMS
 TRAINING = ("grpo", "ppo", "sft")  # the algorithms that run steadyrl's build_trainer
 RL = ("grpo", "ppo")
-LOCAL_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # steadyrl.data: read whole, one split
-BUILTIN_TINY = "builtin:tiny-llama"
 
 
-@dataclass(frozen=True)
-class Cond:
+class Cond(NamedTuple):
     """A key is read only while ``test(cfg, section holding the key)`` holds; ``why`` completes "ignores it ..."."""
 
-    test: Callable[[RunConfig, Any], bool]
+    test: Callable[[Any, Any], bool]
     why: str
-    fix: str
+    fix: str = "remove it"
 
 
-@dataclass(frozen=True)
-class Read:
+class Read(NamedTuple):
     """``by``: the algorithms whose code path reads the key; ``why``: why the others do not; ``fix``: what to do."""
 
     by: tuple[str, ...]
@@ -57,8 +44,8 @@ class Read:
     only_if: tuple[Cond, ...] = ()
 
 
-def _local(path: str | None) -> bool:
-    return path is not None and Path(path).suffix in LOCAL_DATA_SUFFIXES
+def _local(path: str | None) -> bool:  # steadyrl.data reads a local file whole, one split
+    return path is not None and Path(path).suffix in (".jsonl", ".json", ".parquet", ".csv")
 
 
 def _builtin(path: str | None) -> bool:
@@ -69,12 +56,8 @@ def _hub(path: str | None) -> bool:
     return path is not None and not _local(path) and not _builtin(path)
 
 
-def _eval_data(cfg: RunConfig) -> bool:
+def _eval_data(cfg: Any) -> bool:
     return cfg.data.eval_split is not None or cfg.data.eval_path is not None
-
-
-def _fn_reward(cfg: RunConfig) -> bool:
-    return any(r.fn is not None for r in cfg.rewards)
 
 
 GUARDS = "the guard layers act on GRPO and PPO steps; SFT runs TRL's SFTTrainer and the reward stage its RewardTrainer"
@@ -86,16 +69,15 @@ NO_SIGNALS = "the reward stage installs no signal handler"
 
 # the conditions under which a key is read at all: (test on the config and the key's section, why not, fix)
 TINY_MODEL = Cond(
-    lambda cfg, m: m.path == BUILTIN_TINY,
+    lambda cfg, m: m.path == "builtin:tiny-llama",
     "unless model.path is builtin:tiny-llama (the model it builds)",
     "set model.path=builtin:tiny-llama, or remove it",
 )
 HUB_DATA = Cond(
     lambda cfg, d: _hub(d.path) or _hub(d.eval_path),
     "unless data.path or data.eval_path is a `datasets` name (it picks that dataset's configuration)",
-    "remove it",
 )
-SPLITS = Cond(lambda cfg, d: not _local(d.path), "when data.path is a local file (read whole, one split)", "remove it")
+SPLITS = Cond(lambda cfg, d: not _local(d.path), "when data.path is a local file (read whole, one split)")
 EVAL_SPLIT = Cond(
     lambda cfg, d: not _local(d.path),
     "when data.path is a local file (read whole: the eval rows would be the training rows)",
@@ -105,23 +87,21 @@ NO_EVAL_PATH = Cond(lambda cfg, d: d.eval_path is None, "when data.eval_path is 
 BUILTIN_DATA = Cond(
     lambda cfg, d: _builtin(d.path) or _builtin(d.eval_path),
     "unless data.path or data.eval_path is a built-in task (it holds the task generator's arguments)",
-    "remove it",
 )
 SFT_EVAL_DATA = Cond(
     lambda cfg, _: cfg.algorithm != "sft" or _eval_data(cfg),
     f"without eval data ({SFT_EVAL})",
     "set data.eval_split or data.eval_path, or remove the rewards list",
 )
-FN_ONLY = Cond(lambda cfg, r: r.fn is not None, "on a reward `model` entry (TRL loads it by path)", "remove it")
+FN_ONLY = Cond(lambda cfg, r: r.fn is not None, "on a reward `model` entry (TRL loads it by path)")
 KWARGS_FN_ONLY = Cond(
     lambda cfg, r: r.fn is not None,
     "on a reward `model` entry (TRL loads the model by path and calls it without arguments)",
     "remove kwargs, or score through a function that takes them, e.g. fn: "
     "steadyrl.ppo.reward_stage:reward_model_score with kwargs: {path: <reward model folder>}",
 )
-TIMEOUT_FN_ONLY = Cond(  # null (wait) is accepted on a model entry, as RewardSection accepts it
-    lambda cfg, r: r.fn is not None or r.timeout is None, FN_ONLY.why, FN_ONLY.fix
-)
+# null (wait) is accepted on a model entry, as RewardSection accepts it
+TIMEOUT_FN_ONLY = FN_ONLY._replace(test=lambda cfg, r: r.fn is not None or r.timeout is None)
 RETRYING = Cond(
     lambda cfg, r: r.on_error in ("retry", "skip"),
     "with on_error: raise (the first error stops the run)",
@@ -140,7 +120,7 @@ KL_COMPENSATION = Cond(
 EVAL = (
     Cond(lambda cfg, _: _eval_data(cfg), "without eval data", "set data.eval_split or data.eval_path, or remove it"),
     Cond(
-        lambda cfg, _: _fn_reward(cfg),
+        lambda cfg, _: any(r.fn is not None for r in cfg.rewards),
         "without a `fn` reward (evals score with the run's reward functions; a reward `model` entry is not called)",
         "add a `fn` reward, or remove it",
     ),
@@ -149,96 +129,51 @@ PERIODIC = Cond(
     lambda cfg, e: e.every > 0, "while eval.every is 0 (no periodic eval)", "set eval.every > 0, or remove it"
 )
 
+
+def _rows(prefix: str, keys: str, row: Read) -> dict[str, Read]:
+    return {f"{prefix}{key}": row for key in keys.split()}
+
+
+# A section's row covers its keys that have none of their own. PPO's refusals of GRPO-only mechanisms that are on by
+# default (gepo.advantage, quatro.filters.zero_variance, quatro.entropy.gate_reward) stay in steadyrl.config.checks,
+# where they name the PPO alternative.
 READ_BY: dict[str, Read] = {
-    "algorithm": Read(ALL),
-    "trainer": Read(ALL),  # checked against the algorithm's TRL config class (steadyrl.config.typed)
-    "model.path": Read(ALL),
-    "model.dtype": Read(ALL),
-    "model.attn_implementation": Read(ALL),
-    "model.trust_remote_code": Read(ALL),
-    "model.revision": Read(ALL),
+    **_rows("", "algorithm trainer model data", Read(ALL)),  # trainer: checked against the algorithm's TRL config
     "model.tiny": Read(ALL, only_if=(TINY_MODEL,)),
-    "data.path": Read(ALL),
     "data.name": Read(ALL, only_if=(HUB_DATA,)),
     "data.split": Read(ALL, only_if=(SPLITS,)),
     "data.eval_split": Read(ALL, only_if=(EVAL_SPLIT, NO_EVAL_PATH)),
-    "data.eval_path": Read(ALL),
-    "data.prompt_column": Read(ALL),
     "data.chat_template": Read(TRAINING, why=f"{REWARD_STAGE}, tokenized with the model's own template"),
-    "data.max_samples": Read(ALL),
     "data.builtin": Read(ALL, only_if=(BUILTIN_DATA,)),
     "data.on_bad_row": Read(RL, why="only GRPO and PPO prompts are checked row by row (steadyrl.data_rows)"),
     "rewards": Read(
         TRAINING, why=f"{REWARD_STAGE}; it calls no reward", fix="remove the rewards list", only_if=(SFT_EVAL_DATA,)
     ),
-    "rewards[].name": Read(TRAINING),
-    "rewards[].fn": Read(TRAINING),
+    **_rows("rewards[].", "name fn", Read(TRAINING)),
     "rewards[].model": Read(RL, why=f"{SFT_EVAL}, with its `fn` rewards only", fix="remove the entry"),
     "rewards[].weight": Read(RL, why=f"{SFT_EVAL}, each reward on its own (no weighted sum)"),
     "rewards[].kwargs": Read(TRAINING, only_if=(KWARGS_FN_ONLY,)),
     "rewards[].on_error": Read(TRAINING, only_if=(FN_ONLY,)),  # RewardSection refuses it first, with its own message
     "rewards[].timeout": Read(TRAINING, only_if=(TIMEOUT_FN_ONLY,)),
-    "rewards[].retries": Read(TRAINING, only_if=(FN_ONLY, RETRYING)),
-    "rewards[].backoff": Read(TRAINING, only_if=(FN_ONLY, RETRYING)),
+    **_rows("rewards[].", "retries backoff", Read(TRAINING, only_if=(FN_ONLY, RETRYING))),
     "rewards[].max_consecutive_errors": Read(TRAINING, only_if=(FN_ONLY, SKIPPING)),
     "peft": Read(TRAINING, why="the reward stage trains the full model", fix="remove the peft section"),
-    "peft.r": Read(TRAINING),
-    "peft.lora_alpha": Read(TRAINING),
-    "peft.lora_dropout": Read(TRAINING),
-    "peft.target_modules": Read(TRAINING),
-    "peft.bias": Read(TRAINING),
-    "peft.modules_to_save": Read(TRAINING),
-    # guards: one row per layer-level key and per mechanism (its dataclass goes whole to that guard). PPO's refusals
-    # of GRPO-only mechanisms that are on by default (gepo.advantage, quatro.filters.zero_variance, quatro.entropy.
-    # gate_reward) stay in steadyrl.config.checks, where they name the PPO alternative.
-    "guards.gepo.enabled": Read(RL, why=GUARDS),
-    "guards.gepo.mode": Read(RL, why=GUARDS),
-    "guards.gepo.logprob_min": Read(RL, why=GUARDS),
-    "guards.gepo.advantage.enabled": Read(RL, why=GUARDS),  # PPO must be able to switch it off
+    **_rows("peft.", "r lora_alpha lora_dropout target_modules bias modules_to_save", Read(TRAINING)),
+    # a guard's sections go whole to the guard, so a new option of it is read where the guard is
+    **_rows("guards.", "gepo opefo quatro grade", Read(RL, why=GUARDS)),
     "guards.gepo.advantage": Read(
         ("grpo",),
         why=f"PPO's advantages come from GAE (its tanh clip is ppo.soft_clip); {GUARDS}",
         fix="remove it (for PPO: ppo.soft_clip)",
     ),
-    "guards.gepo.spike": Read(RL, why=GUARDS),
-    "guards.gepo.monitor": Read(RL, why=GUARDS),
-    "guards.opefo.enabled": Read(RL, why=GUARDS),
-    "guards.opefo.mode": Read(RL, why=GUARDS),
-    "guards.opefo.floor": Read(RL, why=GUARDS),
-    "guards.opefo.error_feedback": Read(RL, why=GUARDS),
-    "guards.opefo.rollback": Read(RL, why=GUARDS),
-    "guards.quatro.enabled": Read(RL, why=GUARDS),
-    "guards.quatro.mode": Read(RL, why=GUARDS),
-    "guards.quatro.kl": Read(RL, why=GUARDS),
-    "guards.quatro.entropy": Read(RL, why=GUARDS),
-    "guards.quatro.filters": Read(RL, why=GUARDS),
-    "guards.quatro.replay": Read(RL, why=GUARDS),
-    "guards.grade": Read(RL, why=GUARDS),  # GradeConfig's fields go whole to GradeScaler
-    "guards.grade.enabled": Read(RL, why=GUARDS),
-    "guards.grade.mode": Read(RL, why=GUARDS),
-    "guards.grade.kl_compensation": Read(RL, why=GUARDS),
+    "guards.gepo.advantage.enabled": Read(RL, why=GUARDS),  # PPO must be able to switch it off
     "guards.grade.kl_compensation_range": Read(RL, why=GUARDS, only_if=(KL_COMPENSATION,)),
     "eval.enabled": Read(TRAINING, why=f"{REWARD_STAGE}; its held-out check is the calibration report"),
-    "eval.max_new_tokens": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
-    "eval.batch_size": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
-    "eval.metric": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
-    "eval.max_samples": Read(TRAINING, why=REWARD_STAGE, only_if=EVAL),
+    **_rows("eval.", "max_new_tokens batch_size metric max_samples", Read(TRAINING, why=REWARD_STAGE, only_if=EVAL)),
     "eval.every": Read(RL, why=RL_PERIODIC, only_if=EVAL),
-    "eval.samples_to_log": Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL)),
-    "eval.on_start": Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL)),
-    "ppo.value_model": Read(("ppo",), why=PPO_ONLY),
-    "ppo.vf_coef": Read(("ppo",), why=PPO_ONLY),
-    "ppo.cliprange_value": Read(("ppo",), why=PPO_ONLY),
-    "ppo.gamma": Read(("ppo",), why=PPO_ONLY),
-    "ppo.lam": Read(("ppo",), why=PPO_ONLY),
-    "ppo.kl_estimator": Read(("ppo",), why=PPO_ONLY),
-    "ppo.critic_lr": Read(("ppo",), why=PPO_ONLY),
-    "ppo.whiten_advantages": Read(("ppo",), why=PPO_ONLY),
-    "ppo.soft_clip": Read(("ppo",), why=PPO_ONLY),
-    "preemption.enabled": Read(TRAINING, why=NO_SIGNALS),
-    "preemption.signals": Read(TRAINING, why=NO_SIGNALS),
-    "preemption.exit_code": Read(TRAINING, why=NO_SIGNALS),
-    "preemption.relay_window_s": Read(TRAINING, why=NO_SIGNALS),
+    **_rows("eval.", "samples_to_log on_start", Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL))),
+    "ppo": Read(("ppo",), why=PPO_ONLY),
+    "preemption": Read(TRAINING, why=NO_SIGNALS),
     "callbacks": Read(TRAINING, why="the reward stage builds its Trainer with its own callbacks"),
 }
 
@@ -246,54 +181,42 @@ READ_BY: dict[str, Read] = {
 def lookup(key: str) -> Read | None:
     """The row for ``key`` (``rewards[].weight`` form): its own, else its nearest section's; None when there is none."""
     parts = key.split(".")
-    for n in range(len(parts), 0, -1):
-        row = READ_BY.get(".".join(parts[:n]))
-        if row is not None:
-            return row
-    return None
+    return next((READ_BY[k] for n in range(len(parts), 0, -1) if (k := ".".join(parts[:n])) in READ_BY), None)
 
 
-@dataclass
+@dataclasses.dataclass
 class SetKey:
-    """A key whose value differs from its default, with the sections above it (dotted path, object), outermost
-    first."""
+    """A key whose value differs from its default; ``ancestors``: the (dotted path, section) above it, outermost
+    first, the last holding the key."""
 
     dotted: str  # rewards[0].weight
     row_key: str  # rewards[].weight
     value: Any
     default: Any
-    owner: Any  # the section object holding the key
     ancestors: list[tuple[str, Any]]
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
 
 
 def set_keys(obj: Any, prefix: str = "", row_prefix: str = "", ancestors: list | None = None) -> Iterator[SetKey]:
     """Every key of the dataclass ``obj`` that differs from its default, walking sections and lists of sections.
 
-    An optional section (``peft``) or a list of sections (``rewards``) that is present counts as set itself, then
-    its keys are walked (list entries as ``rewards[0].weight``)."""
+    A present optional section (``peft``) or list of sections (``rewards``) counts as set itself, then its keys are
+    walked (list entries as ``rewards[0].weight``)."""
     ancestors = [*(ancestors or []), (prefix, obj)]
     for f in dataclasses.fields(obj):
-        value, default = getattr(obj, f.name), _default(f)
+        value = getattr(obj, f.name)
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         dotted = f"{prefix}.{f.name}" if prefix else f.name
         row_key = f"{row_prefix}.{f.name}" if row_prefix else f.name
         if dataclasses.is_dataclass(value):
             if default is None:  # an optional section: being there is a setting
-                yield SetKey(dotted, row_key, value, default, obj, ancestors)
+                yield SetKey(dotted, row_key, value, default, ancestors)
             yield from set_keys(value, dotted, row_key, ancestors)
         elif isinstance(value, list) and value and all(dataclasses.is_dataclass(v) for v in value):
-            yield SetKey(dotted, row_key, value, default, obj, ancestors)
+            yield SetKey(dotted, row_key, value, default, ancestors)
             for i, entry in enumerate(value):
                 yield from set_keys(entry, f"{dotted}[{i}]", f"{row_key}[]", ancestors)
         elif default is dataclasses.MISSING or value != default:
-            yield SetKey(dotted, row_key, value, default, obj, ancestors)
+            yield SetKey(dotted, row_key, value, default, ancestors)
 
 
 def _written(tree: dict[str, Any], dotted: str) -> bool:
@@ -312,10 +235,9 @@ def _fix(fix: str, key: SetKey) -> str:
     return fix
 
 
-def ignored_reason(cfg: RunConfig, key: SetKey, tree: dict[str, Any]) -> str | None:
+def ignored_reason(cfg: Any, key: SetKey, tree: dict[str, Any]) -> str | None:
     """Why this run ignores ``key`` and what to do (``why; fix``), or None when the run reads it."""
-    row = lookup(key.row_key)
-    alg = cfg.algorithm
+    row, alg = lookup(key.row_key), cfg.algorithm
     if row is None:  # a key without a row (tests/unit/test_ignored_keys.py fails on it): let it through
         return None
     if alg not in row.by:
@@ -329,22 +251,16 @@ def ignored_reason(cfg: RunConfig, key: SetKey, tree: dict[str, Any]) -> str | N
             f"algorithm {alg} ignores it while {dotted} is off ({dotted}.enabled is false by default and this "
             f"config does not set it); set {dotted}.enabled=true, or {_fix('remove it', key)}"
         )
-    for cond in row.only_if:
-        if not cond.test(cfg, key.owner):
-            return f"algorithm {alg} ignores it {cond.why}; {_fix(cond.fix, key)}"
-    return None
+    cond = next((c for c in row.only_if if not c.test(cfg, key.ancestors[-1][1])), None)
+    return None if cond is None else f"algorithm {alg} ignores it {cond.why}; {_fix(cond.fix, key)}"
 
 
-def check_ignored_keys(cfg: RunConfig, tree: dict[str, Any], origins: Origins | None = None) -> None:
+def check_ignored_keys(cfg: Any, tree: dict[str, Any], origins: Origins | None = None) -> None:
     """Refuse every key this run would accept and never read (``READ_BY``), all of them in one ConfigError.
 
-    ``tree`` is the merged config tree (what the files and the command line wrote): a section's ``enabled: false``
-    found there keeps its settings."""
+    ``tree``: the merged config tree; a section's ``enabled: false`` found there keeps its settings."""
     origins = origins or {}
-    errors = []
-    for key in set_keys(cfg):
-        reason = ignored_reason(cfg, key, tree)
-        if reason is not None:
-            errors.append(_where(key.dotted, origins) + reason)
+    reasons = ((key, ignored_reason(cfg, key, tree)) for key in set_keys(cfg))
+    errors = [_where(key.dotted, origins) + reason for key, reason in reasons if reason is not None]
     if errors:
         raise ConfigError("\n".join(errors))

@@ -2,8 +2,7 @@
 
 The pieces live beside it: ``sections`` (model, data, rewards, peft, eval, ppo), ``guard_sections`` (one shape per
 guard layer), ``typed`` (tree -> dataclasses, the ``trainer`` keys against TRL), ``ignored`` (which algorithm reads
-which key), ``checks`` (contradictions).
-This module re-exports their public names, the import path the rest of steadyrl and user code use.
+which key), ``checks`` (contradictions); this module re-exports the names the rest of steadyrl imports from it.
 
 ``RunConfig.from_tree`` turns a merged YAML tree into typed sections. Unknown keys, wrong types, keys the run would
 never read (``ignored``) and contradictions raise ``ConfigError`` naming the key, the file that set it and the fix,
@@ -20,23 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from steadyrl.config.checks import check_contradictions, world_size_from_env
-from steadyrl.config.guard_sections import (
-    GepoAdvantageSection,
-    GepoSection,
-    GepoSpikeSection,
-    GradeSection,
-    GuardsSection,
-    OpefoErrorFeedbackSection,
-    OpefoSection,
-    QuatroFiltersSection,
-    QuatroReplaySection,
-    QuatroSection,
-)
-from steadyrl.config.ignored import READ_BY, check_ignored_keys
+from steadyrl.config.guard_sections import GuardsSection
+from steadyrl.config.ignored import check_ignored_keys
 from steadyrl.config.loader import ConfigError, Origins, load_object
 from steadyrl.config.sections import (
     ALGORITHMS,
-    DTYPES,
     DataSection,
     EvalSection,
     ModelSection,
@@ -45,15 +32,7 @@ from steadyrl.config.sections import (
     PreemptionSection,
     RewardSection,
 )
-from steadyrl.config.typed import (
-    RENAMED_TRAINER_KEYS,
-    _build,
-    _check_trainer_keys,
-    _where,
-    did_you_mean,
-    rename_for_installed,
-    trl_config_class,
-)
+from steadyrl.config.typed import _build, _check_trainer_keys, _where, rename_for_installed, trl_config_class
 
 
 @dataclass
@@ -88,32 +67,13 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-__all__ = [
+__all__ = [  # what steadyrl imports from here
     "ALGORITHMS",
-    "DTYPES",
-    "READ_BY",
-    "RENAMED_TRAINER_KEYS",
     "DataSection",
-    "EvalSection",
-    "GepoAdvantageSection",
-    "GepoSection",
-    "GepoSpikeSection",
-    "GradeSection",
-    "GuardsSection",
-    "ModelSection",
-    "OpefoErrorFeedbackSection",
-    "OpefoSection",
     "PPOSection",
-    "PeftSection",
-    "PreemptionSection",
-    "QuatroFiltersSection",
-    "QuatroReplaySection",
-    "QuatroSection",
     "RewardSection",
     "RunConfig",
     "check_contradictions",
-    "check_ignored_keys",
-    "did_you_mean",
     "load_object",
     "rename_for_installed",
     "trl_config_class",

@@ -1,7 +1,6 @@
-"""The non-guard sections of a run config: model, data, rewards, peft, eval, ppo (typed dataclasses).
+"""The non-guard sections of a run config: model, data, rewards, peft, eval, preemption, ppo (typed dataclasses).
 
-Each field's default is the documented default and its range is declared on it (``steadyrl.ranges``); the builder
-(``steadyrl.config.typed``) turns a value out of range into a ConfigError naming the key and the file that set it.
+Each field's default is the documented default and its range is declared on it (``steadyrl.ranges``).
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ ALGORITHMS = ("grpo", "sft", "reward", "ppo")
 ON_ERROR = ("raise", "retry", "skip")  # rewards[].on_error
 REWARD_TIMEOUT_S = 60.0  # rewards[].timeout default (steadyrl.rewards.guarded)
 ON_BAD_ROW = ("error", "skip")  # data.on_bad_row
-
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -61,13 +58,12 @@ class RewardSection(Checked):
     model: str | None = None
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # a failing ``fn`` (a reward server that times out): steadyrl.rewards.guarded, README "When things go wrong"
+    # a failing ``fn``: steadyrl.rewards.guarded, README "When things go wrong"
     on_error: str = bounded("raise", choices=ON_ERROR)  # raise | retry | skip
     retries: int = bounded(2, ge=0)  # retry, skip: more attempts after a failed one
     backoff: float = bounded(1.0, ge=0)  # seconds before the first retry, doubled for each next one
-    # seconds one attempt may take: a late one is stopped and counts as failed (on_error decides). 60 s is far above
-    # a healthy call (a verifier scores a batch in well under a second) and far below the 30 min after which a
-    # hung rank fails DDP with a message that does not name the reward; null = wait forever
+    # seconds one attempt may take: a late one counts as failed (on_error decides); well below DDP's 30 min timeout,
+    # whose message would not name the reward; null = wait forever
     timeout: float | None = bounded(REWARD_TIMEOUT_S, gt=0)
     max_consecutive_errors: int = bounded(3, ge=1)  # skip: this many skipped calls in a row stop the run
 
@@ -117,15 +113,9 @@ PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")  # pr
 
 @dataclass
 class PreemptionSection(Checked):
-    """``preemption``: a signal ends the run at the next optimizer-step boundary with a complete checkpoint.
-
-    README "When things go wrong" and ``steadyrl.callbacks.preemption``. On the first of ``signals`` every rank
-    finishes the step under way, all ranks agree (one all-reduce per step), the checkpoint is written through the
-    atomic path and the process exits with ``exit_code`` and a line saying how to resume. A repeat of the signal
-    within ``relay_window_s`` of the first is taken as a launcher's relayed copy (torchrun forwards what it gets to
-    its workers, a terminal's Ctrl-C reaches both) and ignored; a later one exits at once (the previous complete
-    checkpoint is untouched). Add ``SIGUSR1`` where a scheduler sends it before the kill (Slurm ``--signal``).
-    """
+    """``preemption``: the first of ``signals`` ends the run at the next optimizer-step boundary with a complete
+    checkpoint and exits with ``exit_code`` (``steadyrl.callbacks.preemption``). A repeat within ``relay_window_s``
+    is a launcher's relayed copy and ignored; a later one exits at once."""
 
     enabled: bool = True
     signals: list[str] = field(
@@ -138,12 +128,8 @@ class PreemptionSection(Checked):
 
 @dataclass
 class PPOSection(Checked):
-    """``ppo``: the critic and the token-level rewards of ``algorithm: ppo``.
-
-    docs/DESIGN.md, "PPO: critic, rewards and GAE".
-
-    The KL coefficient is ``trainer.beta`` (here it weighs the per-token KL penalty in the *reward*, not a loss term).
-    """
+    """``ppo``: the critic and the token-level rewards of ``algorithm: ppo`` (DESIGN.md, "PPO: critic, rewards and
+    GAE"); ``trainer.beta`` weighs the per-token KL penalty in the reward."""
 
     value_model: str | None = None  # critic init: null = the policy's weights; or a reward-model / saved-critic folder
     vf_coef: float = bounded(0.1, ge=0)  # loss = pg_loss + vf_coef * vf_loss

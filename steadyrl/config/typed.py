@@ -1,14 +1,9 @@
 """From a merged YAML tree to typed sections: strict keys, types, and the ``trainer`` section against TRL's config.
 
-Unknown keys, wrong types and contradictions raise ``ConfigError`` naming the key and the file that set it.
+Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the key and the file that set it.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from steadyrl.config.schema import RunConfig
 
 import dataclasses
 import difflib
@@ -19,10 +14,17 @@ from typing import Any
 from steadyrl.config.loader import ConfigError, FieldValueError, Origins
 from steadyrl.ranges import RangeError
 
+SCALARS = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}  # an int is a valid float: kept as is
+UNION_TYPES = (typing.Union, types.UnionType)
+
 
 def _where(dotted: str, origins: Origins) -> str:
     origin = origins.get(dotted)
     return f"{dotted} (set in {origin}): " if origin else f"{dotted}: "
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
 
 
 def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
@@ -30,20 +32,10 @@ def did_you_mean(name: str, valid: typing.Iterable[str]) -> str:
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def _unknown_key(key: str, dotted: str, valid: list[str], origins: Origins) -> ConfigError:
-    return ConfigError(
-        _where(dotted, origins) + f"unknown key {key!r}.{did_you_mean(key, valid)} Valid keys here: {sorted(valid)}"
-    )
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
 def _coerce(value: Any, tp: Any, dotted: str, origins: Origins) -> Any:
     """Check ``value`` against annotation ``tp``; convert what YAML gets wrong (``1e-6`` is a str in YAML 1.1)."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
+    if origin in UNION_TYPES:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
@@ -71,24 +63,15 @@ def _coerce(value: Any, tp: Any, dotted: str, origins: Origins) -> Any:
         return dict(value)
     if tp is Any:
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value  # an int is a valid float; keep it (TrainingArguments reads 500 and 0.1 differently)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(_where(dotted, origins) + f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if tp in tuple(SCALARS) and isinstance(value, SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
+        return value  # TrainingArguments reads 500 and 0.1 differently: an int stays an int
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    type_name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
+    raise ConfigError(_where(dotted, origins) + f"expected {type_name}, got {value!r} ({type(value).__name__})")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> Any:
@@ -96,52 +79,44 @@ def _build(cls: type, data: dict[str, Any], prefix: str, origins: Origins) -> An
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
+        dotted = _join(prefix, str(key))
         if key not in fields:
-            raise _unknown_key(str(key), dotted, list(fields), origins)
+            raise ConfigError(
+                _where(dotted, origins)
+                + f"unknown key {key!r}.{did_you_mean(str(key), fields)} Valid keys here: {sorted(fields)}"
+            )
         kwargs[key] = _coerce(value, hints[key], dotted, origins)
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and name not in kwargs:
-            dotted = f"{prefix}.{name}" if prefix else name
-            raise ConfigError(f"{dotted}: required key is missing")
+            raise ConfigError(f"{_join(prefix, name)}: required key is missing")
     try:
         return cls(**kwargs)
     except RangeError as exc:  # declared ranges (steadyrl.ranges): each key, the file that set it, its range
-        problems = [_where(f"{prefix}.{k}" if prefix else k, origins) + text for k, text in exc.problems]
+        problems = [_where(_join(prefix, k), origins) + text for k, text in exc.problems]
         raise ConfigError("; ".join(problems)) from exc
     except FieldValueError as exc:  # a section's own check of one key
-        raise ConfigError(_where(f"{prefix}.{exc.key}" if prefix else exc.key, origins) + exc.message) from exc
+        raise ConfigError(_where(_join(prefix, exc.key), origins) + exc.message) from exc
     except ValueError as exc:  # a section's own range checks (__post_init__)
         raise ConfigError(f"{prefix or 'config'}: {exc}") from exc
 
 
 def trl_config_class(algorithm: str) -> type:
     """The TRL config class whose fields the ``trainer`` section holds."""
-    if algorithm == "sft":
-        from trl import SFTConfig
-
-        return SFTConfig
-    if algorithm == "reward":
-        from trl import RewardConfig
-
-        return RewardConfig
     if algorithm == "ppo":
         from steadyrl.trainers.ppo_config import SteadyPPOConfig
 
         return SteadyPPOConfig
-    from trl import GRPOConfig
+    import trl
 
-    return GRPOConfig
+    return getattr(trl, {"sft": "SFTConfig", "reward": "RewardConfig"}.get(algorithm, "GRPOConfig"))
 
 
 def _accepts(tp: Any, kind: type) -> bool:
     """Whether annotation ``tp`` admits values of ``kind`` (looking inside unions)."""
     if tp is Any or tp is kind:
         return True
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return any(_accepts(t, kind) for t in typing.get_args(tp))
-    return False
+    return typing.get_origin(tp) in UNION_TYPES and any(_accepts(t, kind) for t in typing.get_args(tp))
 
 
 # transformers 5.20 renamed these TrainingArguments fields; vLLM 0.31 (the newest TRL 1.16 supports) needs
@@ -167,7 +142,8 @@ def rename_for_installed(trainer: dict[str, Any], valid: typing.Container[str], 
                     origins[f"trainer.{other}"] = origins[f"trainer.{key}"]
 
 
-def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
+def _check_trainer_keys(cfg: Any, origins: Origins) -> None:
+    """``cfg.trainer`` (of a RunConfig) against the algorithm's TRL config class; scalar values coerced in place."""
     config_cls = trl_config_class(cfg.algorithm)
     valid = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
     hints = typing.get_type_hints(config_cls)
@@ -185,9 +161,8 @@ def _check_trainer_keys(cfg: RunConfig, origins: Origins) -> None:
                 _where(dotted, origins) + f"got the boolean {value}, but this field takes a string. YAML reads "
                 f'unquoted yes/no/on/off as booleans: quote the value, e.g. {key}: "no"'
             )
-        if tp in (int, float, bool, str) or (
-            typing.get_origin(tp) in (typing.Union, types.UnionType)
-            and set(typing.get_args(tp)) <= {int, float, bool, str, type(None)}
+        if tp in tuple(SCALARS) or (
+            typing.get_origin(tp) in UNION_TYPES and set(typing.get_args(tp)) <= {*SCALARS, type(None)}
         ):
             cfg.trainer[key] = _coerce(value, tp, dotted, origins)
     if "output_dir" not in cfg.trainer:
