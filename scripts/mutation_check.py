@@ -580,8 +580,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/ranges.py",
-                "    problems = range_problems(obj)\n",
-                "    return\n    problems = range_problems(obj)\n",
+                "    if problems:\n        raise RangeError(type(obj).__name__, problems)",
+                "    if False:\n        raise RangeError(type(obj).__name__, problems)",
             ),
         ),
         (

@@ -114,8 +114,8 @@ def _shapes(cls: type) -> dict[str, tuple[bool, bool]]:
     return out
 
 
-def range_problems(obj: Any) -> list[tuple[str, str]]:
-    """(field, message) for every field of dataclass instance ``obj`` outside its declared Range."""
+def check_ranges(obj: Any) -> None:
+    """Raise RangeError naming every field of dataclass instance ``obj`` outside its declared Range."""
     problems = []
     for name, (none_ok, sequence) in _shapes(type(obj)).items():
         rng: Range = obj.__dataclass_fields__[name].metadata[RANGE]
@@ -134,12 +134,6 @@ def range_problems(obj: Any) -> list[tuple[str, str]]:
         problems += [
             (f"{name}[{i}]", f"must be {rng.describe()}, got {v!r}") for i, v in enumerate(value) if not rng.accepts(v)
         ]
-    return problems
-
-
-def check_ranges(obj: Any) -> None:
-    """Raise RangeError naming every field of dataclass instance ``obj`` outside its declared Range."""
-    problems = range_problems(obj)
     if problems:
         raise RangeError(type(obj).__name__, problems)
 
