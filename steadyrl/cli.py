@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"steadyrl: config error: {exc}", file=sys.stderr)
         return 1
-    except (RewardError, CheckpointSaveError) as exc:  # a reward's policy gave up, a checkpoint save failed
-        # (README "When things go wrong"): the message names the cause and the last complete checkpoint
+    except (RewardError, CheckpointSaveError) as exc:  # the message names the cause and the last checkpoint
         print(f"steadyrl: stopped: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:  # a signal stopped the run after a checkpoint (config `preemption`)

@@ -82,9 +82,9 @@ class GradeSection(GradeConfig, GuardSection, Layer):
 
     enabled: bool = False
     mode: str = bounded("act", choices=MODES)  # act | observe: scaled rewards computed and logged, advantages from raw
-    # scale the KL coefficient by raw_std / scaled_std (clamped) so the KL keeps its weight (docs/DESIGN.md,
-    # "GRADE: KL compensation")
-    kl_compensation: bool = False
+    kl_compensation: bool = (
+        False  # KL coefficient x raw_std / scaled_std, clamped (DESIGN.md, "GRADE: KL compensation")
+    )
     kl_compensation_range: list[float] = field(default_factory=lambda: [0.5, 2.0])  # checked when on (checks.py)
 
 

@@ -1,9 +1,8 @@
 """YAML loading: ``extends:`` composition, dotted ``key=value`` overrides, origin tracking.
 
-A config file may name a parent with ``extends: ../base/grpo.yaml`` (relative to the file). The parent is
-loaded first, then the child is deep-merged over it: mappings merge key by key, anything else (scalars,
-lists) is replaced whole by the child. Each leaf remembers the file (or ``command line``) that set it, so
-validation errors can say where a bad key came from.
+A config file may name a parent with ``extends: ../base/grpo.yaml`` (relative to the file), loaded first; the child
+is deep-merged over it (mappings merge key by key, anything else is replaced whole). Each leaf remembers the file
+(or ``command line``) that set it, so validation errors can say where a bad key came from.
 """
 
 from __future__ import annotations
@@ -107,31 +106,25 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def apply_overrides(tree: dict[str, Any], origins: Origins, overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` overrides in order; intermediate mappings are created as needed."""
-    tree = copy.deepcopy(tree)
-    for text in overrides:
+def load_config_tree(path: str | Path, overrides: list[str] | None = None) -> tuple[dict[str, Any], Origins]:
+    """Load a config file, resolve ``extends:`` and apply ``section.key=value`` overrides in order (creating
+    intermediate mappings). Returns (tree, origins)."""
+    tree, origins = load_tree(path)  # a fresh tree (deep_merge copies)
+    for text in overrides or []:
         parts, value = parse_override(text)
         node = tree
         for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
+            child, where = node.get(part), ".".join(parts[: i + 1])
             if child is None:  # a section the command line creates: errors about it name the command line
                 child = node[part] = {}
-                origins[".".join(parts[: i + 1])] = "command line"
+                origins[where] = "command line"
             elif not isinstance(child, dict):
-                where = ".".join(parts[: i + 1])
                 raise ConfigError(f"override {text!r}: '{where}' is a value, not a section")
             node = child
         node[parts[-1]] = value
         origins[".".join(parts)] = "command line"
         _record(value, ".".join(parts), "command line", origins)
-    return tree
-
-
-def load_config_tree(path: str | Path, overrides: list[str] | None = None) -> tuple[dict[str, Any], Origins]:
-    """Load a config file, resolve ``extends:`` and apply overrides."""
-    tree, origins = load_tree(path)
-    return apply_overrides(tree, origins, list(overrides or [])), origins
+    return tree, origins
 
 
 def load_object(spec: str, where: str) -> Any:
