@@ -1,13 +1,14 @@
 """One experiment runner for the bench scripts: variants x scenarios x seeds -> ``steadyrl train`` runs -> cells.
 
 A benchmark names its runs as ``Job``s (variant, scenario, seed, run folder, command line, extra environment);
-``run_jobs`` starts each as its own process (``OMP_NUM_THREADS=1``, ``PYTHONPATH`` = the repository, in a new
-process group that a timeout kills whole; one at a time unless ``workers`` > 1), records its exit code and wall time
-in ``<run folder>/run.json`` and reads the folder back (``metrics.jsonl`` through ``load_history``,
-``eval_results.json``), so ``collect_only`` can rebuild every result from the folders without training. The script
-turns each run into its own summary; ``cell``, ``results_doc`` and ``merge_results`` write them in the shared
-RESULTS.md format (one cell per (scenario, variant), lists per seed; ``--merge`` replaces only this invocation's
-cells, each keeping its own command and commit), and ``paired_difference`` compares two variants seed by seed.
+``run_jobs`` (``steadyrl.experiments``, shared with ``steadyrl preflight``) starts each as its own process
+(``OMP_NUM_THREADS=1``, ``PYTHONPATH`` = the repository, in a new process group that a timeout kills whole; one at a
+time unless ``workers`` > 1), records its exit code and wall time in ``<run folder>/run.json`` and reads the folder
+back (``metrics.jsonl`` through ``load_history``, ``eval_results.json``), so ``collect_only`` can rebuild every result
+from the folders without training. The script turns each run into its own summary; ``cell``, ``results_doc`` and
+``merge_results`` (here) write them in the shared RESULTS.md format (one cell per (scenario, variant), lists per
+seed; ``--merge`` replaces only this invocation's cells, each keeping its own command and commit), and
+``paired_difference`` compares two variants seed by seed.
 
 Left out: retries, resuming a half-finished run (a rerun starts its folder afresh: metrics.jsonl appends), and any
 scheduling beyond a thread pool of ``workers`` processes.
@@ -23,39 +24,19 @@ import copy
 import datetime
 import json
 import math
-import os
 import shlex
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RUN_RECORD = "run.json"  # {"returncode", "wall_s", "timed_out"}: written by ``launch``, read by ``read_run``
-Key = tuple[str, str, int]  # (variant, scenario, seed)
+sys.path.insert(0, str(REPO))  # steadyrl from this checkout
 
-
-# ------------------------------------------------------------------------------------------------ launching
-
-
-def train_command(config: str | Path, *overrides: str) -> list[str]:
-    """``python -m steadyrl train CONFIG OVERRIDE...`` with this interpreter."""
-    return [sys.executable, "-m", "steadyrl", "train", str(config), *overrides]
-
-
-def run_env(extra: Mapping[str, str] | None = None, paths: Sequence[str | Path] = ()) -> dict[str, str]:
-    """A child's environment: this one, ``OMP_NUM_THREADS=1``, ``PYTHONPATH`` = the repository (+ ``paths``), then
-    ``extra`` (which may override either)."""
-    path = os.pathsep.join([str(REPO), *map(str, paths)])
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra or {})}
+# the process part; the bench scripts call it from here (X.launch, X.Job, ...)
+from steadyrl.experiments import RUN_RECORD, Job, Outcome, launch, run_env, run_jobs, train_command  # noqa: E402, F401
 
 
 def commit() -> str:
@@ -63,178 +44,6 @@ def commit() -> str:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     return sha.strip() + ("-dirty" if dirty.strip() else "")
-
-
-@dataclass(frozen=True)
-class Job:
-    """One run: its place in the matrix, its folder, its command line and the environment it adds."""
-
-    variant: str
-    scenario: str
-    seed: int
-    out: Path
-    cmd: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def key(self) -> Key:
-        return (self.variant, self.scenario, self.seed)
-
-
-@dataclass
-class Outcome:
-    """What a run folder says about its run. ``status``: ok (exit 0), died (non-zero exit or timeout), not_run."""
-
-    status: str
-    returncode: int | None = None  # -1 after a timeout
-    wall_s: float = math.nan
-    timed_out: bool = False
-    last_step: int = 0
-    history: Any = None  # steadyrl.evidence.history.History, None without metrics.jsonl
-    eval: dict[str, Any] | None = None  # eval_results.json
-    log: str = field(default="", repr=False)  # the child's output, when this invocation ran it
-
-
-_NOT_SHOWN = ("PYTHONPATH", "STEADYRL_PROGRESS")
-
-
-def _progress_wanted() -> bool:
-    try:
-        from steadyrl.callbacks.progress import progress_wanted
-    except ImportError:
-        return False
-    return progress_wanted(sys.stderr)
-
-
-def launch(
-    cmd: Sequence[str],
-    out: Path,
-    *,
-    env: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    cwd: str | Path | None = REPO,
-    log_name: str = "log.txt",
-    label: str | None = None,
-    fresh: bool = True,
-) -> Outcome:
-    """Run ``cmd`` (its own process group) into ``out``; its output goes to ``out/log_name`` and, when progress is
-    wanted (a terminal, ``STEADYRL_PROGRESS=1``), its ``step N`` lines to stderr. After ``timeout`` seconds the whole
-    group is killed (returncode -1, ``timed_out``). ``fresh``: empty ``out`` first (metrics.jsonl and faults.jsonl
-    append, so a rerun must not read the last run's rows). Writes ``out/command.txt`` and ``out/run.json``."""
-    if fresh and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    child_env = dict(os.environ if env is None else env)
-    show = _progress_wanted()
-    if show:
-        child_env["STEADYRL_PROGRESS"] = "1"
-    start = time.time()
-    proc = subprocess.Popen(
-        list(cmd), cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    chunks: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        with open(out / log_name, "w") as sink:
-            for line in proc.stdout:
-                chunks.append(line)
-                sink.write(line)
-                sink.flush()
-                if show and line.startswith("step "):
-                    print(f"   {label or out.name}: {line.rstrip()}", file=sys.stderr, flush=True)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the trainer and anything it started
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        code = -1
-    reader.join(timeout=30)
-    wall_s = time.time() - start
-    log = "".join(chunks)
-    if timed_out:
-        (out / log_name).write_text(f"timeout after {timeout} s\n{log}")
-    shown = {"OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "unset")}  # and what the job adds
-    shown.update((k, v) for k, v in child_env.items() if os.environ.get(k) != v and k not in _NOT_SHOWN)
-    (out / "command.txt").write_text(shlex.join([*(f"{k}={v}" for k, v in shown.items()), *cmd]) + "\n")
-    record = {"returncode": code, "wall_s": wall_s, "timed_out": timed_out}
-    (out / RUN_RECORD).write_text(json.dumps(record))
-    return read_run(out, log=log)
-
-
-def read_run(out: Path, log: str = "") -> Outcome:
-    """A run's outcome from its folder alone: ``run.json``, ``metrics.jsonl`` (last step), ``eval_results.json``;
-    ``not_run`` when the folder has no ``run.json``."""
-    from steadyrl.evidence.history import HistoryNotFoundError, load_history
-
-    record = out / RUN_RECORD
-    if not record.is_file():
-        return Outcome(status="not_run")
-    meta = json.loads(record.read_text())
-    code, timed_out = int(meta["returncode"]), bool(meta.get("timed_out", False))
-    try:
-        history = load_history(out)
-    except HistoryNotFoundError:
-        history = None
-    eval_file = out / "eval_results.json"
-    return Outcome(
-        status="ok" if code == 0 else "died",
-        returncode=code,
-        wall_s=float(meta["wall_s"]),
-        timed_out=timed_out,
-        last_step=history.last_step if history is not None else 0,
-        history=history,
-        eval=json.loads(eval_file.read_text()) if code == 0 and eval_file.is_file() else None,
-        log=log,
-    )
-
-
-def run_jobs(
-    jobs: Iterable[Job],
-    summarise: Callable[[Job, Outcome], Any] = lambda job, outcome: outcome,
-    *,
-    timeout: float | None = None,
-    workers: int = 1,
-    collect_only: bool = False,
-    reuse: bool = False,
-    paths: Sequence[str | Path] = (),
-    log_name: str = "log.txt",
-    after: Callable[[Job, Any], None] | None = None,
-) -> dict[Key, Any]:
-    """Run every job (``workers`` at a time, in order) and return ``{job.key: summarise(job, outcome)}`` in the
-    order of ``jobs``. ``collect_only``: start nothing, read each folder (a job never run is left out);
-    ``reuse``: read a folder that already has ``run.json``, run the others. ``after``: called with each result as
-    it comes (progress lines)."""
-    jobs = list(jobs)
-
-    def one(job: Job) -> tuple[Key, Any] | None:
-        if collect_only or (reuse and (job.out / RUN_RECORD).is_file()):
-            outcome = read_run(job.out)
-            if outcome.status == "not_run":
-                return None
-        else:
-            env = run_env(dict(job.env), paths)
-            outcome = launch(job.cmd, job.out, env=env, timeout=timeout, log_name=log_name)
-        result = summarise(job, outcome)
-        if after is not None:
-            after(job, result)
-        return job.key, result
-
-    if workers <= 1:
-        done = [one(job) for job in jobs]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            done = list(pool.map(one, jobs))
-    return dict(item for item in done if item is not None)
 
 
 # ------------------------------------------------------------------------------------------------ statistics

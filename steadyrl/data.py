@@ -1,9 +1,6 @@
-"""Dataset loading for the ``data`` section: local files, ``datasets`` names, or a built-in task.
-
-Built-in tasks: ``builtin:arithmetic`` (prompts and answers, for SFT / GRPO / PPO), ``builtin:word_problems``
-(chat-message word problems for a pretrained instruct model, see ``steadyrl.tasks.word_problems``) and
-``builtin:arithmetic_preferences`` (prompt / chosen / rejected pairs on the same problems, for the reward stage).
-``data.builtin`` holds the generator's keyword arguments and goes to both splits.
+"""Dataset loading for the ``data`` section: local files, ``datasets`` names, or a built-in task: ``arithmetic``
+(SFT / GRPO / PPO), ``word_problems`` (chat messages, ``steadyrl.tasks.word_problems``) or ``arithmetic_preferences``
+(the reward stage's pairs). ``data.builtin`` holds the generator's keyword arguments and goes to both splits.
 """
 
 from __future__ import annotations
@@ -52,10 +49,8 @@ def load_datasets(data: DataSection) -> tuple[Dataset, Dataset | None]:
         evaluation = _load_one(data.path, data.name, data.eval_split, data.builtin)
     for label, ds in (("train", train), ("eval", evaluation)):
         if ds is not None and data.prompt_column not in ds.column_names:
-            raise ConfigError(
-                f"data.prompt_column: the {label} data has no column {data.prompt_column!r} "
-                f"(columns: {ds.column_names}); set data.prompt_column to the prompt column's name"
-            )
+            raise ConfigError(f"data.prompt_column: the {label} data has no column {data.prompt_column!r} (columns: "
+                              f"{ds.column_names}); set data.prompt_column to the prompt column's name")  # fmt: skip
     if data.prompt_column != "prompt":
         train = train.rename_column(data.prompt_column, "prompt")
         evaluation = evaluation.rename_column(data.prompt_column, "prompt") if evaluation is not None else None

@@ -1,16 +1,12 @@
-"""Fault injectors for tests and benchmarks: rewards and training steps that misbehave reproducibly.
+"""Fault injectors for tests, benchmarks and preflight drills: rewards and training steps that misbehave reproducibly.
 
-- reward-side faults are reward functions (``rewards: [{fn: "steadyrl.faults:NAME", kwargs: {...}}]``), seeded by
-  ``(seed, global_step)`` from the ``trainer_state`` TRL passes to every reward function;
-- trainer-side faults are ``TrainerCallback`` classes (``callbacks: ["steadyrl.faults:NAME"]``), built without
-  arguments, so they read the environment (explicit constructor arguments win): ``STEADYRL_FAULT_STEP`` the 1-based
-  optimizer step hit, the one at whose end ``global_step`` becomes k (default 3); ``STEADYRL_FAULT_RANK`` the only
-  ``RANK`` that injects (unset: every process); ``STEADYRL_FAULT_VALUE`` the value written into the optimizer state
-  (``InfExpAvgSqAtStep``; default inf); ``STEADYRL_FAULT_SCALE`` the gradient multiplier (``GradSpikeAtStep``; 1e4).
-
-A trainer-side fault appends a JSON line to ``<output_dir>/faults.jsonl`` (``FAULT_LOG``) when it fires, so a benchmark
-can tell "the guard held" from "the fault never happened". ``inject_nan_loss`` and ``CorruptOptimizerState`` are the
-object-level forms for tests. Left out: faults inside generation or the reference model; bit flips in weights.
+Reward-side faults are reward functions (``rewards: [{fn: "steadyrl.faults:NAME", kwargs: {...}}]``) seeded by
+``(seed, global_step)``. Trainer-side faults are ``TrainerCallback``s (``callbacks: ["steadyrl.faults:NAME"]``) that
+take what their arguments leave out from the environment: ``STEADYRL_FAULT_STEP`` the 1-based optimizer step hit (at
+whose end ``global_step`` becomes k; default 3), ``STEADYRL_FAULT_RANK`` the only ``RANK`` that injects (unset:
+every process), ``STEADYRL_FAULT_VALUE`` the value written into the optimizer state (inf), ``STEADYRL_FAULT_SCALE``
+the gradient multiplier (1e4). Each appends a JSON line to ``<output_dir>/faults.jsonl`` when it fires, so a benchmark
+can tell "the guard held" from "the fault never happened". Left out: faults in generation or the reference model.
 """
 
 from __future__ import annotations
@@ -38,18 +34,9 @@ DEFAULT_FAULT_STEP = 3
 BURST_VALUES: tuple[float | None, ...] = (None, math.nan, math.inf, -math.inf)  # TRL reads None as NaN
 
 
-def exact_match_cauchy(
-    completions: Sequence[Any],
-    answer: Sequence[str],
-    scale: float = 1.0,
-    seed: int = 0,
-    trainer_state: Any = None,
-    **_: Any,
-) -> list[float]:
-    """Exact match plus Cauchy noise of ``scale``: a heavy-tailed reward model (docs/DESIGN.md, "GRADE: reward scaler").
-
-    Seeded by (seed, optimizer step): a step sees the same noise in every variant of a benchmark.
-    """
+def exact_match_cauchy(completions: Sequence[Any], answer: Sequence[str], scale: float = 1.0, seed: int = 0,
+                       trainer_state: Any = None, **_: Any) -> list[float]:  # fmt: skip
+    """Exact match plus Cauchy noise of ``scale`` (a heavy-tailed reward model), seeded by (seed, optimizer step)."""
     step = int(getattr(trainer_state, "global_step", 0) or 0)
     rng = np.random.default_rng([seed, step])
     noise = scale * rng.standard_cauchy(len(completions))
@@ -57,9 +44,8 @@ def exact_match_cauchy(
 
 
 def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
-    """Make the loss of micro-batch ``micro_step`` (TRL's ``trainer._step``, from 0) NaN: its advantages are multiplied
-    by NaN after TRL prepared them. Any ``trl.GRPOTrainer``. Returns a function that removes the fault.
-    """
+    """Make the loss of micro-batch ``micro_step`` (``trainer._step``, from 0) of a ``trl.GRPOTrainer`` NaN (its
+    advantages times NaN). Returns a function that removes the fault."""
     original = trainer._prepare_inputs
 
     def poisoned(generation_batch: Any) -> Any:
@@ -73,25 +59,17 @@ def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
 
 
 class CorruptOptimizerState(TrainerCallback):
-    """Write ``value`` (inf by default) into one Adam moment at the end of optimizer step ``step``.
-
-    The entry: the first element of ``key`` (``exp_avg_sq``) of the first parameter with optimizer state (under ZeRO-2,
-    this rank's first partition); ``rank``: only that ``RANK``, None every process. Runs after steadyrl's own step-end
-    work, so the next step trains on the corrupted state and the next check finds it.
-    """
+    """Write ``value`` into the first element of ``key`` of the first parameter with optimizer state (under ZeRO-2,
+    this rank's first partition) at the end of optimizer step ``step``; ``rank``: only that ``RANK``, None: every
+    process. Runs after steadyrl's own step-end work, so the next step trains on the corrupted state."""
 
     def __init__(self, step: int = 2, value: float = float("inf"), rank: int | None = None, key: str = "exp_avg_sq"):
-        self.step, self.value, self.rank, self.key = step, value, rank, key
-        self.fired = False
+        self.step, self.value, self.rank, self.key, self.fired = step, value, rank, key, False
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        import os
-
         from steadyrl.trainers.opefo_runtime import optimizer_chain
 
-        if state.global_step != self.step or self.fired:
-            return
-        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
+        if state.global_step != self.step or self.fired or not _this_rank(self.rank):
             return
         base = optimizer_chain(optimizer)[-1]
         first = next(st for st in base.state.values() if self.key in st)
@@ -100,26 +78,11 @@ class CorruptOptimizerState(TrainerCallback):
         self.fired = True
 
 
-# ---------------------------------------------------------------------------------------- reward-side faults
-
-
-def exact_match_nonfinite_burst(
-    completions: Sequence[Any],
-    answer: Sequence[str],
-    fraction: float = 0.25,
-    start: int = DEFAULT_FAULT_STEP,
-    steps: int = 1,
-    seed: int = 0,
-    trainer_state: Any = None,
-    **_: Any,
-) -> list[float | None]:
-    """Exact match, except during a burst: ``fraction`` of the rows are unscorable or non-finite.
-
-    The burst hits the rollouts of optimizer steps ``start .. start + steps - 1`` (1-based; scored while
-    ``global_step`` is one less): ``round(fraction * len(completions))`` rows, drawn with seed (seed, step), get
-    ``None``, NaN, +inf, -inf in turn. TRL 1.16 reads None and NaN as unscorable; one inf makes its whole group's
-    advantages NaN, which TRL then sets to 0.
-    """
+def exact_match_nonfinite_burst(completions: Sequence[Any], answer: Sequence[str], fraction: float = 0.25,
+                                start: int = DEFAULT_FAULT_STEP, steps: int = 1, seed: int = 0,
+                                trainer_state: Any = None, **_: Any) -> list[float | None]:  # fmt: skip
+    """Exact match, except for the rollouts of optimizer steps ``start .. start + steps - 1`` (1-based): there
+    ``round(fraction * n)`` rows, drawn with seed (seed, step), get ``None``, NaN, +inf, -inf in turn."""
     scores: list[float | None] = list(exact_match(completions, answer))
     step = int(getattr(trainer_state, "global_step", 0) or 0) + 1  # the optimizer step these rollouts train
     if not start <= step < start + steps:
@@ -132,9 +95,8 @@ def exact_match_nonfinite_burst(
 
 
 def artefact_offsets(n: int, rate: float, low: float, high: float, seed: int, step: int) -> np.ndarray:
-    """Reward-model artefacts for one batch of ``n`` rows: each row, with probability ``rate``, gets an offset of
-    magnitude uniform in ``[low, high]`` and a random sign; the others 0. Seeded by (seed, step) only, so every
-    variant of a benchmark sees the same artefacts at the same rows of the same step. Shape (n,)."""
+    """Shape (n,): each row, with probability ``rate``, an offset of magnitude uniform in ``[low, high]`` and a random
+    sign, else 0. Seeded by (seed, step) only: every variant of a benchmark sees the same artefacts."""
     rng = np.random.default_rng([seed, step, 4])
     hit = rng.random(n) < rate
     magnitude = rng.uniform(low, high, n)
@@ -142,23 +104,12 @@ def artefact_offsets(n: int, rate: float, low: float, high: float, seed: int, st
     return np.where(hit, sign * magnitude, 0.0)
 
 
-def reward_model_artefacts(
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    path: str | None = None,
-    rate: float = 0.0,
-    low: float = 5.0,
-    high: float = 20.0,
-    seed: int = 0,
-    log: str | None = None,
-    trainer_state: Any = None,
-    **_: Any,
-) -> list[float | None]:
-    """A reward model's normalised score plus occasional large artefacts (``artefact_offsets``): the long-tailed learned
-    RM of docs/DESIGN.md "GRADE: reward scaler". ``rate=0`` is the reward model alone.
-
-    ``log``: a JSONL file, one line ``{"step", "prompts", "rewards", "artefacts"}`` per call with ``trainer_state``.
-    """
+def reward_model_artefacts(prompts: Sequence[Any], completions: Sequence[Any], path: str | None = None,
+                           rate: float = 0.0, low: float = 5.0, high: float = 20.0, seed: int = 0,
+                           log: str | None = None, trainer_state: Any = None, **_: Any,
+                           ) -> list[float | None]:  # fmt: skip
+    """A reward model's normalised score plus ``artefact_offsets`` (``rate=0``: the reward model alone). ``log``: a
+    JSONL file, one line ``{"step", "prompts", "rewards", "artefacts"}`` per call with ``trainer_state``."""
     from steadyrl.trainers.reward_model import reward_model_score
 
     scores = reward_model_score(prompts, completions, path=path)
@@ -173,18 +124,11 @@ def reward_model_artefacts(
 
 
 def repetition_reward(completions: Sequence[Any], **_: Any) -> list[float]:
-    """Pays for repetition (forced entropy collapse): the share of the completion taken by its most common character,
-    when it occurs at least twice; else 0.0. ``"aaab"`` -> 0.75, ``"77"`` -> 1.0, ``"1212"`` -> 0.5, ``"ab"`` -> 0.0.
-    """
-    scores = []
-    for completion in completions:
-        text = _completion_text(completion)
-        top = Counter(text).most_common(1)[0][1] if text else 0
-        scores.append(top / len(text) if top >= 2 else 0.0)
-    return scores
-
-
-# --------------------------------------------------------------------------------------- trainer-side faults
+    """The share of the completion taken by its most common character when it occurs at least twice, else 0.0
+    (``"aaab"`` -> 0.75, ``"ab"`` -> 0.0): pays for repetition, a forced entropy collapse."""
+    texts = [_completion_text(completion) for completion in completions]
+    tops = [Counter(text).most_common(1)[0][1] if text else 0 for text in texts]
+    return [top / len(text) if top >= 2 else 0.0 for text, top in zip(texts, tops, strict=True)]
 
 
 def _env_number(name: str, default: float) -> float:
@@ -192,15 +136,13 @@ def _env_number(name: str, default: float) -> float:
     return default if text is None or not text.strip() else float(text)
 
 
-def fault_step_from_env(default: int = DEFAULT_FAULT_STEP) -> int:
-    """``STEADYRL_FAULT_STEP`` as an int (the 1-based optimizer step a callback fault hits)."""
-    return int(_env_number(FAULT_STEP_ENV, default))
+def _step(step: int | None) -> int:
+    return int(_env_number(FAULT_STEP_ENV, DEFAULT_FAULT_STEP)) if step is None else step
 
 
-def fault_rank_from_env() -> int | None:
-    """``STEADYRL_FAULT_RANK`` as an int, or None (every process) when unset or empty."""
+def _rank(rank: int | None) -> int | None:
     text = os.environ.get(FAULT_RANK_ENV, "").strip()
-    return int(text) if text else None
+    return (int(text) if text else None) if rank is None else rank
 
 
 def _this_rank(rank: int | None) -> bool:
@@ -211,19 +153,17 @@ def record_fault(output_dir: str | os.PathLike[str] | None, fault: str, step: in
     """Append ``{"fault": fault, "step": step, "rank": RANK, **fields}`` to ``<output_dir>/faults.jsonl``."""
     if output_dir is None:
         return
-    path = Path(output_dir) / FAULT_LOG
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
     row = {"fault": fault, "step": int(step), "rank": int(os.environ.get("RANK", "0")), **fields}
-    with open(path, "a", encoding="utf-8") as f:
+    with open(Path(output_dir) / FAULT_LOG, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def read_fault_log(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The rows ``record_fault`` wrote into ``<output_dir>/faults.jsonl`` (empty when nothing fired)."""
     path = Path(output_dir) / FAULT_LOG
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def _times_nan(output: Any) -> Any:
@@ -239,21 +179,14 @@ def _times_nan(output: Any) -> Any:
 
 
 class NanLossAtStep(TrainerCallback):
-    """NaN loss on one micro-batch: the first training forward of optimizer step ``step`` yields NaN hidden states.
-
-    A forward hook on the backbone (``get_decoder()``: TRL 1.16 computes training log-probs from ``lm_head.weight``
-    without calling ``lm_head``, so a hook there never fires) lets no-grad and eval-mode passes through, multiplies the
-    first grad-enabled training pass's hidden states by NaN, and removes itself. step, rank: default
-    ``STEADYRL_FAULT_STEP``, ``STEADYRL_FAULT_RANK`` (unset: every process).
-    """
+    """NaN loss on one micro-batch: a forward hook on the backbone (``get_decoder()``; TRL never calls ``lm_head``)
+    multiplies the hidden states of the first grad-enabled training pass of optimizer step ``step`` by NaN, then
+    removes itself."""
 
     name = "nan_loss"
 
     def __init__(self, step: int | None = None, rank: int | None = None) -> None:
-        self.step = fault_step_from_env() if step is None else step
-        self.rank = fault_rank_from_env() if rank is None else rank
-        self.fired = False
-        self._handle: Any = None
+        self.step, self.rank, self.fired, self._handle = _step(step), _rank(rank), False, None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.fired or self._handle is not None or state.global_step + 1 != self.step or not _this_rank(self.rank):
@@ -283,21 +216,14 @@ class NanLossAtStep(TrainerCallback):
 
 
 class InfExpAvgSqAtStep(CorruptOptimizerState):
-    """``CorruptOptimizerState`` from the environment, for ``callbacks:`` in a config.
-
-    Records the firing and, at the end of training, how many Adam moment entries are still non-finite
-    (``nonfinite_state_entries``): Adam divides by ``sqrt(inf)``, so an unguarded run does not die, the entry's weight
-    silently stops learning.
-    """
+    """``CorruptOptimizerState`` from the environment; records the firing and, at the end of training, how many
+    optimizer-state entries are still non-finite (an unguarded run does not die: the entry's weight stops learning)."""
 
     name = "inf_exp_avg_sq"
 
     def __init__(self, step: int | None = None, value: float | None = None, rank: int | None = None) -> None:
-        super().__init__(
-            step=fault_step_from_env() if step is None else step,
-            value=_env_number(FAULT_VALUE_ENV, math.inf) if value is None else value,
-            rank=fault_rank_from_env() if rank is None else rank,
-        )
+        value = _env_number(FAULT_VALUE_ENV, math.inf) if value is None else value
+        super().__init__(step=_step(step), value=value, rank=_rank(rank))
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         before = self.fired
@@ -311,30 +237,20 @@ class InfExpAvgSqAtStep(CorruptOptimizerState):
         if not self.fired or optimizer is None:
             return
         base = optimizer_chain(optimizer)[-1]
-        bad = sum(
-            int((~torch.isfinite(t)).sum())
-            for st in base.state.values()
-            for t in st.values()
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-        )
+        tensors = [t for st in base.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in tensors if t.is_floating_point())
         record_fault(getattr(args, "output_dir", None), "train_end", state.global_step, nonfinite_state_entries=bad)
 
 
 class GradSpikeAtStep(TrainerCallback):
-    """Gradient spike: every trainable parameter's gradient times ``scale`` during optimizer step ``step``.
-
-    Tensor hooks go on at ``on_step_begin`` (every micro-batch is hit, before clipping or a step guard) and come off at
-    ``on_step_end``. Defaults: ``STEADYRL_FAULT_STEP``, ``STEADYRL_FAULT_SCALE`` or 1e4, ``STEADYRL_FAULT_RANK``.
-    """
+    """Every trainable parameter's gradient times ``scale`` (every micro-batch, before clipping or a step guard) during
+    optimizer step ``step``."""
 
     name = "grad_spike"
 
     def __init__(self, step: int | None = None, scale: float | None = None, rank: int | None = None) -> None:
-        self.step = fault_step_from_env() if step is None else step
+        self.step, self.rank, self.fired, self._handles = _step(step), _rank(rank), False, []
         self.scale = _env_number(FAULT_SCALE_ENV, 1e4) if scale is None else scale
-        self.rank = fault_rank_from_env() if rank is None else rank
-        self.fired = False
-        self._handles: list[Any] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.fired or state.global_step + 1 != self.step or not _this_rank(self.rank) or model is None:
@@ -356,19 +272,13 @@ class GradSpikeAtStep(TrainerCallback):
 
 
 class StaleVllmAfterStep(TrainerCallback):
-    """A weight sync that stops reaching vLLM: from the end of optimizer step ``step`` (default ``STEADYRL_FAULT_STEP``)
-    on, TRL's ``VLLMGeneration.sync_weights`` does nothing, so vLLM keeps generating from that step's starting weights.
-
-    Stands for a sync that silently writes nowhere (a loader that ignores unknown names, packed kernels keeping a copy).
-    Patches the class for the rest of the process; records the firing and, at the end, ``swallowed_syncs``.
-    """
+    """A weight sync that silently stops reaching vLLM: from the end of optimizer step ``step`` on, TRL's
+    ``VLLMGeneration.sync_weights`` does nothing (patched for the rest of the process); records ``swallowed_syncs``."""
 
     name = "stale_vllm"
 
     def __init__(self, step: int | None = None) -> None:
-        self.step = fault_step_from_env() if step is None else step
-        self.fired = False
-        self.swallowed = 0
+        self.step, self.fired, self.swallowed = _step(step), False, 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.fired or state.global_step != self.step:
@@ -384,5 +294,5 @@ class StaleVllmAfterStep(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.fired:
-            output_dir = getattr(args, "output_dir", None)
-            record_fault(output_dir, "train_end", state.global_step, swallowed_syncs=self.swallowed)
+            out = getattr(args, "output_dir", None)
+            record_fault(out, "train_end", state.global_step, swallowed_syncs=self.swallowed)

