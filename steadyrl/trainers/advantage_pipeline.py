@@ -9,8 +9,8 @@ Tensor in, tensor out; no Trainer here. ``RolloutStation.advantages`` calls it i
    median/MAD, else TRL's own mean/std normalisation); filtered rows leave their group and get 0.
 
 Observe mode (docs/DESIGN.md, "Observe mode"): with ``observe_rewards`` the reward processor runs and its metrics
-are logged, but step 1 returns the raw rewards; ``observe_advantage_fn`` is computed next to the trained advantages
-in step 2 and only compared with them.
+are logged, but step 1 returns the raw rewards; with ``observe_advantages`` the advantage function is computed next to
+TRL's group normalisation, which trains, and only compared with it.
 
 PPO plugs in ``SequenceRewardPipeline``: step 2 returns the scaled sequence reward itself (NaN -> 0); GAE turns it
 into token advantages later.
@@ -74,8 +74,8 @@ class AdvantagePipeline:
 
     reward_processor: GRADE (``RewardProcessor``) or None; advantage_fn: grouped (P, G) -> (P, G), default TRL's
     group normalisation with ``scale_rewards``; kl_compensation: (lo, hi) clamp of GRADE's KL factor, or None.
-    observe_rewards: the reward processor only observes (raw rewards go on); observe_advantage_fn: an advantage
-    function that only observes (compared with the trained advantages, see the module docstring).
+    observe_rewards: the reward processor only observes (raw rewards go on); observe_advantages: ``advantage_fn`` only
+    observes (TRL's group normalisation trains; compared with it, see the module docstring).
     """
 
     always = False  # True: replaces TRL's advantages even with no guard part (PPO's sequence rewards)
@@ -87,15 +87,15 @@ class AdvantagePipeline:
         scale_rewards: str = "group",
         kl_compensation: tuple[float, float] | None = None,
         observe_rewards: bool = False,
-        observe_advantage_fn: AdvantageFunction | None = None,
+        observe_advantages: bool = False,
     ) -> None:
         if kl_compensation is not None and reward_processor is None:
             raise ValueError("kl_compensation needs a reward processor with kl_compensation()")
         self.reward_processor = reward_processor
+        self.trl_advantages = partial(group_normalized_advantages, scale_rewards=scale_rewards)
         self.advantage_fn = advantage_fn or partial(group_normalized_advantages, scale_rewards=scale_rewards)
         self.kl_compensation = kl_compensation
-        self.observe_rewards = observe_rewards
-        self.observe_advantage_fn = observe_advantage_fn
+        self.observe_rewards, self.observe_advantages = observe_rewards, observe_advantages
 
     def scale(self, batch: RewardBatch) -> ScaledRewards:
         """(N, num_funcs) -> (N,) scaled rewards, with the metrics of the step (in logging order)."""
@@ -121,15 +121,15 @@ class AdvantagePipeline:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scaled rewards (N,) -> advantages (N,) and their metrics. ``keep``: dropped rows get 0 and leave their
         group's statistics (``masked_group_advantages``)."""
-        advantages = self._grouped(self.advantage_fn, rewards, keep, num_generations)
+        advantages = computed = self._grouped(self.advantage_fn, rewards, keep, num_generations)
+        if self.observe_advantages:  # the advantage function only observes: TRL's group normalisation trains
+            advantages = self._grouped(self.trl_advantages, rewards, keep, num_generations)
         metrics = {
             GEPO_ADV_STD: float(advantages.std()) if advantages.numel() > 1 else 0.0,
             GEPO_ADV_MAX_ABS: float(advantages.abs().max()),
         }
-        if self.observe_advantage_fn is not None:
-            would = self._grouped(self.observe_advantage_fn, rewards, keep, num_generations)
-            clip_scale = getattr(self.observe_advantage_fn, "clip_scale", None)
-            metrics.update(compare_advantages(would, advantages, clip_scale))
+        if self.observe_advantages:
+            metrics.update(compare_advantages(computed, advantages, getattr(self.advantage_fn, "clip_scale", None)))
         return advantages, metrics
 
     @staticmethod

@@ -107,9 +107,9 @@ def write_guard_cost(out: Path, trainer: Any, steps: int) -> None:
     t, p = trainer, trainer.parts
     roots = {
         "grade": [p.reward_processor],
-        "gepo": [p.advantage_fn, p.observe_advantage_fn, *p.step_guards, *p.observe_step_guards, t.micro_gate],
-        "opefo": [p.opefo],
-        "quatro": [p.quatro],
+        "gepo": [p.advantage_fn, *p.step_guards_in(observing=False), *p.step_guards_in(observing=True), t.micro_gate],
+        "opefo": [t.step_end.recovery],
+        "quatro": [t.step_end.kl, t.step_end.entropy, t.rollout.filter, t.rollout.replay],
         "pipeline": [t.pipeline, t.gate, t.scratch],
     }
     held = held_tensor_bytes(roots, trainer=t, exclude=run_storages(t.model, t.optimizer))

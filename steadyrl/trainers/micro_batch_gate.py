@@ -174,15 +174,12 @@ class MicroBatchGate:
 
 
 def micro_batch_gate(
-    act: SpikeGuard | None, observe: SpikeGuard | None, ctx: RuntimeContext, *, deepspeed: bool, max_grad_norm: float,
+    guard: SpikeGuard | None, observe: bool, ctx: RuntimeContext, *, deepspeed: bool, max_grad_norm: float,
     accumulation: int,
 ) -> MicroBatchGate | None:  # fmt: skip
-    """The trainer's gate from its acting or observing micro-batch guard (None: neither); refuses what cannot work."""
-    guard = act or observe
+    """The trainer's gate from its micro-batch guard (None: none), acting or ``observe``; refuses what cannot work."""
     if guard is None:
         return None
-    if act is not None and observe is not None:
-        raise ValueError("micro_batch_guard and observe_micro_batch_guard are exclusive")
     if deepspeed:
         raise ValueError("guards.gepo.spike.granularity=micro_batch does not work under DeepSpeed; use step")
     if max_grad_norm <= 0:  # _clip_grad_norm, where the kept micro-batches are averaged, never runs
@@ -192,4 +189,4 @@ def micro_batch_gate(
     limit = guard.config.max_consecutive_skips * accumulation
     guard.config = dataclasses.replace(guard.config, max_consecutive_skips=limit)
     distributed = ctx.processes > 1  # the backward passes run no_sync; finish all-reduces
-    return MicroBatchGate(guard, ctx, observe=observe is not None, distributed=distributed, accumulation=accumulation)
+    return MicroBatchGate(guard, ctx, observe=observe, distributed=distributed, accumulation=accumulation)
