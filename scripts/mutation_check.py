@@ -109,7 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/grpo.py",
-                '        layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards)]\n',
+                '        layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards_in(observing=False))]\n',
                 "",
             ),
         ),

@@ -1,19 +1,13 @@
-"""Rewards -> advantages: the gathered reward matrix of one generation batch in, one value per row out.
+"""Rewards -> advantages, tensor in, tensor out, in two steps (``RolloutStation.advantages`` calls them):
 
-Tensor in, tensor out; no Trainer here. ``RolloutStation.advantages`` calls it in two steps (GRADE's KL factor of
-``beta`` comes out of the first; the trainer writes it):
+1. ``scale(batch)``: (N, num_funcs) -> (N,): TRL's weighted sum, rows the filters dropped NaN, then the reward
+   processor (GRADE; its KL factor of beta comes out here). NaN marks an unscorable row.
+2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per group of G rows, the advantage function (GEPO's median/MAD,
+   else TRL's mean/std normalisation); filtered rows leave their group and get 0.
 
-1. ``scale(batch)``: (N, num_funcs) -> (N,): TRL's weighted sum (``weighted_rewards``), rows QUATRO's filters
-   dropped set to NaN, then the reward processor (GRADE). NaN marks an unscorable row.
-2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per prompt group of G rows, the advantage function (GEPO's
-   median/MAD, else TRL's own mean/std normalisation); filtered rows leave their group and get 0.
-
-Observe mode (docs/DESIGN.md, "Observe mode"): with ``observe_rewards`` the reward processor runs and its metrics
-are logged, but step 1 returns the raw rewards; with ``observe_advantages`` the advantage function is computed next to
-TRL's group normalisation, which trains, and only compared with it.
-
-PPO plugs in ``SequenceRewardPipeline``: step 2 returns the scaled sequence reward itself (NaN -> 0); GAE turns it
-into token advantages later.
+Observe mode: ``observe_rewards``: the processor runs and logs, the raw rewards go on; ``observe_advantages``: the
+advantage function is only compared with TRL's normalisation, which trains. PPO's ``SequenceRewardPipeline``: step
+2 returns the sequence reward itself; GAE makes token advantages later.
 """
 
 from __future__ import annotations
@@ -38,10 +32,8 @@ from steadyrl.metrics import (
 
 
 def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(N, num_funcs) -> (N,): TRL's weighted sum (``sum_then_normalize``); NaN where every function is NaN.
-
-    inf is as unscorable as NaN: TRL would let one inf zero its whole group's advantages.
-    """
+    """(N, num_funcs) -> (N,): TRL's weighted sum; NaN where every function is NaN or inf (TRL would let one inf
+    zero its whole group's advantages)."""
     nonfinite = ~torch.isfinite(rewards_per_func) & ~torch.isnan(rewards_per_func)
     if nonfinite.any():
         rewards_per_func = rewards_per_func.masked_fill(nonfinite, torch.nan)
@@ -70,25 +62,16 @@ class ScaledRewards:
 
 
 class AdvantagePipeline:
-    """GRPO's rewards -> advantages (see the module docstring).
-
-    reward_processor: GRADE (``RewardProcessor``) or None; advantage_fn: grouped (P, G) -> (P, G), default TRL's
-    group normalisation with ``scale_rewards``; kl_compensation: (lo, hi) clamp of GRADE's KL factor, or None.
-    observe_rewards: the reward processor only observes (raw rewards go on); observe_advantages: ``advantage_fn`` only
-    observes (TRL's group normalisation trains; compared with it, see the module docstring).
-    """
+    """GRPO's rewards -> advantages. ``advantage_fn``: grouped (P, G) -> (P, G), default TRL's group normalisation
+    with ``scale_rewards``; ``kl_compensation``: (lo, hi) clamp of GRADE's KL factor, or None."""
 
     always = False  # True: replaces TRL's advantages even with no guard part (PPO's sequence rewards)
 
     def __init__(
-        self,
-        reward_processor: RewardProcessor | None = None,
-        advantage_fn: AdvantageFunction | None = None,
-        scale_rewards: str = "group",
-        kl_compensation: tuple[float, float] | None = None,
-        observe_rewards: bool = False,
+        self, reward_processor: RewardProcessor | None = None, advantage_fn: AdvantageFunction | None = None,
+        scale_rewards: str = "group", kl_compensation: tuple[float, float] | None = None, observe_rewards: bool = False,
         observe_advantages: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if kl_compensation is not None and reward_processor is None:
             raise ValueError("kl_compensation needs a reward processor with kl_compensation()")
         self.reward_processor = reward_processor
@@ -144,12 +127,9 @@ class AdvantagePipeline:
 def compare_advantages(
     would: torch.Tensor, trained: torch.Tensor, clip_scale: float | None, shrink: float = 0.1
 ) -> dict[str, float]:
-    """Observe mode: an observing advantage function's values against the trained ones. would, trained: (N,).
-
-    ``gepo/would_adv_diff_mean``: mean |would - trained| over rows. ``gepo/would_clip_rows`` (with a tanh clip of
-    bound ``clip_scale``, ``a = c tanh(z / c)``): rows whose pre-clip value ``z = c atanh(a / c)`` the clip shrinks
-    by more than ``shrink`` (|a| < (1 - shrink) |z|; for shrink 0.1, |z| > 0.57 c).
-    """
+    """Observe mode: (N,) observing advantages against the (N,) trained ones: ``gepo/would_adv_diff_mean`` (mean
+    |would - trained|) and, for a tanh clip ``a = c tanh(z / c)``, ``gepo/would_clip_rows``: rows whose pre-clip
+    ``z = c atanh(a / c)`` it shrinks by more than ``shrink`` (|a| < (1 - shrink) |z|)."""
     out = {GEPO_WOULD_ADV_DIFF_MEAN: float((would.double() - trained.double()).abs().mean()) if would.numel() else 0.0}
     if clip_scale is not None:
         a = would.double()

@@ -29,22 +29,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GuardParts:
-    """What the guard layers put into a ``SteadyGRPOTrainer``. Every part is optional; none at all is plain TRL.
-
-    reward_processor: raw rewards of the whole generation batch -> scaled rewards (GRADE, ``RewardProcessor``).
-    advantage_fn: grouped rewards (num_prompts, G) -> advantages (GEPO, ``AdvantageFunction``); default with only a
-        reward processor: TRL's own group normalisation with ``args.scale_rewards``.
-    step_guards: asked before every optimizer step with the global pre-clip gradient norm (``StepGuard``).
-    logprob_min: clamp every per-token log-prob (policy, old and reference) at this floor; None leaves TRL's.
-    finite_checks: count non-finite log-probs, importance ratios and losses per step (``gepo/nonfinite_*``).
-    kl_compensation: (lo, hi) clamp of GRADE's KL factor of beta, or None.
-    opefo / quatro: the OPEFO and QUATRO configs; the stations build their pieces.
-    micro_batch_guard: a ``SpikeGuard`` judging each micro-batch's own gradient (``granularity: micro_batch``).
-    nonfinite_guard: OPEFO's non-finite-only step guard (a non-finite gradient must never reach Adam's moments).
-    stateful: extra named objects with ``state_dict``/``load_state_dict`` saved in every checkpoint.
-    observe: the layers in observe mode ("grade", "gepo", "opefo", "quatro"): each of their parts computes its
-        decision, logs it under its ``would`` name and does not apply it (docs/DESIGN.md, "Observe mode").
-    """
+    """What the guard layers put into a ``SteadyGRPOTrainer``; every part is optional, none at all is plain TRL.
+    ``reward_processor``: the batch's raw rewards -> scaled (GRADE); ``advantage_fn``: grouped rewards (P, G) ->
+    advantages (GEPO; default TRL's normalisation); ``step_guards``: asked with the global pre-clip gradient norm
+    before every optimizer step; ``logprob_min``: the per-token log-prob floor; ``finite_checks``: count non-finite
+    log-probs, ratios and losses; ``kl_compensation``: (lo, hi) clamp of GRADE's factor of beta; ``opefo`` /
+    ``quatro``: the configs the stations build their pieces from; ``micro_batch_guard``: judges each micro-batch's
+    own gradient; ``nonfinite_guard``: OPEFO's non-finite-only step guard; ``stateful``: extra named objects saved in
+    every checkpoint; ``observe``: the layers in observe mode, whose parts log their decision under its ``would`` name
+    and do not apply it (docs/DESIGN.md, "Observe mode")."""
 
     reward_processor: RewardProcessor | None = None
     advantage_fn: AdvantageFunction | None = None

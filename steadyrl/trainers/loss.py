@@ -1,10 +1,7 @@
-"""Station 2 of a TRL step, the loss: what steadyrl does inside ``_compute_loss`` and the log-prob forwards in it.
-
-Before TRL's loss, the entropy floor's policy-gradient brake scales this micro-batch's advantages (put back after
-the loss). On every log-prob forward: non-finite counts, observe mode's would-clamp count and the log-prob floor;
-on the policy forward of a loss also the importance-ratio check. After the loss: TRL's kl and entropy of the
-micro-batch with its global token count (``StepNotes``, for the controllers at the step end), the replay metrics
-and the loss's finite check (a non-finite loss asks the step end to check the optimizer state).
+"""Station 2 of a TRL step, the loss (``_compute_loss`` and the log-prob forwards in it): before TRL's loss the
+entropy floor's brake scales the micro-batch's advantages (put back after); on every log-prob forward the non-finite
+counts and the log-prob floor, on the policy forward of a loss the importance-ratio check; after the loss TRL's kl
+and entropy go to ``StepNotes`` (the controllers), the replay metrics are logged and a non-finite loss is counted.
 """
 
 from __future__ import annotations
@@ -35,20 +32,17 @@ from steadyrl.trainers.scratch import HookScratch
 
 class LossStation:
     """The guard work around one micro-batch's loss. ``wraps``: whether it has any (else TRL's loss as is);
-    ``floor``: the entropy floor whose brake acts here (the step end's)."""
+    ``floor``: the step end's entropy floor, whose brake acts here."""
 
-    def __init__(
-        self, ctx: RuntimeContext, parts: GuardParts, scratch: HookScratch, notes: StepNotes | None = None,
-        floor: Any = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, ctx: RuntimeContext, parts: GuardParts, scratch: HookScratch, notes: StepNotes | None = None,
+                 floor: Any = None) -> None:  # fmt: skip
         self.ctx, self.parts, self.scratch, self.floor = ctx, parts, scratch, floor
         self.notes = notes if notes is not None else StepNotes()
         self.observe = "quatro" in parts.observe
         self.wraps = parts.finite_checks or parts.quatro is not None
 
     def before(self, inputs: dict[str, Any], replay: bool, training: bool) -> torch.Tensor | None:
-        """Before TRL's loss: mark the micro-batch for the log-prob check and apply the brake. Returns the
-        micro-batch's own advantages, for ``restore``."""
+        """Before TRL's loss: mark the micro-batch for the log-prob check, brake; returns its own advantages."""
         self.scratch.loss_inputs = inputs if self.parts.finite_checks or replay else None
         self.scratch.loss_logps = None
         advantages = inputs.get("advantages")
@@ -56,8 +50,7 @@ class LossStation:
         return advantages
 
     def restore(self, inputs: dict[str, Any], advantages: torch.Tensor | None) -> torch.Tensor | None:
-        """After TRL's loss returned or raised: the micro-batch's own advantages back; returns the policy log-probs
-        its forward left (detached, or None)."""
+        """After TRL's loss returned or raised: the own advantages back; returns the forward's detached log-probs."""
         self.scratch.loss_inputs = None
         if advantages is not None:
             inputs["advantages"] = advantages
@@ -65,8 +58,7 @@ class LossStation:
         return logps
 
     def _pg_brake(self, inputs: dict[str, Any], training: bool) -> None:
-        """The entropy floor's brake (``guards.quatro.entropy.pg_brake``, docs/DESIGN.md): this loss trains on the
-        advantages times ``pg_scale``; logged, and in observe mode logged as ``quatro/would_pg_scale`` only."""
+        """The entropy floor's brake (``guards.quatro.entropy.pg_brake``): advantages x ``pg_scale``."""
         floor = self.floor
         if floor is None or floor.config.pg_brake == 0 or not training or "advantages" not in inputs:
             return
@@ -76,8 +68,7 @@ class LossStation:
             inputs["advantages"] = inputs["advantages"] * scale
 
     def on_logps(self, logps: torch.Tensor) -> torch.Tensor:
-        """Every per-token log-prob forward (policy, old, reference): counts, the floor, and on the policy forward
-        of a loss the importance ratios it will form."""
+        """Every per-token log-prob forward (policy, old, reference): counts, the floor, the ratios of a loss's."""
         p = self.parts
         if p.finite_checks:
             self.ctx.log_metric(GEPO_NONFINITE_LOGPROBS, float((~torch.isfinite(logps)).sum()))
@@ -100,8 +91,7 @@ class LossStation:
         self, loss: torch.Tensor, inputs: dict[str, Any], logps: torch.Tensor | None, kl_entropy: tuple[float, float],
         replay: bool, training: bool,
     ) -> torch.Tensor:  # fmt: skip
-        """After TRL's loss: note TRL's ``kl_entropy`` of this micro-batch, the replay metrics; a non-finite loss is
-        counted and has the step end check the optimizer state."""
+        """After TRL's loss: its ``kl_entropy`` noted, the replay metrics; a non-finite loss has the state checked."""
         if self.parts.quatro is not None and training:
             with self.ctx.timer(GUARD_PART_QUATRO_MEASURE):
                 self.record_micro_batch(inputs, *kl_entropy)
@@ -123,8 +113,7 @@ class LossStation:
         self.notes.micro_batches.append((float(kl), float(entropy), tokens))
 
     def record_replay(self, inputs: dict[str, Any], per_token_logps: torch.Tensor | None) -> None:
-        """Replay share, age and importance ratio of a training micro-batch, summed over ranks (a collective: every
-        rank calls it for every training micro-batch while replay is on)."""
+        """Replay share, age and importance ratio of a training micro-batch, summed over ranks (a collective)."""
         mask = loss_mask(inputs)
         sampled = inputs.get(REPLAY_STEP_KEY)
         if sampled is None:  # a micro-batch mixed before replay was on (e.g. resumed from a run without it)

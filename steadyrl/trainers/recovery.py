@@ -59,12 +59,9 @@ ADAM_CLASSES = ("FusedAdam", "DeepSpeedCPUAdam")  # DeepSpeed's Adam implementat
 
 
 def _cause(bad_weights: int, state_ok: bool) -> str:
-    causes = []
-    if bad_weights:
-        causes.append(f"non-finite parameters ({bad_weights} tensor(s) over all ranks)")
-    if not state_ok:
-        causes.append("non-finite optimizer state (exp_avg / exp_avg_sq)")
-    return " and ".join(causes)
+    weights = f"non-finite parameters ({bad_weights} tensor(s) over all ranks)" if bad_weights else ""
+    state = "" if state_ok else "non-finite optimizer state (exp_avg / exp_avg_sq)"
+    return " and ".join(c for c in (weights, state) if c)
 
 
 def keeps_adam_moments(optimizer: Any) -> bool:
@@ -86,8 +83,7 @@ class StateRecovery:
         self.floor = SecondMomentFloor(config.floor, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.store: SnapshotStore | None = None
-        self.ctx = RuntimeContext()
-        self.guards = GuardState()
+        self.ctx, self.guards = RuntimeContext(), GuardState()
         self._named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]] = lambda: []
         self.base: torch.optim.Optimizer | None = None
         self.zero: Any = None

@@ -11,13 +11,12 @@ replay differs from one without from the start); mixed micro-batches carry ``REP
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from steadyrl.guards.replay import ReplayBuffer
-from steadyrl.guards.rollout_filters import FILTER_REASONS, FilterResult, RolloutFilter, TokenBatch
+from steadyrl.guards.rollout_filters import FILTER_REASONS, RolloutFilter, TokenBatch
 from steadyrl.metrics import (
     EVENT_FILTER_WARNING,
     GUARD_PART_GEPO_ADVANTAGES,
@@ -78,8 +77,8 @@ class RolloutStation:
         self, rewards_per_func: torch.Tensor, prompts: list[Any], completion_ids: list[Any], weights: torch.Tensor,
         training: bool,
     ) -> None:  # fmt: skip
-        """After TRL scored a generation batch ((N, num_funcs), gathered): the floor's learning gate reads the
-        rewards; the matrix, the gathered prompts and this rank's completion lengths wait for the advantages."""
+        """After TRL scored a generation batch ((N, num_funcs), gathered): the learning gate reads the rewards; the
+        matrix, the gathered prompts and this rank's completion lengths wait for the advantages (``HookScratch``)."""
         if self.floor is not None and training:
             with self.ctx.timer(GUARD_PART_QUATRO_MEASURE):
                 self.record_reward(self.gate_rewards(rewards_per_func, weights))
@@ -106,9 +105,8 @@ class RolloutStation:
     def on_scored(
         self, output: dict[str, Any], rows: int, weights: torch.Tensor, num_generations: int, training: bool
     ) -> float | None:
-        """After TRL's ``_generate_and_score_completions``: filters, then this rank's ``rows`` of the advantages
-        into ``output`` (with ``dropped_rows: exclude`` also the dropped rows out of its completion mask). Returns
-        GRADE's KL factor of beta, or None to leave beta alone."""
+        """After TRL's ``_generate_and_score_completions``: filters, then this rank's ``rows`` of the advantages into
+        ``output`` (and the dropped rows' mask). Returns GRADE's KL factor of beta, or None to leave beta alone."""
         if not self.rewrites:
             return None
         assert self.scratch.scores is not None, "_calculate_rewards did not run before advantages"
@@ -130,8 +128,7 @@ class RolloutStation:
         return kl_factor
 
     def advantages(self, batch: RewardBatch) -> tuple[torch.Tensor, float | None]:
-        """Gathered rewards -> (N,) advantages and GRADE's KL factor of beta (None: leave beta alone); ``keep``
-        rows dropped by the filters are unscorable for the reward processor, leave their group and get 0."""
+        """Gathered rewards -> (N,) advantages (rows the filters dropped get 0) and GRADE's KL factor of beta."""
         with self.ctx.timer("grade" if self.parts.reward_processor is not None else "pipeline"):
             scaled = self.pipeline.scale(batch)
             self.ctx.log_metrics(scaled.metrics)
@@ -140,18 +137,22 @@ class RolloutStation:
             self.ctx.log_metrics(metrics)
         return advantages, scaled.kl_factor
 
-    def filter_rows(
-        self, rewards: torch.Tensor, prompt_ids: TokenBatch | Sequence[Sequence[int]],
-        completion_ids: TokenBatch | Sequence[Sequence[int]], num_generations: int,
-    ) -> FilterResult:  # fmt: skip
-        """Gathered generation batch -> which rows to keep; logs ``quatro/filtered/<reason>`` and the warning."""
+    def filter_generation(
+        self, output: dict[str, Any], rewards: torch.Tensor, completion_lengths: torch.Tensor, num_generations: int
+    ) -> torch.Tensor | None:
+        """The filters over the whole generation batch: (N,) bool keep mask, equal on all ranks (None: observe mode);
+        logs ``quatro/filtered/<reason>`` and the warnings. ``rewards``: (N,) weighted, gathered;
+        ``completion_lengths``: this rank's rows' (TRL's ``completion_mask`` can be zeroed by truncation)."""
         assert self.filter is not None
-        result = self.filter(rewards, prompt_ids, completion_ids, num_generations)
+        prompts, completions = gather_token_batches(
+            self.ctx, output["prompt_ids"], output["prompt_mask"], output["completion_ids"], completion_lengths
+        )
+        result = self.filter(rewards, prompts, completions, num_generations)
         if self.observe:  # rows each filter would drop and their share; the zero-variance count is a measurement
             self.ctx.log_metrics({would(k) if k in _FILTERED else k: v for k, v in result.metrics().items()})
             if result.warning is not None:
                 logger.info("step %d: observe mode (nothing dropped): %s", self.ctx.global_step(), result.warning)
-            return result
+            return None
         self.ctx.log_metrics(result.metrics())
         if result.warning is not None:
             self._warn("filters", result.warning)
@@ -165,7 +166,7 @@ class RolloutStation:
                 "all equal: no learning signal (advantage 0, as in plain GRPO). Normal for prompts the policy always "
                 "or never solves; if it lasts, check the reward function and the prompts' difficulty",
             )
-        return result
+        return result.keep
 
     def _warn(self, kind: str, warning: str) -> None:
         """Log and record a filter warning: the first of its kind, then at most one per ``FILTER_WARNING_EVERY``
@@ -180,18 +181,6 @@ class RolloutStation:
         self._warned_at[kind], self._unwarned[kind] = step, 0
         logger.warning("step %d: %s", step, warning)
         self.ctx.emit_event(EVENT_FILTER_WARNING, message=warning)
-
-    def filter_generation(
-        self, output: dict[str, Any], rewards: torch.Tensor, completion_lengths: torch.Tensor, num_generations: int
-    ) -> torch.Tensor | None:
-        """The filters over the whole generation batch: (N,) bool keep mask, equal on all ranks (None: observe mode).
-        ``rewards``: (N,) weighted, gathered; ``completion_lengths``: this rank's rows' (TRL's ``completion_mask``
-        can be zeroed by ``mask_truncated_completions``)."""
-        prompts, completions = gather_token_batches(
-            self.ctx, output["prompt_ids"], output["prompt_mask"], output["completion_ids"], completion_lengths
-        )
-        keep = self.filter_rows(rewards, prompts, completions, num_generations).keep
-        return None if self.observe else keep
 
     def mask_dropped_rows(self, output: dict[str, Any], keep_local: torch.Tensor) -> None:
         """With ``filters.dropped_rows: exclude`` this rank's dropped rows leave the loss (completion mask 0) and

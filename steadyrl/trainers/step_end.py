@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +53,6 @@ quatro_logger = logging.getLogger("steadyrl.quatro")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # what the controllers set (observe mode logs them under their ``would`` names); the other metrics are measurements
 _DECISIONS = frozenset({QUATRO_KL_COEF, QUATRO_ENTROPY_BONUS, QUATRO_FLOOR_ACTIVE, QUATRO_MOMENT_SCALE})
-
-
-@dataclass(frozen=True)
-class StepEndResult:
-    """What the guards want changed before the next step (None: leave it)."""
-
-    lr_factor: float | None = None  # the recovery factor on the scheduled LR
-    controls: Controls | None = None  # beta factor, entropy coefficient, clip scale
-    metrics: dict[str, float] | None = None  # the controllers', logged once the controls are written (they read beta)
 
 
 class StepEnd:
@@ -145,7 +135,8 @@ class StepEnd:
         if self.recovery is not None:
             self.recovery.attach(self.ctx, optimizer, named_parameters, output_dir, guard_state)
 
-    def after_step(self) -> StepEndResult:
+    def after_step(self) -> tuple[float | None, Controls | None, dict[str, float] | None]:
+        """(LR factor, controls, the controllers' metrics: logged once the controls are written); None: no change."""
         p = self.parts
         stepping = [(p.reward_processor, "grade"), (p.advantage_fn, GUARD_PART_GEPO_ADVANTAGES)]
         stepping += [(guard, GUARD_PART_GEPO_SPIKE) for m in (False, True) for guard in p.step_guards_in(observing=m)]
@@ -163,7 +154,7 @@ class StepEnd:
                 factor, self._moment_factor = self._moment_factor, 1.0  # brake_moments' factor on Adam's moments
                 if self._moments is not None and factor != 1.0:  # None when off or observing
                     scale_moments(self._moments, factor)  # before the next update, whose loss the brake scales
-        return StepEndResult(lr_factor, controls, metrics)
+        return lr_factor, controls, metrics
 
     def controls(self) -> Controls:
         """What the trainer writes into TRL: the controllers' outputs in act mode, nothing in observe mode."""
@@ -244,14 +235,13 @@ class _GuardClock(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
-        result = t.step_end.after_step()
-        if result.lr_factor is not None:
+        lr_factor, controls, metrics = t.step_end.after_step()
+        if lr_factor is not None:
             with t.ctx.timer(GUARD_PART_OPEFO_STATE):
-                trl_state.apply_lr_factor(t, t.lr_scale, result.lr_factor)
-        if result.controls is not None and result.metrics is not None:
+                trl_state.apply_lr_factor(t, t.lr_scale, lr_factor)
+        if controls is not None and metrics is not None:
             with t.ctx.timer(GUARD_PART_QUATRO_CONTROLLERS):
-                t.apply_controls(result.controls)
-                metrics = result.metrics
+                t.apply_controls(controls)
                 if t.step_end.kl is not None:
                     metrics[QUATRO_BETA] = t.beta  # the effective coefficient, every factor included
                 t.ctx.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})

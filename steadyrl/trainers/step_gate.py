@@ -21,13 +21,12 @@ from steadyrl.guards.spike import SpikeSkipError
 from steadyrl.metrics import (
     EVENT_SKIP,
     GEPO_SKIPPED_STEPS,
-    GEPO_WOULD_SKIP,
     GEPO_WOULD_STOP,
     GUARD_PART_GEPO_SPIKE,
     GUARD_PART_OPEFO_FEEDBACK,
     OPEFO_EF_WEIGHT,
     gepo_skipped,
-    gepo_would_skip,
+    would,
 )
 from steadyrl.trainers.context import RuntimeContext, StepNotes
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
@@ -94,7 +93,7 @@ class StepGate:
                 with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):  # a copy of the skipped gradients
                     self.keep_skipped(gradients, step)
             self._count_skip(decision.reason, float(norm), step)
-        self._log_counters()
+        self._log_counters("skipped_steps", "skipped_")
         for guard in self.guards:  # a guard's own counters (the spike guard's baseline, rebases, ...)
             metrics = getattr(guard, "metrics", None)
             if metrics is not None:
@@ -121,7 +120,7 @@ class StepGate:
     def veto(self, reason: str) -> StepDecision:
         """Skip this step without asking the guards (every micro-batch was dropped); counted like any skip."""
         self._count_skip(reason, 0.0, self.ctx.global_step())
-        self._log_counters()
+        self._log_counters("skipped_steps", "skipped_")
         return StepDecision(True, reason)
 
     def _count_skip(self, reason: str, norm: float, step: int) -> None:
@@ -132,11 +131,13 @@ class StepGate:
             self.counters[f"skipped_{one}"] += 1
         logger.warning("step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, reason, norm)
 
-    def _log_counters(self) -> None:
-        self.ctx.log_metric(GEPO_SKIPPED_STEPS, self.counters["skipped_steps"])
+    def _log_counters(self, total: str, prefix: str) -> None:
+        """The skip counters (act: ``skipped_*``; observe: ``would_skip*``, logged under their ``would`` names)."""
+        name = would if total == "would_skip" else str
+        self.ctx.log_metric(name(GEPO_SKIPPED_STEPS), self.counters[total])
         for key, value in self.counters.items():
-            if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
-                self.ctx.log_metric(gepo_skipped(key.removeprefix("skipped_")), value)
+            if key.startswith(prefix) and key != total:  # per reason: skipped_spike, ...
+                self.ctx.log_metric(name(gepo_skipped(key.removeprefix(prefix))), value)
 
     def _observe(self, norm: torch.Tensor, step: int) -> None:
         """The observing guards' decision on this step: counted, never applied."""
@@ -158,10 +159,7 @@ class StepGate:
                 "step %d: observe mode: the step guard would skip this step (%s, grad norm %.4g); it proceeds",
                 step + 1, would.reason, float(norm),
             )  # fmt: skip
-        self.ctx.log_metric(GEPO_WOULD_SKIP, self.counters["would_skip"])
-        for key, value in self.counters.items():
-            if key.startswith("would_skip_"):
-                self.ctx.log_metric(gepo_would_skip(key.removeprefix("would_skip_")), value)
+        self._log_counters("would_skip", "would_skip_")
         if self.counters.get("would_stop"):
             self.ctx.log_metric(GEPO_WOULD_STOP, self.counters["would_stop"])
 
