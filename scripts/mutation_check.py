@@ -109,7 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/grpo.py",
-                '        layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards)]\n',
+                '        layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards_in(observing=False))]\n',
                 "",
             ),
         ),
@@ -148,13 +148,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rollback_lr_from_snapshot",
         "after a rollback the recovery LR factor scales the snapshot's LR, not the current schedule's",
-        (("steadyrl/trainers/opefo_runtime.py", "group.update(current)\n", "pass\n"),),
+        (("steadyrl/trainers/recovery.py", "group.update(current)\n", "pass\n"),),
         (f"{IT}/test_opefo.py::test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot",),
     ),
     Mutant(
         "zero2_fp32_partitions_not_restored",
         "a ZeRO-2 rollback restores the bf16/fp32 weights but not ZeRO's fp32 master partitions",
-        (("steadyrl/trainers/opefo_runtime.py", "live.copy_(saved.to(live.device))\n", "pass\n"),),
+        (("steadyrl/trainers/recovery.py", "live.copy_(saved.to(live.device))\n", "pass\n"),),
         (f"{IT}/test_launch.py::test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank[zero2]",),
     ),
     Mutant(
@@ -162,12 +162,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "an OPEFO rollback restores neither the weights nor the optimizer state",
         (
             (
-                "steadyrl/trainers/opefo_runtime.py",
+                "steadyrl/trainers/recovery.py",
                 '                p.copy_(payload["params"][name].to(p.device))\n',
                 "                pass\n",
             ),
             (
-                "steadyrl/trainers/opefo_runtime.py",
+                "steadyrl/trainers/recovery.py",
                 '        self.base.load_state_dict(payload["optimizer"])\n',
                 "",
             ),
@@ -209,7 +209,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "filtered rows leave the loss normaliser under the default zero_advantage (the kept rows' LR shifts)",
         (
             (
-                "steadyrl/trainers/quatro_runtime.py",
+                "steadyrl/trainers/rollout.py",
                 'if self.filter.config.dropped_rows != "exclude":',
                 "if False:",
             ),
@@ -329,7 +329,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "replay's metric sums go into the cross-rank sum as a CPU tensor (NCCL refuses it on GPUs)",
         (
             (
-                "steadyrl/trainers/quatro_runtime.py",
+                "steadyrl/trainers/loss.py",
                 "        local_t = torch.tensor(local, dtype=torch.float64, device=self.ctx.device)",
                 "        local_t = torch.tensor(local, dtype=torch.float64)",
             ),
@@ -405,7 +405,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/rollout.py",
-                "quatro.record_reward(quatro.gate_rewards(rewards_per_func, weights))",
+                "self.record_reward(self.gate_rewards(rewards_per_func, weights))",
                 "None",
             ),
         ),
@@ -416,7 +416,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the learning gate reads the weighted training reward although gate_reward names another reward",
         (
             (
-                "steadyrl/trainers/quatro_runtime.py",
+                "steadyrl/trainers/rollout.py",
                 "        if self.gate_column is not None:\n            return rewards_per_func[:, self.gate_column]\n",
                 "",
             ),
@@ -490,7 +490,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "beta0_refused",
         "the shipped guards refuse TRL's default beta 0 instead of leaving the KL controller inactive",
-        (("steadyrl/trainers/quatro_runtime.py", "if self.config.kl is not None and setup.beta == 0.0:", "if False:"),),
+        (("steadyrl/trainers/step_end.py", "if config.kl is not None and setup.beta == 0.0:", "if False:"),),
         ("tests/unit/test_runtimes.py::test_trls_default_beta_0_leaves_the_kl_controller_inactive",),
     ),
     Mutant(
@@ -498,7 +498,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the entropy floor's bonus replaces a user's trainer.entropy_coef instead of adding to it",
         (
             (
-                "steadyrl/trainers/quatro_runtime.py",
+                "steadyrl/trainers/step_end.py",
                 "entropy_coef=self.base_entropy_coef + self.entropy.bonus",
                 "entropy_coef=self.entropy.bonus",
             ),

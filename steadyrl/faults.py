@@ -67,7 +67,7 @@ class CorruptOptimizerState(TrainerCallback):
         self.step, self.value, self.rank, self.key, self.fired = step, value, rank, key, False
 
     def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        from steadyrl.trainers.opefo_runtime import optimizer_chain
+        from steadyrl.trainers.recovery import optimizer_chain
 
         if state.global_step != self.step or self.fired or not _this_rank(self.rank):
             return
@@ -232,7 +232,7 @@ class InfExpAvgSqAtStep(CorruptOptimizerState):
             record_fault(getattr(args, "output_dir", None), self.name, self.step, value=str(self.value))
 
     def on_train_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        from steadyrl.trainers.opefo_runtime import optimizer_chain
+        from steadyrl.trainers.recovery import optimizer_chain
 
         if not self.fired or optimizer is None:
             return

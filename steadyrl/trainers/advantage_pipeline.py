@@ -1,19 +1,13 @@
-"""Rewards -> advantages: the gathered reward matrix of one generation batch in, one value per row out.
+"""Rewards -> advantages, tensor in, tensor out, in two steps (``RolloutStation.advantages`` calls them):
 
-Tensor in, tensor out; no Trainer here. ``RolloutStation.advantages`` calls it in two steps (GRADE's KL factor of
-``beta`` comes out of the first; the trainer writes it):
+1. ``scale(batch)``: (N, num_funcs) -> (N,): TRL's weighted sum, rows the filters dropped NaN, then the reward
+   processor (GRADE; its KL factor of beta comes out here). NaN marks an unscorable row.
+2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per group of G rows, the advantage function (GEPO's median/MAD,
+   else TRL's mean/std normalisation); filtered rows leave their group and get 0.
 
-1. ``scale(batch)``: (N, num_funcs) -> (N,): TRL's weighted sum (``weighted_rewards``), rows QUATRO's filters
-   dropped set to NaN, then the reward processor (GRADE). NaN marks an unscorable row.
-2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per prompt group of G rows, the advantage function (GEPO's
-   median/MAD, else TRL's own mean/std normalisation); filtered rows leave their group and get 0.
-
-Observe mode (docs/DESIGN.md, "Observe mode"): with ``observe_rewards`` the reward processor runs and its metrics
-are logged, but step 1 returns the raw rewards; ``observe_advantage_fn`` is computed next to the trained advantages
-in step 2 and only compared with them.
-
-PPO plugs in ``SequenceRewardPipeline``: step 2 returns the scaled sequence reward itself (NaN -> 0); GAE turns it
-into token advantages later.
+Observe mode: ``observe_rewards``: the processor runs and logs, the raw rewards go on; ``observe_advantages``: the
+advantage function is only compared with TRL's normalisation, which trains. PPO's ``SequenceRewardPipeline``: step
+2 returns the sequence reward itself; GAE makes token advantages later.
 """
 
 from __future__ import annotations
@@ -38,10 +32,8 @@ from steadyrl.metrics import (
 
 
 def weighted_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(N, num_funcs) -> (N,): TRL's weighted sum (``sum_then_normalize``); NaN where every function is NaN.
-
-    inf is as unscorable as NaN: TRL would let one inf zero its whole group's advantages.
-    """
+    """(N, num_funcs) -> (N,): TRL's weighted sum; NaN where every function is NaN or inf (TRL would let one inf
+    zero its whole group's advantages)."""
     nonfinite = ~torch.isfinite(rewards_per_func) & ~torch.isnan(rewards_per_func)
     if nonfinite.any():
         rewards_per_func = rewards_per_func.masked_fill(nonfinite, torch.nan)
@@ -70,32 +62,23 @@ class ScaledRewards:
 
 
 class AdvantagePipeline:
-    """GRPO's rewards -> advantages (see the module docstring).
-
-    reward_processor: GRADE (``RewardProcessor``) or None; advantage_fn: grouped (P, G) -> (P, G), default TRL's
-    group normalisation with ``scale_rewards``; kl_compensation: (lo, hi) clamp of GRADE's KL factor, or None.
-    observe_rewards: the reward processor only observes (raw rewards go on); observe_advantage_fn: an advantage
-    function that only observes (compared with the trained advantages, see the module docstring).
-    """
+    """GRPO's rewards -> advantages. ``advantage_fn``: grouped (P, G) -> (P, G), default TRL's group normalisation
+    with ``scale_rewards``; ``kl_compensation``: (lo, hi) clamp of GRADE's KL factor, or None."""
 
     always = False  # True: replaces TRL's advantages even with no guard part (PPO's sequence rewards)
 
     def __init__(
-        self,
-        reward_processor: RewardProcessor | None = None,
-        advantage_fn: AdvantageFunction | None = None,
-        scale_rewards: str = "group",
-        kl_compensation: tuple[float, float] | None = None,
-        observe_rewards: bool = False,
-        observe_advantage_fn: AdvantageFunction | None = None,
-    ) -> None:
+        self, reward_processor: RewardProcessor | None = None, advantage_fn: AdvantageFunction | None = None,
+        scale_rewards: str = "group", kl_compensation: tuple[float, float] | None = None, observe_rewards: bool = False,
+        observe_advantages: bool = False,
+    ) -> None:  # fmt: skip
         if kl_compensation is not None and reward_processor is None:
             raise ValueError("kl_compensation needs a reward processor with kl_compensation()")
         self.reward_processor = reward_processor
+        self.trl_advantages = partial(group_normalized_advantages, scale_rewards=scale_rewards)
         self.advantage_fn = advantage_fn or partial(group_normalized_advantages, scale_rewards=scale_rewards)
         self.kl_compensation = kl_compensation
-        self.observe_rewards = observe_rewards
-        self.observe_advantage_fn = observe_advantage_fn
+        self.observe_rewards, self.observe_advantages = observe_rewards, observe_advantages
 
     def scale(self, batch: RewardBatch) -> ScaledRewards:
         """(N, num_funcs) -> (N,) scaled rewards, with the metrics of the step (in logging order)."""
@@ -121,15 +104,15 @@ class AdvantagePipeline:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scaled rewards (N,) -> advantages (N,) and their metrics. ``keep``: dropped rows get 0 and leave their
         group's statistics (``masked_group_advantages``)."""
-        advantages = self._grouped(self.advantage_fn, rewards, keep, num_generations)
+        advantages = computed = self._grouped(self.advantage_fn, rewards, keep, num_generations)
+        if self.observe_advantages:  # the advantage function only observes: TRL's group normalisation trains
+            advantages = self._grouped(self.trl_advantages, rewards, keep, num_generations)
         metrics = {
             GEPO_ADV_STD: float(advantages.std()) if advantages.numel() > 1 else 0.0,
             GEPO_ADV_MAX_ABS: float(advantages.abs().max()),
         }
-        if self.observe_advantage_fn is not None:
-            would = self._grouped(self.observe_advantage_fn, rewards, keep, num_generations)
-            clip_scale = getattr(self.observe_advantage_fn, "clip_scale", None)
-            metrics.update(compare_advantages(would, advantages, clip_scale))
+        if self.observe_advantages:
+            metrics.update(compare_advantages(computed, advantages, getattr(self.advantage_fn, "clip_scale", None)))
         return advantages, metrics
 
     @staticmethod
@@ -144,12 +127,9 @@ class AdvantagePipeline:
 def compare_advantages(
     would: torch.Tensor, trained: torch.Tensor, clip_scale: float | None, shrink: float = 0.1
 ) -> dict[str, float]:
-    """Observe mode: an observing advantage function's values against the trained ones. would, trained: (N,).
-
-    ``gepo/would_adv_diff_mean``: mean |would - trained| over rows. ``gepo/would_clip_rows`` (with a tanh clip of
-    bound ``clip_scale``, ``a = c tanh(z / c)``): rows whose pre-clip value ``z = c atanh(a / c)`` the clip shrinks
-    by more than ``shrink`` (|a| < (1 - shrink) |z|; for shrink 0.1, |z| > 0.57 c).
-    """
+    """Observe mode: (N,) observing advantages against the (N,) trained ones: ``gepo/would_adv_diff_mean`` (mean
+    |would - trained|) and, for a tanh clip ``a = c tanh(z / c)``, ``gepo/would_clip_rows``: rows whose pre-clip
+    ``z = c atanh(a / c)`` it shrinks by more than ``shrink`` (|a| < (1 - shrink) |z|)."""
     out = {GEPO_WOULD_ADV_DIFF_MEAN: float((would.double() - trained.double()).abs().mean()) if would.numel() else 0.0}
     if clip_scale is not None:
         a = would.double()

@@ -10,7 +10,6 @@ copied) calls one station of the step (docs/ARCHITECTURE.md): ``rollout`` (rewar
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -23,17 +22,14 @@ from steadyrl.metrics import GRADE_BETA, GRADE_KL_FACTOR, GUARD_PART_QUATRO_REPL
 from steadyrl.trainers import checkpoints, trl_state
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline
 from steadyrl.trainers.checkpoints import GuardState
-from steadyrl.trainers.context import RuntimeContext, identity
+from steadyrl.trainers.context import Controls, RuntimeContext, SavedTogether, StepNotes, identity
 from steadyrl.trainers.layers import GuardParts, guard_parts
 from steadyrl.trainers.loss import LossStation
 from steadyrl.trainers.micro_batch_gate import micro_batch_gate
-from steadyrl.trainers.quatro_runtime import QuatroControls
 from steadyrl.trainers.rollout import RolloutStation
 from steadyrl.trainers.scratch import HookScratch
 from steadyrl.trainers.step_end import StepEnd, _GuardClock
 from steadyrl.trainers.step_gate import StepGate
-
-logger = logging.getLogger(__name__)
 
 
 class SteadyGRPOTrainer(GRPOTrainer):
@@ -51,59 +47,66 @@ class SteadyGRPOTrainer(GRPOTrainer):
     ) -> None:
         super().__init__(*args, **kwargs)
         p = self.parts = guard_parts(guards)
-        self.opefo, self.quatro = p.opefo, p.quatro
         if p.kl_compensation is not None and (p.reward_processor is None or self.beta == 0.0):
             raise ValueError("kl_compensation needs a reward processor with kl_compensation() and beta > 0")
         self.beta_base, self.beta_factors = self.beta, {}
-        self.scratch = HookScratch()
+        self.scratch, self.notes = HookScratch(), StepNotes()
         acc = self.accelerator
         distributed = acc.num_processes > 1  # else accelerate's collectives return their input
         self.ctx = RuntimeContext(
-            log_metric=self._guard_metric,
-            emit_event=self.emit_event,
+            log_metric=self._guard_metric, emit_event=self.emit_event, gather_object=gather_object,
             reduce_sum=(lambda t: acc.reduce(t, reduction="sum")) if distributed else identity,
-            gather=acc.gather if distributed else identity,
-            gather_object=gather_object,
-            global_step=lambda: self.state.global_step,
-            rank=acc.process_index,
-            processes=acc.num_processes,
-            device=acc.device,
-        )
+            gather=acc.gather if distributed else identity, global_step=lambda: self.state.global_step,
+            rank=acc.process_index, processes=acc.num_processes, device=acc.device,
+        )  # fmt: skip
         self.pipeline = self.pipeline_class(
             p.reward_processor, p.advantage_fn, self.scale_rewards, p.kl_compensation,
-            observe_rewards=p.observe_rewards, observe_advantage_fn=p.observe_advantage_fn,
+            observe_rewards="grade" in p.observe, observe_advantages="gepo" in p.observe,
         )  # fmt: skip
+        q = p.quatro
+        replay = q is not None and q.replay is not None and q.replay.enabled and "quatro" not in p.observe
+        settings = trl_state.trainer_settings(self, replay) if q is not None else None
+        active = p.any_step_guard or p.rewrites_advantages or self.pipeline.always or q is not None
+        self.step_end = StepEnd(self.ctx, p, active, self.notes, settings)
+        recovery, floor = self.step_end.recovery, self.step_end.entropy
         self.gate = StepGate(
-            p.step_guards, self.ctx, feedback=p.opefo, observers=p.observe_step_guards,
-            deepspeed=self.is_deepspeed_enabled,
+            p.step_guards_in(observing=False), self.ctx, feedback=recovery.feedback if recovery is not None else None,
+            observers=p.step_guards_in(observing=True), deepspeed=self.is_deepspeed_enabled, notes=self.notes,
+            would=recovery.would if recovery is not None and recovery.observe else None,
         )  # fmt: skip
         self.micro_gate = micro_batch_gate(
-            p.micro_batch_guard, p.observe_micro_batch_guard, self.ctx, deepspeed=self.is_deepspeed_enabled,
+            p.micro_batch_guard, "gepo" in p.observe, self.ctx, deepspeed=self.is_deepspeed_enabled,
             max_grad_norm=self.args.max_grad_norm, accumulation=self.args.gradient_accumulation_steps,
         )  # fmt: skip
-        self.rollout = RolloutStation(self.ctx, p, self.pipeline, self.scratch)
-        self.loss_station = LossStation(self.ctx, p, self.scratch)
-        self.step_end = StepEnd(self.ctx, p, active=self.gate.active or self.rollout.rewrites or p.quatro is not None)
+        self.rollout = RolloutStation(self.ctx, p, self.pipeline, self.scratch, self.notes, settings, floor)
+        self.loss_station = LossStation(self.ctx, p, self.scratch, self.notes, floor)
         self.lr_scale = trl_state.LearningRateScale()
         layers = [("reward_processor", p.reward_processor), ("advantage_fn", p.advantage_fn)]
-        layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards)]
-        layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(p.observe_step_guards)]
-        layers += [("opefo", p.opefo), ("quatro", p.quatro)]
-        per_rank = {"opefo": p.opefo, "micro_batch_gate": self.micro_gate}
+        layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards_in(observing=False))]
+        layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(p.step_guards_in(observing=True))]
+        layers.append(("opefo", recovery))  # policy, floor, would-counts; per rank: the error-feedback residual
+        per_rank: dict[str, Any] = {"opefo": recovery, "micro_batch_gate": self.micro_gate}
+        if q is not None:  # guard state: the controllers and the filters' history; rank files: the replay buffer
+            objects = {"kl": self.step_end.kl, "entropy": floor, "filter": self.rollout.filter}
+            missing = "the checkpoint has no QUATRO %s state: it starts fresh"
+            layers.append(("quatro", SavedTogether(objects, missing, self.notes.forget_measurements)))
+            if replay:  # each rank replays its own rows
+                missing = "the checkpoint has no QUATRO %s buffer for this rank: it starts empty"
+                per_rank["quatro"] = SavedTogether({"replay": self.rollout.replay}, missing)
         self.guard_state = GuardState.register(layers, p.stateful, self.gate.counters, per_rank=per_rank)
-        if p.kl_compensation is not None or p.quatro is not None:  # factors of beta set between steps: checkpointed
+        if p.kl_compensation is not None or q is not None:  # factors of beta set between steps: checkpointed
             self.guard_state.stateful.setdefault("beta_factors", trl_state.BetaFactors(self))
         self._epsilon0: tuple[float, float] | None = None
-        if p.quatro is not None:
-            self._epsilon0 = trl_state.bind_quatro(self, p.quatro)
-            self.apply_quatro()
+        if q is not None:
+            if floor is not None and not self.step_end.observe:  # observe mode: TRL's entropy term stays as set
+                self._epsilon0 = trl_state.enable_entropy_term(self)
+            self.apply_controls()
         # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
         self.callback_handler.callbacks.insert(0, _GuardClock(self))
 
-    def apply_quatro(self, controls: QuatroControls | None = None) -> None:
-        """Write QUATRO's controls (default: its current ones) into TRL's beta, entropy_coef and clip range."""
-        assert self.quatro is not None
-        trl_state.apply_quatro(self, self.quatro.controls() if controls is None else controls, self._epsilon0)
+    def apply_controls(self, controls: Controls | None = None) -> None:
+        """Write the controllers' output (default: their current one) into TRL's beta, entropy_coef and clip range."""
+        trl_state.apply_controls(self, self.step_end.controls() if controls is None else controls, self._epsilon0)
 
     @property
     def steady_counters(self) -> dict[str, float]:
@@ -169,7 +172,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
         finally:
             logps = self.loss_station.restore(inputs, advantages)
-        kl_entropy = trl_state.logged_kl_and_entropy(self) if self.quatro is not None else (math.nan, math.nan)
+        kl_entropy = trl_state.logged_kl_and_entropy(self) if self.parts.quatro is not None else (math.nan, math.nan)
         with self.ctx.timer("checks"):  # QUATRO's per-micro-batch measurements and the loss's finite check
             return self.loss_station.after(loss, inputs, logps, kl_entropy, replay, training)
 
@@ -227,5 +230,5 @@ def load_steady_state(trainer: SteadyGRPOTrainer, folder: Path) -> None:
         Path(folder), trainer.guard_state, acc.process_index, acc.device, acc.num_processes
     )
     trl_state.restore_rollouts(trainer, rollouts)
-    if trainer.quatro is not None:
-        trainer.apply_quatro()  # the restored controllers' values
+    if trainer.parts.quatro is not None:
+        trainer.apply_controls()  # the restored controllers' values

@@ -1,14 +1,8 @@
-"""The memory the guard layers hold: bytes of every tensor reachable from a layer's objects, per layer, at the
-moment it is called (``write_guard_cost`` calls it at the end of training; buffers a layer holds only during a
-step are estimated there from the parameter sizes).
-
-Peak RSS differences between two runs are a poor measure of what steadyrl costs in memory: on the 135M model two
-runs that train bit-identically (observe mode) differ by -93 to +956 MiB of peak RSS (docs/results/overhead.json),
-which is the allocator, not steadyrl. This counts what the layers keep instead: snapshots held in memory, pending
-error-feedback residuals, replayed rollouts, length histories, controller windows. Each tensor
-storage is counted once, for the first layer that reaches it. What belongs to the run itself is never counted:
-the model and its parameters, the optimizer and its state, the trainer, the runtime context, functions, and any
-object of another package (only steadyrl's own objects, containers and tensors are walked).
+"""The memory the guard layers hold: bytes of every tensor storage reachable from a layer's objects (snapshots,
+error-feedback residuals, replayed rows, histories), each counted once, for the first layer that reaches it; buffers
+held only during a step are estimated from the parameter sizes. Peak RSS is no measure: two bit-identical 135M runs
+differ by -93 to +956 MiB of it (docs/results/overhead.json). Never counted: the model, the optimizer and its state,
+the trainer, the runtime context, functions, objects of other packages (only steadyrl's own objects are walked).
 """
 
 from __future__ import annotations
@@ -96,20 +90,16 @@ def held_tensor_bytes(
 
 
 def write_guard_cost(out: Path, trainer: Any, steps: int) -> None:
-    """``OUTPUT_DIR/guard_cost.json`` (main process, at the end of training): the guard layers' cost over the run.
-
-    ``guard_seconds`` and ``seconds_by_part``: time in guard code, split by the part that ran (``pipeline``: the
-    reward gather and advantage plumbing the layers share; ``checks``: the finite checks; ``ppo``: PPO's GAE and
-    its gradient norm split); the parts add up to the total. ``held_mib_by_part``: the tensors each layer holds at
-    the end (``held_tensor_bytes``). ``transient_mib_by_part``: one gradient copy of the trainable parameters held
-    for a while: the micro-batch spike gate's, OPEFO's error feedback of a skipped step. Read by bench_overhead.py.
-    """
+    """``OUTPUT_DIR/guard_cost.json`` at the end of training (read by bench_overhead.py): ``guard_seconds`` and
+    ``seconds_by_part`` (``pipeline``: the shared reward and advantage plumbing; ``checks``: the finite checks;
+    ``ppo``: GAE), ``held_mib_by_part`` (``held_tensor_bytes``) and ``transient_mib_by_part`` (a gradient copy held
+    for a while: the micro-batch gate's, error feedback's)."""
     t, p = trainer, trainer.parts
     roots = {
         "grade": [p.reward_processor],
-        "gepo": [p.advantage_fn, p.observe_advantage_fn, *p.step_guards, *p.observe_step_guards, t.micro_gate],
-        "opefo": [p.opefo],
-        "quatro": [p.quatro],
+        "gepo": [p.advantage_fn, *p.step_guards, p.nonfinite_guard, t.micro_gate],
+        "opefo": [t.step_end.recovery],
+        "quatro": [t.step_end.kl, t.step_end.entropy, t.rollout.filter, t.rollout.replay],
         "pipeline": [t.pipeline, t.gate, t.scratch],
     }
     held = held_tensor_bytes(roots, trainer=t, exclude=run_storages(t.model, t.optimizer))

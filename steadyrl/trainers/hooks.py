@@ -1,11 +1,6 @@
-"""Every TRL / transformers method steadyrl overrides, with the signature it was written against, and the private
-details of TRL, accelerate and DeepSpeed it relies on. ``tests/unit/test_hooks.py`` asserts each override still
-exists with exactly this signature and ``internals_problems`` / ``ppo_internals_problems`` check the details, so a TRL
-upgrade that moves a hook fails loudly in CI instead of silently bypassing a guard.
-
-Every override calls the parent and hands its result to one station (docs/ARCHITECTURE.md, "One optimizer step");
-no TRL body is copied. ``SteadyPPOTrainer`` adds ``PPO_HOOKED_METHODS`` (GAE after scoring, the value loss around
-TRL's loss with ``beta`` 0, the critic's param groups, ``critic.safetensors`` in checkpoints).
+"""Every TRL / transformers method steadyrl overrides (``PPO_HOOKED_METHODS``: ``SteadyPPOTrainer``'s), with the
+signature it was written against, and the private details of TRL, accelerate and DeepSpeed it relies on:
+``tests/unit/test_hooks.py`` checks both (``internals_problems``), so a TRL upgrade that moves one fails in CI.
 
 Relied on: TRL's ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates and serves
 ``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present, unsqueezes only 1-D
@@ -60,19 +55,12 @@ PPO_HOOKED_METHODS: dict[str, str] = {
 
 
 def hook_signature_mismatches(trainer_cls: type, hooked: dict[str, str] | None = None) -> list[str]:
-    """Hooked methods of ``trainer_cls``'s TRL parents that are missing or whose signature changed.
-
-    ``hooked``: name -> expected signature; default ``HOOKED_METHODS`` (``PPO_HOOKED_METHODS`` for the PPO trainer).
-    """
+    """Hooked methods (``hooked``: name -> signature, default ``HOOKED_METHODS``) of ``trainer_cls``'s TRL parents
+    that are missing or whose signature changed."""
     problems = []
     for name, expected in (HOOKED_METHODS if hooked is None else hooked).items():
-        method = None
-        for klass in trainer_cls.__mro__:
-            if klass.__module__.startswith("steadyrl"):
-                continue
-            if name in vars(klass):
-                method = vars(klass)[name]
-                break
+        parents = [k for k in trainer_cls.__mro__ if not k.__module__.startswith("steadyrl") and name in vars(k)]
+        method = vars(parents[0])[name] if parents else None
         if method is None:
             problems.append(f"{name}: no longer defined by any TRL/transformers parent of {trainer_cls.__name__}")
             continue

@@ -1,14 +1,8 @@
 """The spike decision per micro-batch (``guards.gepo.spike.granularity: micro_batch``; docs/DESIGN.md, "GEPO: spike
-skip").
-
-With gradient accumulation the step gate sees one norm per optimizer step, in which one spiking micro-batch of A is
-diluted. Here each micro-batch is judged on its own gradient: the gradients accumulated before its backward are
-copied, its contribution is ``grad - copy``, and a second ``SpikeGuard`` (own EMA) decides on A x its norm (the
-step's scale). A dropped micro-batch's contribution is removed and the step trains on the mean of the kept ones.
-Under DDP every backward runs in ``no_sync`` and ``finish`` all-reduces the kept gradients once, with the counts; each
-rank judges its own micro-batches. A step whose every micro-batch was dropped is skipped like a vetoed step
-(``gepo/skipped_micro_batches``). Observe mode only counts (``gepo/would_dropped_micro_batches``). Not under DeepSpeed
-(refused). Costs one copy of the trainable gradients while A > 1; a dropped micro-batch is not fed back (OPEFO).
+skip"): each micro-batch's own gradient (``grad`` minus a copy of what accumulated before its backward) is judged by
+a second ``SpikeGuard`` on A x its norm; a dropped one's contribution is removed and the step trains on the mean of
+the kept ones (all dropped: the step is skipped). Under DDP the backward passes run in ``no_sync`` and ``finish``
+all-reduces once. Observe mode only counts. Refused under DeepSpeed; costs one gradient copy while A > 1.
 """
 
 from __future__ import annotations
@@ -38,19 +32,12 @@ logger = logging.getLogger(__name__)
 
 class MicroBatchGate:
     """Judge each micro-batch's own gradient with ``guard``; drop the spiking ones (``observe``: only count them).
-
-    ``distributed``: the backward passes ran without DDP's all-reduce; ``finish`` does it (``ctx.reduce_sum``).
-    ``accumulation``: A, the Trainer's gradient accumulation steps (each micro-batch's loss is divided by it).
-    """
+    ``distributed``: ``finish`` does DDP's all-reduce; ``accumulation``: A, the gradient accumulation steps."""
 
     def __init__(
-        self,
-        guard: SpikeGuard,
-        ctx: RuntimeContext,
-        observe: bool = False,
-        distributed: bool = False,
+        self, guard: SpikeGuard, ctx: RuntimeContext, observe: bool = False, distributed: bool = False,
         accumulation: int = 1,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.accumulation = accumulation
         self.guard, self.ctx, self.observe, self.distributed = guard, ctx, observe, distributed
         self.dropped_total = 0.0  # over the run and every rank (summed in ``finish``)
@@ -127,10 +114,8 @@ class MicroBatchGate:
     # ------------------------------------------------------------------ before the step decision
 
     def finish(self, params: list[torch.nn.Parameter]) -> bool:
-        """Average the kept micro-batches (over ranks too); returns True when every micro-batch was dropped.
-
-        Called once per optimizer step, before the step gate. Under DDP this is the step's gradient all-reduce.
-        """
+        """Once per optimizer step, before the step gate: average the kept micro-batches (under DDP: the step's
+        all-reduce); returns True when every micro-batch was dropped."""
         seen, dropped = self._seen, self._dropped
         self._seen = self._dropped = 0
         kept_here = float(seen - dropped) if not self.observe else float(seen)
@@ -174,15 +159,12 @@ class MicroBatchGate:
 
 
 def micro_batch_gate(
-    act: SpikeGuard | None, observe: SpikeGuard | None, ctx: RuntimeContext, *, deepspeed: bool, max_grad_norm: float,
+    guard: SpikeGuard | None, observe: bool, ctx: RuntimeContext, *, deepspeed: bool, max_grad_norm: float,
     accumulation: int,
 ) -> MicroBatchGate | None:  # fmt: skip
-    """The trainer's gate from its acting or observing micro-batch guard (None: neither); refuses what cannot work."""
-    guard = act or observe
+    """The trainer's gate from its micro-batch guard (None: none), acting or ``observe``; refuses what cannot work."""
     if guard is None:
         return None
-    if act is not None and observe is not None:
-        raise ValueError("micro_batch_guard and observe_micro_batch_guard are exclusive")
     if deepspeed:
         raise ValueError("guards.gepo.spike.granularity=micro_batch does not work under DeepSpeed; use step")
     if max_grad_norm <= 0:  # _clip_grad_norm, where the kept micro-batches are averaged, never runs
@@ -192,4 +174,4 @@ def micro_batch_gate(
     limit = guard.config.max_consecutive_skips * accumulation
     guard.config = dataclasses.replace(guard.config, max_consecutive_skips=limit)
     distributed = ctx.processes > 1  # the backward passes run no_sync; finish all-reduces
-    return MicroBatchGate(guard, ctx, observe=observe is not None, distributed=distributed, accumulation=accumulation)
+    return MicroBatchGate(guard, ctx, observe=observe, distributed=distributed, accumulation=accumulation)

@@ -267,9 +267,9 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         if kl is not None:
             kl_mean = float(self._global_mean_var(kl, mask)[0])
             self._guard_metric(PPO_KL, kl_mean)
-        if self.quatro is not None and self.quatro.kl is not None:
+        if self.step_end.kl is not None:
             tokens = float(self.accelerator.reduce(mask.sum().float().reshape(1), reduction="sum").item())
-            self.quatro.record_rollout_kl(kl_mean if tokens > 0 else float("nan"), tokens)
+            self.notes.record_rollout_kl(kl_mean if tokens > 0 else float("nan"), tokens)
 
     # ------------------------------------------------------------------ loss: TRL's policy loss + value loss
 

@@ -1,9 +1,6 @@
-"""The values one TRL hook hands to a later one, in one place: who writes each, who reads it, who clears it.
-
-TRL calls steadyrl's overrides in a fixed order inside one of its own calls (``_generate_and_score_completions``
-calls ``_calculate_rewards``; ``_compute_loss`` calls ``_get_per_token_logps_and_entropies``; ``_save_checkpoint``
-calls ``_get_output_dir``). Whatever must travel between two of them waits here for that one call, and is cleared
-by the outer hook even when TRL raises, so a value never leaks into a later call.
+"""The values one TRL hook hands to a later one inside one TRL call (e.g. ``_calculate_rewards`` to its caller
+``_generate_and_score_completions``): who writes each, who reads it, who clears it (the outer hook, also when TRL
+raises, so a value never leaks into a later call).
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ class HookScratch:
     steadyrl rewrites advantages; read and cleared by ``_generate_and_score_completions`` (its caller)."""
 
     completion_lengths: torch.Tensor | None = None
-    """(rows,) this rank's unpadded completion lengths (TRL's ``completion_ids_list``; row i of the padded
-    ``completion_ids`` holds them in its first ``completion_lengths[i]`` columns). Written by ``_calculate_rewards``
-    when QUATRO's filters are on; read and cleared by ``_generate_and_score_completions``."""
+    """(rows,) this rank's unpadded completion lengths. Written by ``_calculate_rewards`` when QUATRO's filters are
+    on; read and cleared by ``_generate_and_score_completions``."""
 
     loss_inputs: dict[str, Any] | None = None
     """The micro-batch of the loss being computed. Written by ``_compute_loss`` before it calls TRL's loss; read and
@@ -41,5 +37,4 @@ class HookScratch:
 
     vetoed_step: bool = False
     """The step gate vetoed the optimizer step being taken. Written by ``_clip_grad_norm``; read and cleared by
-    ``_GuardClock.on_optimizer_step`` right after ``optimizer.step()``, which marks the step skipped for the Trainer
-    (under a GradScaler ``optimizer.step()`` itself rewrites accelerate's skip flag)."""
+    ``_GuardClock.on_optimizer_step``, which marks the step skipped again (a GradScaler's step rewrites the flag)."""

@@ -1,21 +1,9 @@
-"""The optimizer-step gate: should this optimizer step happen? And its installation inside DeepSpeed.
-
-Before every optimizer step the step guards (``StepGuard``: GEPO's spike detector) see the global pre-clip gradient
-norm; one veto skips the step. A skip hands the gradients to the guards and to OPEFO's error feedback before they
-are dropped, is counted (``gepo/skipped_steps``, per reason ``gepo/skipped_<reason>``) and recorded as an event.
-A taken step first gets OPEFO's pending error feedback, then the usual clipping.
-
-Observing guards (``observers``: a layer in ``mode: observe``, docs/DESIGN.md, "Observe mode") see the same norm
-and decide the same way, but their veto only counts (``gepo/would_skipped_steps``, per reason
-``gepo/would_skipped_<reason>``; ``gepo/would_stop`` where the guard would have stopped the run): the step proceeds,
-nothing is handed to error feedback, and a non-finite gradient reaches the optimizer exactly as in plain TRL.
-
-Where the decision runs:
-- one process or DDP: ``SteadyGRPOTrainer._clip_grad_norm`` -> ``StepGate.gate_step`` (gradients are already
-  all-reduced there, so the local norm is the global norm and every rank decides the same; under fp16's GradScaler
-  the trainer unscales them first);
-- DeepSpeed ZeRO-2: the step runs inside ``accelerator.backward`` -> ``engine.step()``, so the Trainer's
-  ``_clip_grad_norm`` comes too late; ``install_deepspeed`` puts the gate inside the ZeRO optimizer's step.
+"""Station 3, the optimizer-step gate: the step guards see the global pre-clip gradient norm and one veto skips the
+step (its gradients go to the guards and to error feedback first; ``gepo/skipped_<reason>``, an event); a taken step
+gets the pending error feedback, then the usual clipping. Observing guards decide the same way and only count
+(``gepo/would_skipped_<reason>``, ``gepo/would_stop``): the step proceeds as in plain TRL. One process or DDP: from
+``_clip_grad_norm`` (the gradients are all-reduced: every rank decides the same); DeepSpeed ZeRO-2: inside the ZeRO
+optimizer's step (``install_deepspeed``), since ``_clip_grad_norm`` comes after ``engine.step()``.
 """
 
 from __future__ import annotations
@@ -23,55 +11,45 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from steadyrl.guards.base import StepDecision, StepGuard, combine_decisions
+from steadyrl.guards.error_feedback import ErrorFeedback
 from steadyrl.guards.spike import SpikeSkipError
 from steadyrl.metrics import (
     EVENT_SKIP,
     GEPO_SKIPPED_STEPS,
-    GEPO_WOULD_SKIP,
     GEPO_WOULD_STOP,
     GUARD_PART_GEPO_SPIKE,
     GUARD_PART_OPEFO_FEEDBACK,
+    OPEFO_EF_WEIGHT,
     gepo_skipped,
-    gepo_would_skip,
+    would,
 )
-from steadyrl.trainers.context import RuntimeContext
+from steadyrl.trainers.context import RuntimeContext, StepNotes
 from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 
 logger = logging.getLogger(__name__)
 
 
-class ErrorFeedbackHook(Protocol):
-    """What the gate needs of OPEFO: keep a skipped step's gradients, feed them back into a taken step."""
-
-    def on_skip(self, gradients: list[torch.Tensor | None]) -> None: ...
-
-    def feed_back(self, gradients: list[torch.Tensor | None]) -> bool: ...
-
-
 class StepGate:
-    """Step guards + the skip bookkeeping. ``counters`` is saved in the checkpoint (``skipped_steps``, ...).
-
-    ``observers``: step guards in observe mode; they decide on every step, their vetoes are only counted.
-    """
+    """Step guards + the skip bookkeeping (``counters``: saved in the checkpoint). ``observers``: step guards in
+    observe mode. ``feedback``: error feedback; with ``would`` (OPEFO observing: its counts) a skip only counts what
+    it would keep. ``notes``: a skip has the step end check the optimizer state."""
 
     def __init__(
-        self,
-        guards: list[StepGuard],
-        ctx: RuntimeContext,
-        feedback: ErrorFeedbackHook | None = None,
-        observers: list[StepGuard] | None = None,
-        deepspeed: bool = False,
-    ) -> None:
+        self, guards: list[StepGuard], ctx: RuntimeContext, feedback: ErrorFeedback | None = None,
+        observers: list[StepGuard] | None = None, deepspeed: bool = False, notes: StepNotes | None = None,
+        would: dict[str, int] | None = None,
+    ) -> None:  # fmt: skip
         self.guards = guards
         self.deepspeed = deepspeed  # the gate runs inside the ZeRO optimizer's step (``install_deepspeed``)
         self.observers = list(observers or [])
         self.ctx = ctx
-        self.feedback = feedback
+        self.feedback, self.would = feedback, would
+        self.notes = notes if notes is not None else StepNotes()
         self.counters: dict[str, float] = defaultdict(float)
         self._ds_installed = False
 
@@ -96,19 +74,14 @@ class StepGate:
             return None, False
         scaler = getattr(optimizer, "scaler", None)  # accelerate's GradScaler: fp16 without DeepSpeed
         if scaler is not None:
-            # The gradients are still multiplied by the loss scale. Unscale them first, as the Trainer's own
-            # clipping does (accelerator.clip_grad_norm_): the gate decides on, feeds back into and clips the true
-            # gradients, and the scaler records its inf check here, so a vetoed step (no gradients left) passes
-            # scaler.step / scaler.update like a step without overflow.
+            # unscale first, as accelerator.clip_grad_norm_ does: the gate sees the true gradients, and a vetoed
+            # step (no gradients left) passes scaler.step / scaler.update like a step without overflow
             scaler.unscale_(optimizer.optimizer)
         return self.clip_or_skip(model, max_grad_norm)
 
     def decide(self, norm: torch.Tensor, gradients: list[torch.Tensor | None]) -> StepDecision:
-        """Ask every step guard about the global pre-clip norm; on a veto, hand them the gradients and count it.
-
-        ``gradients`` are this rank's: all gradients under one process or DDP (already all-reduced), this
-        rank's gradient partition under DeepSpeed ZeRO-2. Dropping them is the caller's job.
-        """
+        """Ask every step guard about the global pre-clip norm; on a veto, hand them this rank's ``gradients`` (its
+        partition under ZeRO-2) and count it. Dropping them is the caller's job."""
         step = self.ctx.global_step()
         decision = combine_decisions([guard.decide(norm, step) for guard in self.guards])
         if self.observers:
@@ -118,20 +91,36 @@ class StepGate:
                 guard.on_skip(gradients, decision, step)
             if self.feedback is not None:
                 with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):  # a copy of the skipped gradients
-                    self.feedback.on_skip(gradients)
+                    self.keep_skipped(gradients, step)
             self._count_skip(decision.reason, float(norm), step)
-        self._log_counters()
+        self._log_counters("skipped_steps", "skipped_")
         for guard in self.guards:  # a guard's own counters (the spike guard's baseline, rebases, ...)
             metrics = getattr(guard, "metrics", None)
             if metrics is not None:
                 self.ctx.log_metrics(metrics())
         return decision
 
+    def keep_skipped(self, gradients: list[torch.Tensor | None], step: int) -> None:
+        """Error feedback keeps a skipped step's gradients (observing: counts it); the step end checks the state."""
+        self.notes.check_now = "skipped step"
+        if self.would is not None:  # skipped by an acting step guard: count what error feedback would keep
+            self.would["feed_back"] += int(self.feedback.config.enabled)
+        elif self.feedback.store(gradients):
+            logger.info("step %d: skipped gradient kept for error feedback", step)
+
+    def feed_back(self, gradients: list[torch.Tensor | None]) -> bool:
+        """Inject the pending residual's next piece into this step's gradients; True when it changed them."""
+        if self.feedback is None or self.would is not None or not self.feedback.pending:
+            return False
+        with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):
+            metrics = self.feedback.apply(gradients)
+            self.ctx.log_metrics(metrics)
+        return metrics.get(OPEFO_EF_WEIGHT, 0.0) > 0.0
+
     def veto(self, reason: str) -> StepDecision:
-        """Skip this step without asking the guards (every micro-batch was dropped: no gradient is left to judge,
-        keep or feed back); counted like any skip (``gepo/skipped_<reason>``)."""
+        """Skip this step without asking the guards (every micro-batch was dropped); counted like any skip."""
         self._count_skip(reason, 0.0, self.ctx.global_step())
-        self._log_counters()
+        self._log_counters("skipped_steps", "skipped_")
         return StepDecision(True, reason)
 
     def _count_skip(self, reason: str, norm: float, step: int) -> None:
@@ -142,11 +131,13 @@ class StepGate:
             self.counters[f"skipped_{one}"] += 1
         logger.warning("step %d: optimizer step skipped (%s, grad norm %.4g)", step + 1, reason, norm)
 
-    def _log_counters(self) -> None:
-        self.ctx.log_metric(GEPO_SKIPPED_STEPS, self.counters["skipped_steps"])
+    def _log_counters(self, total: str, prefix: str) -> None:
+        """The skip counters (act: ``skipped_*``; observe: ``would_skip*``, logged under their ``would`` names)."""
+        name = would if total == "would_skip" else str
+        self.ctx.log_metric(name(GEPO_SKIPPED_STEPS), self.counters[total])
         for key, value in self.counters.items():
-            if key.startswith("skipped_") and key != "skipped_steps":  # per reason: skipped_spike, ...
-                self.ctx.log_metric(gepo_skipped(key.removeprefix("skipped_")), value)
+            if key.startswith(prefix) and key != total:  # per reason: skipped_spike, ...
+                self.ctx.log_metric(name(gepo_skipped(key.removeprefix(prefix))), value)
 
     def _observe(self, norm: torch.Tensor, step: int) -> None:
         """The observing guards' decision on this step: counted, never applied."""
@@ -168,18 +159,13 @@ class StepGate:
                 "step %d: observe mode: the step guard would skip this step (%s, grad norm %.4g); it proceeds",
                 step + 1, would.reason, float(norm),
             )  # fmt: skip
-        self.ctx.log_metric(GEPO_WOULD_SKIP, self.counters["would_skip"])
-        for key, value in self.counters.items():
-            if key.startswith("would_skip_"):
-                self.ctx.log_metric(gepo_would_skip(key.removeprefix("would_skip_")), value)
+        self._log_counters("would_skip", "would_skip_")
         if self.counters.get("would_stop"):
             self.ctx.log_metric(GEPO_WOULD_STOP, self.counters["would_stop"])
 
     def clip_or_skip(self, model: torch.nn.Module, max_grad_norm: float) -> tuple[torch.Tensor, bool]:
-        """One process or DDP: decide on the global pre-clip norm, then drop the gradients or clip them.
-
-        Returns (pre-clip norm, skipped). A skip sets every ``.grad`` to None, so ``optimizer.step()`` changes nothing.
-        """
+        """One process or DDP: decide on the global pre-clip norm, then drop the gradients (every ``.grad`` None) or
+        clip them. Returns (pre-clip norm, skipped)."""
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
@@ -188,25 +174,17 @@ class StepGate:
         if decision.skip:
             model.zero_grad(set_to_none=True)
             return norm, True
-        if self.feedback is not None:
-            with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):
-                if self.feedback.feed_back(grads):  # error feedback changed the gradients: norm them again
-                    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if self.feed_back(grads):  # error feedback changed the gradients: norm them again
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
         return norm, False
 
     def install_deepspeed(self, optimizer: Any) -> None:
-        """Put the gate inside DeepSpeed's ZeRO optimizer step (ZeRO-2 is tested; called once the engine exists).
-
-        ``DeepSpeedZeroOptimizer.step`` first computes the global gradient norm (``scaled_global_norm``: all-reduced
-        over the data-parallel group, so identical on every rank) and then calls ``_update_scale(overflow)``; when
-        ``overflow`` is set after that call it drops the gradients and returns without touching weights or moments.
-        The hook decides on the first call and raises ``overflow`` in the second. DeepSpeed's own overflow check
-        (fp16 or ``check_grad_overflow``) may skip a step before any norm is computed; the guards then see a NaN
-        norm, so counts stay right. Accelerate reports the skip (``optimizer.overflow``), and the Trainer then
-        leaves the LR schedule alone.
-        """
+        """Put the gate inside DeepSpeed's ZeRO optimizer step (ZeRO-2 is tested): ``step`` computes the global norm
+        (``scaled_global_norm``, equal on every rank), then calls ``_update_scale(overflow)`` and returns early on
+        ``overflow``. The hook decides in the first call and raises ``overflow`` in the second; a step DeepSpeed's
+        own overflow check skips before any norm shows the guards a NaN norm. Accelerate reports the skip."""
         if self._ds_installed:
             return
         zero = optimizer
@@ -229,10 +207,8 @@ class StepGate:
             with self.ctx.timer(GUARD_PART_GEPO_SPIKE):
                 grads = [g for i in sorted(zero.averaged_gradients) for g in (zero.averaged_gradients[i] or [])]
                 pending["skip"] = self.decide(norm, grads).skip
-            if not pending["skip"] and self.feedback is not None:
-                with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):
-                    if self.feedback.feed_back(grads):  # error feedback changed the partition: norm it again
-                        scaled = original_norm(*args, **kwargs)
+            if not pending["skip"] and self.feed_back(grads):  # error feedback changed the partition: norm again
+                scaled = original_norm(*args, **kwargs)
             return scaled
 
         def update_scale(has_overflow: bool) -> None:

@@ -1,10 +1,6 @@
 """The only place where the guard layers' decisions are written into TRL's trainer state (or read from TRL's
-private state). The runtimes return what should change; ``SteadyGRPOTrainer`` calls these.
-
-The TRL attributes involved, and why writing them between steps is safe, are listed in ``steadyrl.trainers.hooks``
-(``internals_problems`` checks them): ``beta``, ``entropy_coef``, ``epsilon_low/high`` are read by ``_compute_loss``
-on every call; ``_entropy_bonus_enabled`` is fixed in ``__init__``; ``_metrics[mode]`` gets one ``kl`` (when
-beta != 0) and one ``entropy`` entry per micro-batch.
+private state); the stations return what should change. Why writing these attributes between steps is safe is in
+``steadyrl.trainers.hooks`` (``internals_problems`` checks it).
 """
 
 from __future__ import annotations
@@ -17,14 +13,13 @@ from typing import Any
 import torch
 
 from steadyrl.metrics import OPEFO_LR_FACTOR
-from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, QuatroSetup
+from steadyrl.trainers.context import Controls, TrainerSettings
 
 
 @contextlib.contextmanager
 def kl_out_of_loss(trainer: Any) -> Iterator[None]:
-    """PPO: TRL adds ``beta * kl`` to the loss when ``trainer.beta != 0``; PPO's KL is in the reward, so 0 for the
-    duration. Everywhere else ``beta`` stays the KL coefficient (TRL's rollout reads it for the reference log-probs,
-    GRADE and QUATRO scale it, the reward placement uses it); on exit it is ``beta_base x`` every factor again."""
+    """PPO: TRL adds ``beta * kl`` to the loss when ``trainer.beta != 0``, but PPO's KL is in the reward: 0 for the
+    duration; on exit ``beta_base x`` every factor again (the rollout and the reward placement read it)."""
     trainer.beta = 0.0
     try:
         yield
@@ -33,8 +28,7 @@ def kl_out_of_loss(trainer: Any) -> Iterator[None]:
 
 
 def mix_buffered_inputs(trainer: Any, mix: Callable[[list[Any]], list[Any]], served: Any) -> Any:
-    """Replay: TRL's just-buffered micro-batches of a new generation -> ``mix(them)``; returns the mixed counterpart of
-    the micro-batch TRL served from them (``served``)."""
+    """Replay: TRL's just-buffered micro-batches -> ``mix(them)``; returns the mixed one of the ``served`` one."""
     fresh = trainer._buffered_inputs
     trainer._buffered_inputs = mix(fresh)
     return trainer._buffered_inputs[next(i for i, batch in enumerate(fresh) if batch is served)]
@@ -47,18 +41,14 @@ def restore_rollouts(trainer: Any, rollouts: dict[str, Any] | None) -> None:
 
 
 def set_beta_factor(trainer: Any, name: str, value: float) -> None:
-    """One multiplicative factor of the KL coefficient (GRADE compensation, QUATRO's controller, ...):
-    ``trainer.beta = beta_base x`` every factor."""
+    """One factor of the KL coefficient (GRADE, the KL controller): ``trainer.beta = beta_base x`` every factor."""
     trainer.beta_factors[name] = value
     trainer.beta = trainer.beta_base * math.prod(trainer.beta_factors.values())
 
 
 class BetaFactors:
-    """Every factor of the KL coefficient as checkpointed guard state (``beta_factors`` in ``steadyrl_state.pt``).
-
-    GRADE's KL compensation is set once per generation batch; a resume inside a generation window trains on that
-    batch again without recomputing it, so the factor must come back from the checkpoint (QUATRO's is also
-    re-applied from its controller's restored state)."""
+    """Every factor of the KL coefficient as guard state (``beta_factors``): a resume inside a generation window
+    trains on its batch again without recomputing GRADE's factor."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -71,33 +61,23 @@ class BetaFactors:
             set_beta_factor(self.trainer, name, float(value))
 
 
-def bind_quatro(trainer: Any, quatro: QuatroRuntime) -> tuple[float, float] | None:
-    """Bind QUATRO to the trainer's settings (``QuatroSetup``) and its context. With the entropy floor on, switch
-    TRL's entropy term on (fixed at init; the floor drives its coefficient) and return the initial (epsilon_low,
-    epsilon_high), the clip range the floor scales; else None. The caller then applies ``quatro.controls()``."""
+def trainer_settings(trainer: Any, replay: bool) -> TrainerSettings:
+    """The trainer settings the stations read once (``replay``: the tokenizer's pad id is needed)."""
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    pad = tokenizer.pad_token_id if quatro.replay_on and tokenizer.pad_token_id is not None else 0
-    setup = QuatroSetup(
-        beta=trainer.beta_base,
-        seed=int(trainer.args.seed),
-        pad_token_id=pad,
-        loss_type=trainer.loss_type,
-        entropy_coef=trainer.entropy_coef,
-        use_adaptive_entropy=trainer.use_adaptive_entropy,
-        kl_from_rollouts=bool(getattr(trainer, "kl_in_reward", False)),
-        reward_names=tuple(getattr(trainer, "reward_func_names", ())),
-    )
-    quatro.bind(trainer.ctx, setup)
-    if quatro.replay_on:
-        trainer.guard_state.rank_stateful["quatro"] = quatro  # each rank replays its own rows
-    if quatro.entropy is None or quatro.observe:  # observe mode: TRL's entropy term stays as the user set it
-        return None
+    pad = tokenizer.pad_token_id if replay and tokenizer.pad_token_id is not None else 0
+    kl_from_rollouts, names = bool(getattr(trainer, "kl_in_reward", False)), getattr(trainer, "reward_func_names", ())
+    return TrainerSettings(trainer.beta_base, int(trainer.args.seed), pad, trainer.loss_type, trainer.entropy_coef,
+                           trainer.use_adaptive_entropy, kl_from_rollouts, tuple(names))  # fmt: skip
+
+
+def enable_entropy_term(trainer: Any) -> tuple[float, float]:
+    """Switch TRL's entropy term on (the floor drives its coefficient); returns the clip range the floor scales."""
     trainer._entropy_bonus_enabled = True
     return float(trainer.epsilon_low), float(trainer.epsilon_high)
 
 
-def apply_quatro(trainer: Any, controls: QuatroControls, epsilon0: tuple[float, float] | None) -> None:
-    """QUATRO's controls into TRL: the ``quatro_kl`` factor of beta, ``entropy_coef``, ``epsilon_low/high``."""
+def apply_controls(trainer: Any, controls: Controls, epsilon0: tuple[float, float] | None) -> None:
+    """The controllers' output into TRL: the ``quatro_kl`` factor of beta, ``entropy_coef``, ``epsilon_low/high``."""
     if controls.kl_factor is not None:
         set_beta_factor(trainer, "quatro_kl", controls.kl_factor)
     if controls.entropy_coef is not None:
@@ -115,11 +95,8 @@ def logged_kl_and_entropy(trainer: Any) -> tuple[float, float]:
 
 
 def ensure_sampling_logps(trainer: Any, output: dict[str, Any]) -> None:
-    """Give a scored generation batch its sampling policy's ``old_per_token_logps`` where TRL left them out.
-
-    Called right after generation and scoring, before any optimizer step: the current model is the sampling
-    policy. The same call TRL makes when it computes them itself (``_generate_and_score_completions``).
-    """
+    """Give a scored generation batch (before any update: the model is the sampling policy) its
+    ``old_per_token_logps`` where TRL left them out, by the call TRL makes when it computes them itself."""
     if output.get("old_per_token_logps") is not None:
         return
     from trl.models.utils import disable_gradient_checkpointing
@@ -129,12 +106,9 @@ def ensure_sampling_logps(trainer: Any, output: dict[str, Any]) -> None:
     attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model,
-            input_ids,
-            attention_mask,
-            completion_ids.size(1),
+            trainer.model, input_ids, attention_mask, completion_ids.size(1),
             batch_size=trainer.args.per_device_train_batch_size,
-        )
+        )  # fmt: skip
     output["old_per_token_logps"] = logps
 
 
@@ -146,17 +120,12 @@ class LearningRateScale:
         self._last_factor = 1.0
 
     def apply(self, param_groups: list[dict[str, Any]], factor: float) -> bool:
-        """Scale the LR the schedule just set by ``factor``; True when it wrote the param groups.
-
-        HF schedules are ``LambdaLR``s: each ``step()`` sets ``lr = base_lr * lambda(step)``, so the scaling never
-        compounds. A schedule that leaves ``lr`` untouched is detected (the value is still the one set here) and
-        un-scaled first.
-        """
+        """Scale the LR the schedule just set by ``factor``; True when it wrote the param groups. Never compounds:
+        a ``lr`` the schedule left untouched (still the one set here) is un-scaled first."""
         current = [g["lr"] for g in param_groups]
         if self._scaled is not None:
-            current = [
-                lr / self._last_factor if lr == mine else lr for lr, mine in zip(current, self._scaled, strict=True)
-            ]
+            mine = zip(current, self._scaled, strict=True)
+            current = [lr / self._last_factor if lr == scaled else lr for lr, scaled in mine]
         if factor == 1.0 and self._scaled is None:
             return False
         for g, lr in zip(param_groups, current, strict=True):
@@ -167,9 +136,8 @@ class LearningRateScale:
 
 
 def mark_step_skipped(optimizer: Any, skipped: bool) -> None:
-    """Tell the Trainer whether the optimizer step was skipped (accelerate's ``_is_overflow``, read as
-    ``optimizer_step_was_skipped``), so a skipped step leaves the LR schedule alone, as an fp16 overflow does. Under
-    a GradScaler ``optimizer.step()`` rewrites the flag: ``_GuardClock.on_optimizer_step`` sets it again."""
+    """Tell the Trainer whether the step was skipped (``_is_overflow``), so it leaves the LR schedule alone; under a
+    GradScaler ``optimizer.step()`` rewrites the flag and ``_GuardClock.on_optimizer_step`` sets it again."""
     if hasattr(optimizer, "_is_overflow") and (skipped or getattr(optimizer, "scaler", None) is None):
         optimizer._is_overflow = skipped
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_guard_parts_expand_the_yaml_section_and_validate_it() -> None:
     every = guard_parts("all")
-    filled = sorted(k for k, v in vars(every).items() if v not in (None, False, [], {}))
+    filled = sorted(k for k, v in vars(every).items() if v not in (None, False, [], {}, frozenset()))
     assert filled == [
         "advantage_fn", "finite_checks", "logprob_min", "opefo", "quatro", "reward_processor", "step_guards",
     ]  # fmt: skip
@@ -40,9 +40,9 @@ def test_every_layer_on_at_trls_default_beta_0_trains(tiny_model_dir, tmp_path) 
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
         guards="all",
     )
-    assert trainer.beta == 0.0 and trainer.quatro.kl is None  # nothing to anchor: inactive, not refused
+    assert trainer.beta == 0.0 and trainer.step_end.kl is None  # nothing to anchor: inactive, not refused
     assert trainer.entropy_coef == 0.5  # the user's coefficient, the floor's bonus (0 while idle) on top
-    assert trainer.opefo is not None and trainer.parts.reward_processor is not None
+    assert trainer.step_end.recovery is not None and trainer.parts.reward_processor is not None
     trainer.train()
     assert trainer.state.global_step == 2
     assert all(math.isfinite(row["loss"]) for row in trainer.state.log_history if "loss" in row)

@@ -18,7 +18,7 @@ from steadyrl.guards.rollback import RollbackConfig
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.layers import GuardParts
-from steadyrl.trainers.opefo_runtime import OpefoRuntime, optimizer_chain
+from steadyrl.trainers.recovery import optimizer_chain
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def _trainer(model_dir, out, guards, opefo=None, callbacks=(), **args):
 
 def _opefo(**rollback):
     rb = dict(snapshot_interval=2, check_interval=1, recovery_steps=2, recovery_lr_factor=0.3, **rollback)
-    return OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=RollbackConfig(**rb)))
+    return OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=RollbackConfig(**rb))
 
 
 def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, caplog):
@@ -78,6 +78,7 @@ def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, cap
     trainer, after = _trainer(tiny_model_dir, tmp_path / "opefo", guards, opefo, [fault], max_steps=6)
     with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
         trainer.train()
+    opefo = trainer.step_end.recovery
     assert fault.fired and opefo.policy.rollbacks == 1
     (line,) = [r.getMessage() for r in caplog.records if "OPEFO rollback" in r.getMessage()]
     assert line.startswith("step 3: OPEFO rollback #1 to the snapshot of step 2 (cause: non-finite optimizer state")
@@ -113,6 +114,7 @@ def test_inf_in_exp_avg_sq_is_repaired_in_place_with_no_lost_step_and_no_lr_cut(
     trainer, after = _trainer(tiny_model_dir, tmp_path / "repair", guards, opefo, [fault], max_steps=6)
     with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
         trainer.train()
+    opefo = trainer.step_end.recovery
     assert fault.fired and opefo.policy.rollbacks == 0 and opefo.policy.repairs == 1
     (line,) = [r.getMessage() for r in caplog.records if "OPEFO repaired" in r.getMessage()]
     assert line.startswith("step 3: OPEFO repaired 1 non-finite Adam moment entry in place")
@@ -144,7 +146,7 @@ def test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot(tiny_mo
         lr_scheduler_type="linear",
     )
     trainer.train()
-    assert trainer.opefo.policy.rollbacks == 1
+    assert trainer.step_end.recovery.policy.rollbacks == 1
     schedule = [1e-3 * (6 - k) / 6 for k in range(1, 7)]  # the LR set after step k, for step k + 1
     expected = [lr * (0.3 if k in (3, 4) else 1.0) for k, lr in enumerate(schedule, start=1)]
     assert [lrs[0] for lrs in after.lrs] == pytest.approx(expected, rel=1e-9, abs=1e-15)
@@ -162,6 +164,7 @@ def test_error_feedback_reinjects_a_skipped_gradient_and_rejects_a_nonfinite_one
     # the inf step (index 1) left every Adam moment bit-identical
     for pid, state in after.moments[0].items():
         assert all(torch.equal(t, after.moments[1][pid][k]) for k, t in state.items()), pid
+    opefo = trainer.step_end.recovery
     assert opefo.feedback.rejected_nonfinite == 1 and opefo.feedback.stored == 1
     history = trainer.state.log_history
     weights_used = [row.get("opefo/ef_weight", 0.0) for row in history if "loss" in row]
@@ -198,7 +201,7 @@ def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path, m
     def opefo():
         floor = FloorConfig(interval=2, trigger_frac=0.0)
         rollback = RollbackConfig(snapshot_interval=2, check_interval=1)
-        return OpefoRuntime(OpefoConfig(enabled=True, floor=floor, rollback=rollback))
+        return OpefoConfig(enabled=True, floor=floor, rollback=rollback)
 
     common = dict(max_steps=6, save_steps=3, save_strategy="steps", beta=0.04)
     straight, _ = _trainer(tiny_model_dir, tmp_path / "straight", [SkipAt({1})], opefo(), [ZeroLiveSecondMoment(1)],

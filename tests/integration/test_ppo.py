@@ -129,10 +129,9 @@ def _quatro_kl(**kl) -> dict:
     """QUATRO's adaptive KL alone; the tiny target makes every positive rollout KL push beta up."""
     from steadyrl.guards.kl_controller import KLConfig
     from steadyrl.guards.quatro import QuatroConfig
-    from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
     kl = {"target": 1e-9, "up": 1.5, "down": 0.5, "beta_range": [0.25, 4.0], **kl}  # two-sided: rollout 1 lowers beta
-    return {"quatro": QuatroRuntime(QuatroConfig(kl=KLConfig(**kl)))}
+    return {"quatro": QuatroConfig(kl=KLConfig(**kl))}
 
 
 def _spy_on_placed_beta(monkeypatch) -> list[float]:
@@ -167,7 +166,7 @@ def test_quatro_adaptive_kl_drives_the_reward_kl_coefficient(tiny_model_dir, tmp
     # the placed coefficient: beta0 for rollout 1, then the controller's latest (beta_base x factor), never 0/stale
     assert placed == per_step(history, "ppo/beta") == pytest.approx([0.04, *coefs[:-1]])
     assert placed[1:] == pytest.approx([0.04 * f for f in per_step(history, "quatro/kl_factor")[:-1]])
-    assert trainer.beta == pytest.approx(coefs[-1]) and trainer.quatro.kl.updates == 4
+    assert trainer.beta == pytest.approx(coefs[-1]) and trainer.step_end.kl.updates == 4
 
 
 def test_ppo_resume_is_exact_with_quatro_adaptive_kl(tiny_model_dir, tmp_path, monkeypatch):
@@ -180,7 +179,7 @@ def test_ppo_resume_is_exact_with_quatro_adaptive_kl(tiny_model_dir, tmp_path, m
     straight.train()
     history = straight.state.log_history
     coefs = per_step(history, "quatro/kl_coef")
-    assert coefs == pytest.approx([0.02, 0.02, 0.03, 0.03]) and straight.quatro.kl.updates == 2
+    assert coefs == pytest.approx([0.02, 0.02, 0.03, 0.03]) and straight.step_end.kl.updates == 2
     assert placed == pytest.approx([0.04, 0.02])  # one placement per rollout, with the coefficient of its time
 
     placed.clear()
@@ -188,7 +187,7 @@ def test_ppo_resume_is_exact_with_quatro_adaptive_kl(tiny_model_dir, tmp_path, m
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
     assert placed == pytest.approx([0.02])  # the restored controller's beta, not trainer.beta's initial 0.04
     assert resumed.state.global_step == 4 and resumed.beta == straight.beta
-    assert resumed.quatro.state_dict() == straight.quatro.state_dict()
+    assert resumed.guard_state.stateful["quatro"].state_dict() == straight.guard_state.stateful["quatro"].state_dict()
     assert_same_weights(weights(resumed.policy_and_value), weights(straight.policy_and_value))
     after = [r for r in history if r.get("step", 0) > 2 and "loss" in r]
     resumed_rows = [r for r in resumed.state.log_history if r.get("step", 0) > 2 and "loss" in r]
@@ -319,16 +318,15 @@ def _quatro_replay(replay_ratio: float = 0.3125) -> dict:
     """QUATRO's rollout replay alone (0.3125 x 8 = 2.5 -> 3 replayed rows per micro-batch once warm)."""
     from steadyrl.guards.quatro import QuatroConfig
     from steadyrl.guards.replay import ReplayConfig
-    from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
-    return {"quatro": QuatroRuntime(QuatroConfig(replay=ReplayConfig(replay_ratio=replay_ratio)))}
+    return {"quatro": QuatroConfig(replay=ReplayConfig(replay_ratio=replay_ratio))}
 
 
 def test_ppo_replay_keeps_gae_tensors_and_replays_the_configured_share(tiny_model_dir, tmp_path):
     """One generation = 2 micro-batches = 1 optimizer step; from the second generation on every micro-batch holds 3
     replayed rows, each with the token advantages, returns, old values and log-probs of the rollout it came from
     (right-padded, zero past its completion), and the run stays finite."""
-    from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY
+    from steadyrl.trainers.rollout import REPLAY_STEP_KEY
 
     trainer = _trainer(
         tiny_model_dir, tmp_path / "replay", guards=_quatro_replay(), max_steps=4, gradient_accumulation_steps=2
@@ -343,13 +341,13 @@ def test_ppo_replay_keeps_gae_tensors_and_replays_the_configured_share(tiny_mode
 
     trainer._generate_and_score_completions = generate
     losses: list[tuple[int, dict]] = []
-    original_record = trainer.quatro.record_replay
+    original_record = trainer.loss_station.record_replay
 
     def record(inputs, logps):
         losses.append((trainer.state.global_step, inputs))
         return original_record(inputs, logps)
 
-    trainer.quatro.record_replay = record
+    trainer.loss_station.record_replay = record
     trainer.train()
 
     per_token = ("advantages", "returns", "old_values", "old_per_token_logps", "ref_per_token_logps")
@@ -397,7 +395,7 @@ def test_ppo_resume_is_exact_with_replay_on(tiny_model_dir, tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
     assert resumed.state.global_step == straight.state.global_step == 4
     assert_same_weights(weights(resumed.policy_and_value), weights(straight.policy_and_value))
-    assert resumed.quatro.replay.added_rows > 0 and resumed.quatro.replay.replayed_rows > 0
+    assert resumed.rollout.replay.added_rows > 0 and resumed.rollout.replay.replayed_rows > 0
     after = [r for r in straight.state.log_history if r.get("step", 0) > 2 and "loss" in r]
     resumed_rows = [r for r in resumed.state.log_history if r.get("step", 0) > 2 and "loss" in r]
     for key in ("quatro/replay_frac", "quatro/replay_age_mean", "ppo/value_loss", "ppo/returns_mean", "loss"):
@@ -410,12 +408,11 @@ def test_brake_moments_scale_the_policys_moments_and_leave_the_critics(tiny_mode
     whose value loss the brake does not scale, keep the moments the step left, exactly."""
     from steadyrl.guards.entropy_floor import EntropyConfig
     from steadyrl.guards.quatro import QuatroConfig
-    from steadyrl.trainers.quatro_runtime import QuatroRuntime
 
-    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1)))
+    quatro = QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1))
     trainer = _trainer(tiny_model_dir, tmp_path / "run", guards={"quatro": quatro}, max_steps=2)
     factors = iter(FORCED_MOMENT_FACTORS)
-    trainer.quatro.entropy.moment_rescale = lambda: next(factors)
+    trainer.step_end.entropy.moment_rescale = lambda: next(factors)
     spy = GroupMomentSpy()
     trainer.add_callback(spy)
     trainer.train()
@@ -427,19 +424,19 @@ def test_unscorable_and_filtered_rows_train_nothing(tiny_model_dir, tmp_path, mo
     whitening (the trained rows' advantages have mean 0 and std 1 by themselves) and get no value-loss weight."""
     from steadyrl.guards.quatro import QuatroConfig
     from steadyrl.guards.rollout_filters import FilterConfig
-    from steadyrl.trainers.quatro_runtime import QuatroRuntime
+    from steadyrl.trainers.rollout import RolloutStation
 
     def reward(completions, **kw):  # row 1 of every batch is unscorable
         return [None if i == 1 else v for i, v in enumerate(byte_mean(completions))]
 
-    quatro = QuatroRuntime(QuatroConfig(filters=FilterConfig()))
+    quatro = QuatroConfig(filters=FilterConfig())
 
-    def keep_all_but_row_2(output, rewards, lengths, num_generations):
+    def keep_all_but_row_2(self, output, rewards, lengths, num_generations):
         keep = torch.ones(rewards.shape[0], dtype=torch.bool)
         keep[2] = False
         return keep
 
-    monkeypatch.setattr(quatro, "filter_generation", keep_all_but_row_2)
+    monkeypatch.setattr(RolloutStation, "filter_generation", keep_all_but_row_2)
     trainer = SteadyPPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=[reward],

@@ -28,7 +28,6 @@ from steadyrl.guards.rollout_filters import (
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.grpo import load_steady_state
 from steadyrl.trainers.layers import GuardParts
-from steadyrl.trainers.quatro_runtime import QuatroRuntime
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
 
 pytestmark = pytest.mark.slow
@@ -45,14 +44,14 @@ class AfterGuards(TrainerCallback):
         self.rows.append(dict(beta=t.beta, factors=dict(t.beta_factors), coef=t.entropy_coef, eps=t.epsilon_low))
 
 
-def _trainer(model_dir, out, quatro, reward=byte_mean, **args):
+def _trainer(model_dir, out, quatro, reward=byte_mean, observe=False, **args):
     trainer = SteadyGRPOTrainer(
         model=str(model_dir),
         reward_funcs=[reward],
         args=grpo_args(out, **args),
         train_dataset=small_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        guards=GuardParts(quatro=quatro),
+        guards=GuardParts(quatro=quatro, observe=frozenset({"quatro"} if observe else ())),
     )
     after = AfterGuards(trainer)
     trainer.add_callback(after)
@@ -62,7 +61,7 @@ def _trainer(model_dir, out, quatro, reward=byte_mean, **args):
 def test_adaptive_kl_moves_beta_toward_the_target_and_composes_with_grade(tiny_model_dir, tmp_path):
     """Target 1e-9: step 1's KL is 0 (policy == reference) -> beta x 0.8; afterwards KL > target -> x 1.2 each
     step. The effective beta is beta_base x quatro_kl x grade at every step."""
-    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=1e-9, beta_range=[0.25, 4.0])))
+    quatro = QuatroConfig(kl=KLConfig(target=1e-9, beta_range=[0.25, 4.0]))
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=[byte_mean],
@@ -95,7 +94,7 @@ def test_entropy_floor_activates_on_a_collapsing_run(tiny_model_dir, tmp_path):
     """A reward that pays for repeating one character, lr 3e-2: entropy falls below 0.95 x its 2-step baseline.
     While the floor is active the next steps run with TRL's entropy bonus > 0 and epsilon x 0.5."""
     cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, ki=0.1, coef_max=0.05)
-    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    quatro = QuatroConfig(entropy=cfg)
     trainer, after = _trainer(
         tiny_model_dir, tmp_path / "ent", quatro, reward=repetition_reward, max_steps=10, learning_rate=3e-2,
         max_completion_length=8,
@@ -124,7 +123,7 @@ def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(t
     rewards, the ones TRL logs as ``reward`` (gathered, weighted), and ``quatro/floor_held_off`` is logged."""
     monkeypatch.setattr(entropy_floor, "GATE_WINDOW", 4)
     cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95)
-    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    quatro = QuatroConfig(entropy=cfg)
     trainer, _ = _trainer(
         tiny_model_dir, tmp_path / "gate", quatro, reward=repetition_reward, max_steps=6, learning_rate=3e-2,
         max_completion_length=8,
@@ -133,7 +132,7 @@ def test_the_trainer_feeds_the_floors_learning_gate_each_steps_training_reward(t
     history = trainer.state.log_history
     logged = per_step(history, "reward")
     assert len(logged) == 6
-    assert list(quatro.entropy._rewards) == pytest.approx(logged[-4:], rel=1e-5)
+    assert list(trainer.step_end.entropy._rewards) == pytest.approx(logged[-4:], rel=1e-5)
     assert len(per_step(history, "quatro/floor_held_off")) == 6
 
 
@@ -142,7 +141,7 @@ def test_the_gate_reads_the_named_reward_not_the_trained_one(tiny_model_dir, tmp
     gate's window holds the last 4 steps' means of *that* reward as TRL logs it, not the weighted training reward."""
     monkeypatch.setattr(entropy_floor, "GATE_WINDOW", 4)
     cfg = EntropyConfig(baseline_steps=2, window=2, floor_ratio=0.95, gate_reward="byte_mean")
-    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
+    quatro = QuatroConfig(entropy=cfg)
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=[repetition_reward, byte_mean],
@@ -152,12 +151,12 @@ def test_the_gate_reads_the_named_reward_not_the_trained_one(tiny_model_dir, tmp
         processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
         guards=GuardParts(quatro=quatro),
     )  # fmt: skip
-    assert quatro.gate_column == 1
+    assert trainer.rollout.gate_column == 1
     trainer.train()
     history = trainer.state.log_history
     watched, trained = per_step(history, "rewards/byte_mean/mean"), per_step(history, "reward")
     assert len(watched) == len(trained) == 6
-    assert list(quatro.entropy._rewards) == pytest.approx(watched[-4:], rel=1e-5)
+    assert list(trainer.step_end.entropy._rewards) == pytest.approx(watched[-4:], rel=1e-5)
     assert trained[-4:] != pytest.approx(watched[-4:], rel=1e-3)  # the two rewards differ: the test can tell them
 
 
@@ -195,7 +194,7 @@ def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path, dr
     ``zero_advantage`` (default) they keep their completion mask and count in num_items_in_batch, so the kept rows'
     weight is that of an unfiltered batch; under ``exclude`` their mask is 0 and num_items_in_batch counts only the
     kept rows' tokens."""
-    quatro = QuatroRuntime(QuatroConfig(filters=_only_repetition(dropped_rows=dropped_rows)))
+    quatro = QuatroConfig(filters=_only_repetition(dropped_rows=dropped_rows))
     trainer, _ = _trainer(tiny_model_dir, tmp_path / "rep", quatro, max_steps=4, max_completion_length=16)
     recorder = Recorder(trainer)
     ids_per_step = []
@@ -232,10 +231,8 @@ def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path, dr
 
 def _all_on():
     entropy = EntropyConfig(baseline_steps=2, window=2, floor_ratio=1.0, ki=0.01)
-    return QuatroRuntime(
-        QuatroConfig(
-            kl=KLConfig(target=1e-3), entropy=entropy, filters=_only_repetition(), replay=ReplayConfig(capacity=2)
-        )
+    return QuatroConfig(
+        kl=KLConfig(target=1e-3), entropy=entropy, filters=_only_repetition(), replay=ReplayConfig(capacity=2)
     )
 
 
@@ -268,7 +265,8 @@ def test_resume_is_exact_with_quatro_kl_entropy_filters_and_replay_on(tiny_model
     resumed_quatro = _all_on()
     resumed, _ = _trainer(tiny_model_dir, tmp_path / "resumed", resumed_quatro, **common)
     load_steady_state(resumed, checkpoint)  # what train(resume_from_checkpoint=...) does, checked on its own
-    assert _same_tree(resumed_quatro.replay.state_dict(), buffer) and len(resumed_quatro.replay) > 0
+    replay = resumed.rollout.replay
+    assert _same_tree(replay.state_dict(), buffer) and len(replay) > 0
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert_same_weights(weights(resumed.model), weights(straight.model))
     keys = [k for k in history[-2] if k.startswith(("quatro/", "loss", "reward", "kl", "entropy", "grad_norm"))]
@@ -305,8 +303,7 @@ def _loss_seam(model_dir, out, entropy: EntropyConfig, mode: str):
     and TRL's own loss on that batch (computed without steadyrl's hooks)."""
     from trl import GRPOTrainer
 
-    quatro = QuatroRuntime(QuatroConfig(entropy=entropy), observe=mode == "observe")
-    trainer, _ = _trainer(model_dir, out, quatro)
+    trainer, _ = _trainer(model_dir, out, QuatroConfig(entropy=entropy), observe=mode == "observe")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which this test does not run
     inputs = _cov_batch()
@@ -319,7 +316,7 @@ def _floor_loss(trainer, inputs: dict, control: float) -> float:
     """steadyrl's loss on ``inputs`` with the floor's control set; the batch (replayed, or reused by num_iterations)
     keeps its own advantages afterwards."""
     original = inputs["advantages"]
-    trainer.quatro.entropy.control = control
+    trainer.step_end.entropy.control = control
     with torch.no_grad():
         loss = trainer._compute_loss(trainer.model, inputs)
     assert inputs["advantages"] is original
@@ -345,7 +342,7 @@ def test_the_loss_trains_on_the_braked_advantages(tiny_model_dir, tmp_path, mode
     name = "quatro/would_pg_scale" if mode == "observe" else "quatro/pg_scale"
     assert trainer._metrics["train"][name][-1] == 0.25
 
-    trainer.quatro.entropy.control = 0.0
+    trainer.step_end.entropy.control = 0.0
     with torch.no_grad():
         assert float(trainer._compute_loss(trainer.model, inputs)) == pytest.approx(float(plain), rel=1e-6)
     assert trainer._metrics["train"][name][-1] == 1.0
@@ -359,7 +356,7 @@ class MomentSpy(TrainerCallback):
 
     @staticmethod
     def _moments(optimizer):
-        from steadyrl.trainers.opefo_runtime import optimizer_chain
+        from steadyrl.trainers.recovery import optimizer_chain
 
         base = optimizer_chain(optimizer)[-1]
         return [(s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for s in base.state.values()]
@@ -377,12 +374,10 @@ def test_the_optimizer_steps_on_the_moments_the_brake_scaled(tiny_model_dir, tmp
     test does not wait for a collapse; the floor's own factors are checked by hand in tests/unit/test_quatro.py),
     every exp_avg the next update starts from is that factor x the one the step left, every exp_avg_sq its square
     x. Observe mode: the moments are the step's, untouched."""
-    quatro = QuatroRuntime(
-        QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1)), observe=mode == "observe"
-    )
-    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro, max_steps=3)
+    quatro = QuatroConfig(entropy=EntropyConfig(pg_brake=1.0, brake_moments=0.1))
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / mode, quatro, observe=mode == "observe", max_steps=3)
     factors = iter([0.5, 1.0, 2.5])
-    trainer.quatro.entropy.moment_rescale = lambda: next(factors)
+    trainer.step_end.entropy.moment_rescale = lambda: next(factors)
     spy = MomentSpy()
     trainer.add_callback(spy)
     trainer.train()

@@ -10,14 +10,14 @@ import torch
 from steadyrl.guards.quatro import QuatroConfig
 from steadyrl.guards.replay import ReplayConfig
 from steadyrl.trainers import SteadyGRPOTrainer
-from steadyrl.trainers.quatro_runtime import REPLAY_STEP_KEY, QuatroRuntime
+from steadyrl.trainers.rollout import REPLAY_STEP_KEY
 from tests.integration.helpers import per_step, tiny_grpo_trainer
 
 pytestmark = pytest.mark.slow
 
 
 def _trainer(model_dir, out, replay: ReplayConfig, **args) -> SteadyGRPOTrainer:
-    return tiny_grpo_trainer(model_dir, out, {"quatro": QuatroRuntime(QuatroConfig(replay=replay))}, **args)
+    return tiny_grpo_trainer(model_dir, out, {"quatro": QuatroConfig(replay=replay)}, **args)
 
 
 class LossRecorder:
@@ -26,7 +26,7 @@ class LossRecorder:
 
     def __init__(self, trainer, at_loss=None):
         self.rows: list[tuple[int, dict, torch.Tensor | None]] = []
-        original = trainer.quatro.record_replay
+        original = trainer.loss_station.record_replay
 
         def record(inputs, logps):
             self.rows.append((trainer.state.global_step, inputs, logps))
@@ -34,7 +34,7 @@ class LossRecorder:
                 at_loss(inputs, logps)
             return original(inputs, logps)
 
-        trainer.quatro.record_replay = record
+        trainer.loss_station.record_replay = record
 
 
 class GenerationRecorder:

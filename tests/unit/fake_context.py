@@ -30,3 +30,26 @@ class FakeContext(RuntimeContext):
 
     def last(self, name: str) -> float:
         return [v for n, v in self.metrics if n == name][-1]
+
+
+class Quatro:
+    """QUATRO's pieces in the stations that own them, sharing one ``StepNotes``, against a ``FakeContext``."""
+
+    def __init__(self, config: Any, setup: Any = None, ctx: FakeContext | None = None, observe: bool = False):
+        from types import SimpleNamespace
+
+        from steadyrl.trainers.context import StepNotes, TrainerSettings
+        from steadyrl.trainers.layers import GuardParts
+        from steadyrl.trainers.loss import LossStation
+        from steadyrl.trainers.rollout import RolloutStation
+        from steadyrl.trainers.scratch import HookScratch
+        from steadyrl.trainers.step_end import StepEnd
+
+        setup = setup or TrainerSettings(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo")
+        self.ctx = ctx if ctx is not None else FakeContext()
+        parts = GuardParts(quatro=config, observe=frozenset({"quatro"} if observe else ()))
+        self.notes = StepNotes()
+        self.end = StepEnd(self.ctx, parts, True, self.notes, setup)
+        pipeline = SimpleNamespace(always=False)
+        self.rollout = RolloutStation(self.ctx, parts, pipeline, HookScratch(), self.notes, setup, self.end.entropy)
+        self.loss = LossStation(self.ctx, parts, HookScratch(), self.notes, self.end.entropy)

@@ -190,10 +190,10 @@ def test_quatro_section_builds_its_parts(base: Path) -> None:
     assert type(filters).__name__ == "FilterConfig" and filters.repetition.n == 5 and filters.max_drop_share == 0.5
     from steadyrl.trainers.build import guard_parts
 
-    runtime = guard_parts(cfg).quatro
-    assert runtime.config.kl.target == 0.01 and runtime.filter.config.repetition.n == 5 and runtime.entropy is not None
+    parts = guard_parts(cfg).quatro
+    assert parts.kl.target == 0.01 and parts.filters.repetition.n == 5 and parts.entropy is not None
     off = load_config(base, [*on, "guards.quatro.filters.enabled=false", "guards.quatro.entropy.enabled=false"])
-    assert guard_parts(off).quatro.filter is None and guard_parts(off).quatro.entropy is None
+    assert guard_parts(off).quatro.filters is None and guard_parts(off).quatro.entropy is None
     with pytest.raises(ConfigError, match=r"filters.parrot.max_overlap \(set in command line\): must be in \[0, 1\]"):
         load_config(base, [*on, "guards.quatro.filters.parrot.max_overlap=1.5"])
     with pytest.raises(ConfigError, match=r"guards.quatro.kl.up \(set in command line\): must be finite and > 1"):
@@ -216,7 +216,7 @@ def test_quatro_contradictions_name_the_fix(base: Path) -> None:
     from steadyrl.trainers.build import guard_parts
 
     replay_on = ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.replay.enabled=true"]
-    replay = guard_parts(load_config(base, replay_on)).quatro.config.replay
+    replay = guard_parts(load_config(base, replay_on)).quatro.replay
     assert type(replay).__name__ == "ReplayConfig" and (replay.capacity, replay.replay_ratio) == (8, 0.3)
     # per_device_train_batch_size 8: 0.0625 x 8 = 0.5 -> 1 row (half up); 0.9 x 8 = 7.2 -> 7 (1 fresh row) are fine
     for ratio in (0.0625, 0.9):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_context import FakeContext
+from fake_context import FakeContext, Quatro
 
 from steadyrl.config import ConfigError, load_config
 from steadyrl.config.guard_sections import GepoSection, GuardsSection
@@ -52,9 +52,9 @@ from steadyrl.metrics import (
 )
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline, RewardBatch, compare_advantages
 from steadyrl.trainers.checkpoints import GuardState
+from steadyrl.trainers.context import Controls, SavedTogether, TrainerSettings
 from steadyrl.trainers.layers import guard_parts
-from steadyrl.trainers.opefo_runtime import OpefoRuntime
-from steadyrl.trainers.quatro_runtime import QuatroControls, QuatroRuntime, QuatroSetup
+from steadyrl.trainers.recovery import StateRecovery
 from steadyrl.trainers.step_gate import StepGate
 
 # ----------------------------------------------------------------------------------------------- config
@@ -102,14 +102,15 @@ def test_factories_fill_the_observe_keys_and_keep_opefos_acting_nonfinite_skip()
     for section in (g.gepo, g.opefo, g.quatro, g.grade):
         section.enabled, section.mode = True, "observe"
     parts = guard_parts(g)
-    assert parts.observe_advantage_fn is not None and parts.observe_logprob_min is not None and parts.observe_rewards
-    assert parts.advantage_fn is None and not parts.step_guards and parts.logprob_min is None
-    assert len(parts.observe_step_guards) == 1  # GEPO's; OPEFO's non-finite-only guard would only repeat it
-    assert parts.opefo.observe and parts.quatro.observe
+    assert parts.observe == {"gepo", "opefo", "quatro", "grade"}
+    assert parts.advantage_fn is not None and parts.logprob_min is not None and parts.reward_processor is not None
+    assert parts.step_guards_in(observing=False) == []
+    assert len(parts.step_guards_in(observing=True)) == 1  # GEPO's; OPEFO's non-finite-only guard would only repeat it
     g.opefo.mode = "act"  # GEPO observes, OPEFO acts: a non-finite gradient must still not reach Adam's moments
     parts = guard_parts(g)
-    assert len(parts.step_guards) == 1 and math.isinf(parts.step_guards[0].config.spike_factor)
-    assert len(parts.observe_step_guards) == 1 and not parts.opefo.observe
+    (acting,) = parts.step_guards_in(observing=False)
+    assert math.isinf(acting.config.spike_factor) and acting is parts.nonfinite_guard
+    assert parts.step_guards_in(observing=True) == parts.step_guards and "opefo" not in parts.observe
 
 
 # ----------------------------------------------------------------------------------------------- GEPO
@@ -148,7 +149,7 @@ def test_gepo_observing_guard_never_stops_the_run_it_counts_would_stop() -> None
 def test_gepo_observing_advantages_are_compared_and_trls_train() -> None:
     rewards = torch.tensor([0.0, 0.1, 0.2, 5.0, 1.0, 1.0, 0.0, 0.5])
     trl = AdvantagePipeline(scale_rewards="group")
-    pipeline = AdvantagePipeline(scale_rewards="group", observe_advantage_fn=GEPOAdvantage(3.0))
+    pipeline = AdvantagePipeline(None, GEPOAdvantage(3.0), "group", observe_advantages=True)
     expected, _ = trl.advantages(rewards, None, 4)
     advantages, metrics = pipeline.advantages(rewards, None, 4)
     assert torch.equal(advantages, expected)
@@ -185,14 +186,12 @@ def test_grade_observing_scales_and_logs_but_the_raw_rewards_go_on() -> None:
 
 # ----------------------------------------------------------------------------------------------- QUATRO
 
-SETUP = QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", entropy_coef=0.0)
+SETUP = TrainerSettings(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", entropy_coef=0.0)
 
 
-def _quatro(**parts) -> tuple[QuatroRuntime, FakeContext]:
-    ctx = FakeContext(step=1)
-    quatro = QuatroRuntime(QuatroConfig(**parts), observe=True)
-    quatro.bind(ctx, SETUP)
-    return quatro, ctx
+def _quatro(**parts) -> tuple[Quatro, FakeContext]:
+    quatro = Quatro(QuatroConfig(**parts), SETUP, FakeContext(step=1), observe=True)
+    return quatro, quatro.ctx
 
 
 def test_quatro_observing_controllers_set_nothing_and_log_what_they_would() -> None:
@@ -200,19 +199,19 @@ def test_quatro_observing_controllers_set_nothing_and_log_what_they_would() -> N
     entropy = EntropyConfig(baseline_steps=1, window=1)
     quatro, _ctx = _quatro(kl=kl, entropy=entropy)
     for kl_value, ent in ((0.5, 2.0), (0.5, 0.1), (0.5, 0.1)):  # KL far above target; entropy falls below the floor
-        quatro.record_micro_batch({"completion_mask": torch.ones(1, 4)}, kl_value, ent)
-        controls, metrics = quatro.on_step_end()
-        assert controls == QuatroControls()  # nothing for the trainer to write: TRL's beta and entropy_coef stay
+        quatro.loss.record_micro_batch({"completion_mask": torch.ones(1, 4)}, kl_value, ent)
+        controls, metrics = quatro.end.control_step()
+        assert controls == Controls()  # nothing for the trainer to write: TRL's beta and entropy_coef stay
     assert metrics[QUATRO_KL_COEF_WOULD] == pytest.approx(0.04 * 1.2**3) and QUATRO_KL_COEF not in metrics
     # floor 0.8 x 2.0 = 1.6, gap (1.6 - 0.1) / 1.6 = 0.9375 on two steps: control 2 x 0.1 x gap + 0.4 x gap = 0.5625,
     # bonus 0.01 x 0.5625
     assert metrics[QUATRO_FLOOR_ACTIVE_WOULD] == 1.0 and metrics[QUATRO_ENTROPY_BONUS_WOULD] == pytest.approx(0.005625)
     assert metrics[QUATRO_CLIP_SCALE_WOULD] == 0.5
-    assert quatro.controls() == QuatroControls()  # also after a resume (load_steady_state applies controls())
-    state = quatro.state_dict()
+    assert quatro.end.controls() == Controls()  # also after a resume (load_steady_state applies controls())
+    state = SavedTogether({"kl": quatro.end.kl, "entropy": quatro.end.entropy}, "").state_dict()
     again, _ = _quatro(kl=kl, entropy=entropy)
-    again.load_state_dict(state)
-    assert again.would_controls() == quatro.would_controls() != QuatroControls()
+    SavedTogether({"kl": again.end.kl, "entropy": again.end.entropy}, "").load_state_dict(state)
+    assert again.end.would_controls() == quatro.end.would_controls() != Controls()
 
 
 def test_quatro_observing_filters_log_would_drops_and_keep_every_row() -> None:
@@ -228,7 +227,7 @@ def test_quatro_observing_filters_log_would_drops_and_keep_every_row() -> None:
         "prompt_mask": torch.ones(2, 2, dtype=torch.long),
         "completion_ids": torch.tensor([[1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]]),  # the second repeats its 3-grams
     }
-    keep = quatro.filter_generation(output, torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
+    keep = quatro.rollout.filter_generation(output, torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
     assert keep is None  # the trainer masks nothing and computes advantages over every row
     assert ctx.last(quatro_would_filter("repetition")) == 1.0 and ctx.last(QUATRO_WOULD_FILTER_SHARE) == 0.5
     assert not any(name == quatro_filtered("repetition") for name, _ in ctx.metrics)
@@ -237,7 +236,7 @@ def test_quatro_observing_filters_log_would_drops_and_keep_every_row() -> None:
 def test_quatro_observing_replay_is_inactive_and_says_so(caplog) -> None:
     with caplog.at_level("INFO", logger="steadyrl.quatro"):
         quatro, _ = _quatro(replay=ReplayConfig())
-    assert not quatro.replay_on and quatro.replay is None
+    assert not quatro.rollout.replay_on(True) and quatro.rollout.replay is None
     assert "replay is inactive in observe mode" in caplog.text
 
 
@@ -253,9 +252,9 @@ def _adam_model() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
     return model, optimizer
 
 
-def _opefo(tmp_path: Path, **config) -> tuple[OpefoRuntime, FakeContext, torch.nn.Linear, torch.optim.AdamW]:
+def _opefo(tmp_path: Path, **config) -> tuple[StateRecovery, FakeContext, torch.nn.Linear, torch.optim.AdamW]:
     model, optimizer = _adam_model()
-    opefo = OpefoRuntime(OpefoConfig(enabled=True, **config), observe=True)
+    opefo = StateRecovery(OpefoConfig(enabled=True, **config), observe=True)
     ctx = FakeContext(step=1)
     opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
     return opefo, ctx, model, optimizer
@@ -297,7 +296,7 @@ def test_opefo_observing_counts_a_would_repair_for_a_few_bad_entries_and_changes
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(4, 200)).sum().backward()
     optimizer.step()
-    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)), observe=True)
+    opefo = StateRecovery(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)), observe=True)
     ctx = FakeContext(step=10)
     opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
     optimizer.state[model.weight]["exp_avg_sq"][0, 3] = math.inf
@@ -310,9 +309,10 @@ def test_opefo_observing_counts_a_would_repair_for_a_few_bad_entries_and_changes
 
 def test_opefo_observing_error_feedback_keeps_nothing_and_injects_nothing(tmp_path: Path) -> None:
     opefo, ctx, model, _ = _opefo(tmp_path, floor=FloorConfig(enabled=False))
-    opefo.on_skip([p.grad.clone() for p in model.parameters()])  # an acting guard skipped this step
+    gate = StepGate([], ctx, feedback=opefo.feedback, notes=opefo.notes, would=opefo.would)
+    gate.keep_skipped([p.grad.clone() for p in model.parameters()], 1)  # an acting guard skipped this step
     grads = [torch.ones(2), torch.ones(3)]
-    assert not opefo.feed_back(grads) and all(torch.equal(g, torch.ones_like(g)) for g in grads)
+    assert not gate.feed_back(grads) and all(torch.equal(g, torch.ones_like(g)) for g in grads)
     assert not opefo.feedback.pending
     opefo.on_step_end()
     assert ctx.last(OPEFO_WOULD_FEED_BACK) == 1.0

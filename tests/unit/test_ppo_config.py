@@ -38,17 +38,17 @@ def test_ppo_refuses_grpo_only_and_unwired_guards():
     load_config(PPO, ["guards.gepo.enabled=true", "guards.gepo.advantage.enabled=false"])  # spike skip etc. is fine
     quatro = ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.filters.zero_variance.enabled=false"]
     cfg = load_config(PPO, quatro)  # adaptive KL (on by default) works for PPO: it reads the rollout's KL
-    assert cfg.guards.quatro.kl.enabled and guard_parts(cfg).quatro.config.kl is not None
+    assert cfg.guards.quatro.kl.enabled and guard_parts(cfg).quatro.kl is not None
     replay = load_config(PPO, [*quatro, "guards.quatro.replay.enabled=true"])  # replay works for PPO too
-    assert guard_parts(replay).quatro.config.replay is not None
+    assert guard_parts(replay).quatro.replay is not None
     with pytest.raises(ConfigError, match=r"zero_variance\.enabled=false"):
         load_config(PPO, ["guards.quatro.enabled=true", "trainer.beta=0.04"])  # zero-variance filter: on by default
     # TRL's default beta 0: valid, the KL controller is inactive at run time (nothing to control)
     assert load_config(PPO, [*quatro, "trainer.beta=0.0"]).guards.quatro.enabled
     brake = [*quatro, "guards.quatro.entropy.pg_brake=1.0"]
-    assert guard_parts(load_config(PPO, brake)).quatro.config.entropy.pg_brake == 1.0  # the brake works for PPO
+    assert guard_parts(load_config(PPO, brake)).quatro.entropy.pg_brake == 1.0  # the brake works for PPO
     moments = guard_parts(load_config(PPO, [*brake, "guards.quatro.entropy.brake_moments=0.01"]))  # the critic's
-    assert moments.quatro.config.entropy.brake_moments == 0.01  # groups keep their moments (test_ppo.py)
+    assert moments.quatro.entropy.brake_moments == 0.01  # groups keep their moments (test_ppo.py)
     with pytest.raises(ConfigError, match="loss_type=cispo"):
         load_config(PPO, ["trainer.loss_type=cispo"])
 

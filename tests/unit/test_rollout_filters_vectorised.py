@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_context import FakeContext
+from fake_context import FakeContext, Quatro
 from reference_rollout_filters import ReferenceRolloutFilter, reference_shares
 
 from steadyrl.guards import rollout_filters
+from steadyrl.guards.quatro import QuatroConfig
 from steadyrl.guards.rollout_filters import (
     FILTER_REASONS,
     NO_GRAM,
@@ -33,7 +34,7 @@ from steadyrl.guards.rollout_filters import (
     repeat_shares,
 )
 from steadyrl.trainers.context import RuntimeContext
-from steadyrl.trainers.quatro_runtime import QuatroConfig, QuatroRuntime, QuatroSetup, gather_token_batches
+from steadyrl.trainers.rollout import gather_token_batches
 
 NAN = math.nan
 
@@ -388,9 +389,9 @@ def test_runtime_gathers_padded_ids_over_ranks_and_filters_like_the_reference(mo
     ctx = FakeContext(world=2)
     gathered = gather_token_batches(ctx, p_ids, p_mask, c_ids, lengths)
     assert gathered[0].to_lists() == prompts * 2 and gathered[1].to_lists() == completions * 2
-    quatro = QuatroRuntime(QuatroConfig(filters=cfg))
-    quatro.bind(ctx, QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo"))
-    keep = quatro.filter_generation(output, rewards.repeat(2), lengths, num_generations=4)
+    keep = Quatro(QuatroConfig(filters=cfg), ctx=ctx).rollout.filter_generation(
+        output, rewards.repeat(2), lengths, num_generations=4
+    )
     expected = ReferenceRolloutFilter(cfg)(rewards.repeat(2), prompts * 2, completions * 2, 4)
     assert keep.tolist() == expected.keep.tolist()
 

@@ -1,4 +1,5 @@
-"""QUATRO's and OPEFO's runtimes against a fake context: no trainer, and what should change comes back as values."""
+"""QUATRO's and OPEFO's pieces in their stations against a fake context: no trainer; what should change comes back
+as values."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 import torch
-from fake_context import FakeContext
+from fake_context import FakeContext, Quatro
 
 from steadyrl.guards.entropy_floor import EntropyConfig
 from steadyrl.guards.kl_controller import KLConfig
@@ -30,17 +31,11 @@ from steadyrl.metrics import (
     quatro_filtered,
 )
 from steadyrl.trainers.checkpoints import GuardState
-from steadyrl.trainers.opefo_runtime import OpefoRuntime
-from steadyrl.trainers.quatro_runtime import (
-    FILTER_WARNING_EVERY,
-    REPLAY_STEP_KEY,
-    QuatroControls,
-    QuatroRuntime,
-    QuatroSetup,
-)
+from steadyrl.trainers.context import Controls, TrainerSettings
+from steadyrl.trainers.recovery import StateRecovery
+from steadyrl.trainers.rollout import FILTER_WARNING_EVERY, REPLAY_STEP_KEY
+from steadyrl.trainers.step_gate import StepGate
 from steadyrl.trainers.trl_state import LearningRateScale
-
-SETUP = QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo")
 
 
 def _micro_batch(tokens_per_row: list[int], width: int = 4) -> dict[str, torch.Tensor]:
@@ -49,71 +44,66 @@ def _micro_batch(tokens_per_row: list[int], width: int = 4) -> dict[str, torch.T
 
 
 def test_quatro_kl_controller_observes_the_token_weighted_step_mean() -> None:
-    ctx, quatro = FakeContext(step=1), QuatroRuntime(QuatroConfig(kl=KLConfig(target=0.02)))
-    quatro.bind(ctx, SETUP)
-    assert quatro.controls() == QuatroControls(kl_factor=1.0)
-    quatro.record_micro_batch(_micro_batch([3, 3]), kl=0.05, entropy=math.nan)  # 6 tokens
-    quatro.record_micro_batch(_micro_batch([2, 0]), kl=0.01, entropy=math.nan)  # 2 tokens
-    controls, metrics = quatro.on_step_end()
+    ctx = FakeContext(step=1)
+    q = Quatro(QuatroConfig(kl=KLConfig(target=0.02)), ctx=ctx)
+    assert q.end.controls() == Controls(kl_factor=1.0)
+    q.loss.record_micro_batch(_micro_batch([3, 3]), kl=0.05, entropy=math.nan)  # 6 tokens
+    q.loss.record_micro_batch(_micro_batch([2, 0]), kl=0.01, entropy=math.nan)  # 2 tokens
+    controls, metrics = q.end.control_step()
     assert metrics[QUATRO_KL_MEAN] == pytest.approx((0.05 * 6 + 0.01 * 2) / 8)  # 0.04 > target: beta x up
-    assert controls == QuatroControls(kl_factor=pytest.approx(1.2))
-    assert ctx.metrics == []  # the trainer logs what on_step_end returns
+    assert controls == Controls(kl_factor=pytest.approx(1.2))
+    assert ctx.metrics == []  # the trainer logs what control_step returns
 
 
 def test_quatro_ppo_observes_once_per_generation_batch() -> None:
-    ctx = FakeContext()
-    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig(target=0.02, beta_range=[0.25, 4.0])))
-    quatro.bind(ctx, QuatroSetup(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", kl_from_rollouts=True))
-    quatro.record_rollout_kl(0.01, tokens=10.0)
-    controls, _ = quatro.on_step_end()
-    assert controls.kl_factor == pytest.approx(0.8) and quatro.kl.updates == 1
-    controls, _ = quatro.on_step_end()  # a step that trained on an earlier rollout: no new measurement
-    assert controls.kl_factor == pytest.approx(0.8) and quatro.kl.updates == 1
+    setup = TrainerSettings(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", kl_from_rollouts=True)
+    q = Quatro(QuatroConfig(kl=KLConfig(target=0.02, beta_range=[0.25, 4.0])), setup)
+    q.notes.record_rollout_kl(0.01, tokens=10.0)
+    controls, _ = q.end.control_step()
+    assert controls.kl_factor == pytest.approx(0.8) and q.end.kl.updates == 1
+    controls, _ = q.end.control_step()  # a step that trained on an earlier rollout: no new measurement
+    assert controls.kl_factor == pytest.approx(0.8) and q.end.kl.updates == 1
 
 
 @pytest.mark.parametrize(("loss_type", "clip_scale"), [("grpo", 0.5), ("cispo", None)])
 def test_quatro_entropy_floor_returns_bonus_and_clip_scale(loss_type: str, clip_scale: float | None) -> None:
     cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
-    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
-    quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type=loss_type))
+    q = Quatro(QuatroConfig(entropy=cfg), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type=loss_type))
     for entropy in (1.0, 0.5):  # baseline 1.0 -> floor 0.8; then 0.5 < floor: active
-        quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
-        controls, _ = quatro.on_step_end()
+        q.loss.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
+        controls, _ = q.end.control_step()
     # gap (0.8 - 0.5) / 0.8 = 0.375 -> control 0.2 x 0.375 = 0.075 -> bonus 0.01 x 0.075
     assert controls.entropy_coef == pytest.approx(0.00075) and controls.kl_factor is None
     assert controls.clip_scale == clip_scale
 
 
 def test_trls_adaptive_entropy_set_by_the_user_wins_over_the_floor(caplog: pytest.LogCaptureFixture) -> None:
-    quatro = QuatroRuntime(QuatroConfig(entropy=EntropyConfig()))
-    setup = QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", use_adaptive_entropy=True)
+    setup = TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", use_adaptive_entropy=True)
     with caplog.at_level("WARNING"):
-        quatro.bind(FakeContext(), setup)
-    assert quatro.entropy is None and quatro.controls() == QuatroControls()  # entropy_coef left to TRL
+        q = Quatro(QuatroConfig(entropy=EntropyConfig()), setup)
+    assert q.end.entropy is None and q.end.controls() == Controls()  # entropy_coef left to TRL
     assert "entropy floor is off for this run" in caplog.text and "use_adaptive_entropy=false" in caplog.text
 
 
 def test_a_users_entropy_coef_is_kept_and_the_floors_bonus_adds_to_it() -> None:
     cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
-    quatro = QuatroRuntime(QuatroConfig(entropy=cfg))
-    quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", entropy_coef=0.5))
-    assert quatro.controls().entropy_coef == 0.5  # the floor is idle: exactly the user's coefficient
+    q = Quatro(QuatroConfig(entropy=cfg), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo",
+                                                            entropy_coef=0.5))  # fmt: skip
+    assert q.end.controls().entropy_coef == 0.5  # the floor is idle: exactly the user's coefficient
     for entropy in (1.0, 0.5):  # baseline 1.0 -> floor 0.8; then 0.5 < floor: active
-        quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
-        controls, _ = quatro.on_step_end()
+        q.loss.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
+        controls, _ = q.end.control_step()
     assert controls.entropy_coef == pytest.approx(0.5 + 0.00075)  # bonus 0.01 x 0.2 x 0.375 on top
 
 
 def test_trls_default_beta_0_leaves_the_kl_controller_inactive(caplog: pytest.LogCaptureFixture) -> None:
-    quatro = QuatroRuntime(QuatroConfig(kl=KLConfig()))
     with caplog.at_level("INFO"):
-        quatro.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo"))
-    assert quatro.kl is None and quatro.controls().kl_factor is None
+        q = Quatro(QuatroConfig(kl=KLConfig()), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo"))
+    assert q.end.kl is None and q.end.controls().kl_factor is None
     assert "trainer.beta is 0 (TRL's default)" in caplog.text
-    quatro.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=1.0)
-    controls, metrics = quatro.on_step_end()
+    q.loss.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=1.0)
+    controls, metrics = q.end.control_step()
     assert controls.kl_factor is None and not any(k.startswith("quatro/kl") for k in metrics)
-    assert quatro.state_dict()["kl"] is None
 
 
 def test_quatro_gate_reads_the_named_reward_column() -> None:
@@ -122,19 +112,17 @@ def test_quatro_gate_reads_the_named_reward_column() -> None:
     rewards = torch.tensor([[1.0, 0.0], [0.5, 1.0], [0.0, math.nan]])
     weights = torch.tensor([1.0, 0.0])  # the verifier (column 1) trains nothing
     names = ("proxy", "verifier")
-    plain = QuatroRuntime(QuatroConfig(entropy=EntropyConfig()))
-    plain.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names))
+    setup = TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names)
+    plain = Quatro(QuatroConfig(entropy=EntropyConfig()), setup).rollout
     assert plain.gate_column is None
     assert plain.gate_rewards(rewards, weights).tolist() == [1.0, 0.5, 0.0]
-    named = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(gate_reward="verifier")))
-    named.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names))
-    gate = named.gate_rewards(rewards, weights)
-    assert named.gate_column == 1 and gate[:2].tolist() == [0.0, 1.0] and math.isnan(gate[2])
-    named.record_reward(gate)
-    assert named._rewards == [0.5]  # the NaN row is unscorable: mean of the finite ones
-    typo = QuatroRuntime(QuatroConfig(entropy=EntropyConfig(gate_reward="verfier")))
+    named = Quatro(QuatroConfig(entropy=EntropyConfig(gate_reward="verifier")), setup)
+    gate = named.rollout.gate_rewards(rewards, weights)
+    assert named.rollout.gate_column == 1 and gate[:2].tolist() == [0.0, 1.0] and math.isnan(gate[2])
+    named.rollout.record_reward(gate)
+    assert named.notes.rewards == [0.5]  # the NaN row is unscorable: mean of the finite ones
     with pytest.raises(ValueError, match=r"gate_reward='verfier' is not one of .* \['proxy', 'verifier'\]"):
-        typo.bind(FakeContext(), QuatroSetup(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names))
+        Quatro(QuatroConfig(entropy=EntropyConfig(gate_reward="verfier")), setup)
 
 
 def _only_repetition() -> FilterConfig:
@@ -148,8 +136,7 @@ def _only_repetition() -> FilterConfig:
 
 def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_rows() -> None:
     ctx = FakeContext(step=3)
-    quatro = QuatroRuntime(QuatroConfig(filters=_only_repetition()))
-    quatro.bind(ctx, SETUP)
+    quatro = Quatro(QuatroConfig(filters=_only_repetition()), ctx=ctx).rollout
     output = {
         "prompt_ids": torch.tensor([[0, 5, 6], [0, 5, 6]]),
         "prompt_mask": torch.tensor([[0, 1, 1], [0, 1, 1]]),
@@ -162,16 +149,16 @@ def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_r
     assert ctx.last(quatro_filtered("repetition")) == 1.0
     quatro.mask_dropped_rows(output, keep)  # default zero_advantage: the row stays in the loss and normaliser
     assert output["completion_mask"].sum(dim=1).tolist() == [6, 6] and int(output["num_items_in_batch"]) == 12
-    quatro = QuatroRuntime(QuatroConfig(filters=dataclasses.replace(_only_repetition(), dropped_rows="exclude")))
-    quatro.bind(ctx, SETUP)
+    quatro = Quatro(QuatroConfig(filters=dataclasses.replace(_only_repetition(), dropped_rows="exclude")), ctx=ctx)
+    quatro = quatro.rollout
     quatro.mask_dropped_rows(output, keep)
     assert output["completion_mask"].sum(dim=1).tolist() == [6, 0] and int(output["num_items_in_batch"]) == 6
 
 
 def test_filter_warnings_are_rate_limited_and_count_the_batches_in_between() -> None:
     ctx = FakeContext(step=1)
-    quatro = QuatroRuntime(QuatroConfig(filters=dataclasses.replace(_only_repetition(), max_drop_share=0.4)))
-    quatro.bind(ctx, SETUP)
+    quatro = Quatro(QuatroConfig(filters=dataclasses.replace(_only_repetition(), max_drop_share=0.4)), ctx=ctx)
+    quatro = quatro.rollout
     output = {
         "prompt_ids": torch.tensor([[5], [5]]),
         "prompt_mask": torch.ones(2, 1, dtype=torch.long),
@@ -190,8 +177,7 @@ def test_filter_warnings_are_rate_limited_and_count_the_batches_in_between() -> 
 
 def test_groups_without_reward_variance_get_their_own_warning_not_the_filters() -> None:
     ctx = FakeContext(step=1)
-    quatro = QuatroRuntime(QuatroConfig(filters=FilterConfig()))  # defaults: zero_variance on, zero_advantage
-    quatro.bind(ctx, SETUP)
+    quatro = Quatro(QuatroConfig(filters=FilterConfig()), ctx=ctx).rollout  # defaults: zero_variance, zero_advantage
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [1, 3, 5, 7], [2, 4, 6, 8]])
     output = {"prompt_ids": torch.tensor([[9]] * 4), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
               "completion_ids": ids, "completion_mask": torch.ones(4, 4, dtype=torch.long)}  # fmt: skip
@@ -207,10 +193,9 @@ def test_groups_without_reward_variance_get_their_own_warning_not_the_filters() 
 
 def test_quatro_replay_metrics_sum_over_ranks() -> None:
     ctx = FakeContext(step=5, world=2)
-    quatro = QuatroRuntime(QuatroConfig())
-    quatro.bind(ctx, SETUP)
+    loss = Quatro(QuatroConfig(), ctx=ctx).loss
     inputs = {**_micro_batch([4, 4, 4, 4]), REPLAY_STEP_KEY: torch.tensor([-1, -1, 2, 4])}
-    quatro.record_replay(inputs, per_token_logps=None)
+    loss.record_replay(inputs, per_token_logps=None)
     assert ctx.last(QUATRO_REPLAY_FRAC) == 0.5 and ctx.last(QUATRO_REPLAY_AGE_MEAN) == 2.0  # ages 3 and 1
 
 
@@ -249,7 +234,7 @@ def _adam_model() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
 def test_opefo_rolls_back_weights_moments_and_guard_state_and_returns_the_lr_factor(tmp_path) -> None:
     model, optimizer = _adam_model()
     rollback = RollbackConfig(snapshot_interval=1, check_interval=1, recovery_lr_factor=0.3, recovery_steps=2)
-    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=rollback))
+    opefo = StateRecovery(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=rollback))
     counter, ctx = _Counter(), FakeContext(step=1)
     guards = GuardState.register([("counter", counter), ("opefo", opefo)], None, {})
     opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), guards)
@@ -274,9 +259,9 @@ def _wide_adam(width: int = 200) -> tuple[torch.nn.Linear, torch.optim.AdamW]:
     return model, optimizer
 
 
-def _repairing_opefo(tmp_path, optimizer, model, **rollback) -> tuple[OpefoRuntime, FakeContext]:
+def _repairing_opefo(tmp_path, optimizer, model, **rollback) -> tuple[StateRecovery, FakeContext]:
     config = RollbackConfig(snapshot_interval=1, check_interval=1, recovery_lr_factor=0.3, **rollback)
-    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=config))
+    opefo = StateRecovery(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=config))
     ctx = FakeContext(step=1)
     opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
     assert opefo.on_step_end() == 1.0  # healthy: the snapshot of step 1
@@ -371,20 +356,22 @@ def test_repair_moments_by_hand() -> None:
 
 def test_opefo_error_feedback_reinjects_a_skipped_gradient(tmp_path) -> None:
     model, optimizer = _adam_model()
-    opefo = OpefoRuntime(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)))
+    opefo = StateRecovery(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)))
     ctx = FakeContext()
     opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
+    gate = StepGate([], ctx, feedback=opefo.feedback, notes=opefo.notes)
     skipped = [p.grad.clone() for p in model.parameters()]
-    opefo.on_skip(skipped)
+    gate.keep_skipped(skipped, 0)
+    assert opefo.notes.check_now == "skipped step"
     grads = [torch.ones_like(g) for g in skipped]
-    assert opefo.feed_back(grads) and ctx.last(OPEFO_EF_WEIGHT) == pytest.approx(0.3)
+    assert gate.feed_back(grads) and ctx.last(OPEFO_EF_WEIGHT) == pytest.approx(0.3)
     assert not torch.equal(grads[0], torch.ones_like(grads[0]))
 
 
 def test_opefo_refuses_an_optimizer_without_adam_moments(tmp_path) -> None:
     """SGD (or Adafactor, 8-bit Adam) keeps no fp32 exp_avg / exp_avg_sq: OPEFO would report a NaN state finite."""
     model = torch.nn.Linear(3, 2)
-    opefo = OpefoRuntime(OpefoConfig(enabled=True))
+    opefo = StateRecovery(OpefoConfig(enabled=True))
     with pytest.raises(TypeError, match=r"the optimizer is torch.optim.sgd.SGD, whose state it cannot read"):
         opefo.attach(FakeContext(), torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters, str(tmp_path),
                      GuardState())  # fmt: skip

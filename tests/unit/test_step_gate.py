@@ -9,7 +9,7 @@ import torch
 from fake_context import FakeContext
 
 from steadyrl.guards.base import StepDecision
-from steadyrl.metrics import EVENT_SKIP, GEPO_SKIPPED_STEPS, gepo_skipped
+from steadyrl.metrics import EVENT_SKIP, GEPO_SKIPPED_STEPS, OPEFO_EF_WEIGHT, gepo_skipped
 from steadyrl.trainers.step_gate import StepGate
 
 
@@ -31,18 +31,23 @@ class _Threshold:
 
 
 class _Feedback:
+    """ErrorFeedback's interface: a residual is always pending; applying it adds 1 to every gradient."""
+
+    pending = True
+
     def __init__(self) -> None:
         self.stored: list[list[torch.Tensor]] = []
         self.fed = 0
 
-    def on_skip(self, gradients: list) -> None:
+    def store(self, gradients: list) -> bool:
         self.stored.append([g.clone() for g in gradients])
+        return True
 
-    def feed_back(self, gradients: list) -> bool:
+    def apply(self, gradients: list) -> dict[str, float]:
         self.fed += 1
         for g in gradients:
             g.add_(1.0)  # changes the gradients: the gate must norm them again
-        return True
+        return {OPEFO_EF_WEIGHT: 1.0}
 
 
 def _model_with_grad(value: float) -> torch.nn.Linear:
@@ -74,7 +79,7 @@ def test_a_taken_step_gets_error_feedback_then_is_clipped_on_the_new_norm() -> N
     assert not skipped and feedback.fed == 1
     assert float(norm) == pytest.approx(1.5 * math.sqrt(2))
     torch.testing.assert_close(model.weight.grad, torch.full((1, 2), 1 / math.sqrt(2)))  # clipped to norm 1
-    assert ctx.metrics == [(GEPO_SKIPPED_STEPS, 0.0)] and ctx.events == []
+    assert ctx.metrics == [(GEPO_SKIPPED_STEPS, 0.0), (OPEFO_EF_WEIGHT, 1.0)] and ctx.events == []
 
 
 def test_reasons_are_counted_one_by_one() -> None:

@@ -1,21 +1,9 @@
-"""OPEFO inside a running trainer: when to floor, feed back, snapshot, check, repair and roll back
-(docs/DESIGN.md, the "OPEFO" sections).
-
-No trainer here: ``attach`` gives it a ``RuntimeContext``, the optimizer, the trainable parameters and the registry
-of guard states a snapshot holds; the recovery learning-rate factor it *returns* from ``on_step_end`` is written by
-the trainer (``trl_state.LearningRateScale``). It works on the innermost torch optimizer (AdamW): every parameter's
-moments under DDP (equal on all ranks, so the floor runs locally), this rank's fp32 partitions under DeepSpeed ZeRO-2
-(the floor and error feedback reduce over ranks). The finiteness checks always reduce, so every rank decides alike.
-
-After every optimizer step: the floor every ``floor.interval`` steps; a check of weights and Adam moments every
-``rollback.check_interval`` steps and at once after a non-finite loss or a skip; on failure a repair in place (only
-moments bad, few entries) or a rollback to the last healthy snapshot with the LR cut for ``recovery_steps``; else a
-snapshot every ``snapshot_interval`` steps (and one at train begin). Training goes forward: step, data position,
-schedule and RNG are not rewound. Error feedback: ``on_skip`` keeps a skipped step's gradient, ``feed_back`` injects
-it into the next taken steps before clipping.
-
-Observe mode: the same decisions on the same schedule, counted as ``opefo/would_*``; nothing is changed and no
-snapshot is taken. Memory: a snapshot is one copy of the trainable weights plus the Adam moments this rank holds.
+"""The step end's optimizer-state recovery (``guards.opefo``; docs/DESIGN.md, the "OPEFO" sections): the
+second-moment floor, the health check, an in-place repair of the moments or a rollback to the last snapshot (LR cut
+for ``recovery_steps``; step, data, schedule and RNG go forward), and the snapshots (weights + this rank's Adam
+moments). It works on the innermost torch optimizer: all moments under DDP (equal on all ranks: the floor runs
+locally), this rank's fp32 partitions under ZeRO-2 (the floor and error feedback, which it makes for the step gate,
+reduce over ranks); the checks always reduce. Observe mode: the same decisions, counted as ``opefo/would_*``.
 """
 
 from __future__ import annotations
@@ -42,7 +30,6 @@ from steadyrl.metrics import (
     EVENT_ROLLBACK,
     EVENT_STATE_REPAIR,
     OPEFO_EF_PENDING,
-    OPEFO_EF_WEIGHT,
     OPEFO_FLOOR_RAISED_FRAC_PREFIX,
     OPEFO_FLOOR_TRIGGERED,
     OPEFO_RECOVERY_ACTIVE,
@@ -55,7 +42,7 @@ from steadyrl.metrics import (
     OPEFO_WOULD_ROLLBACK,
 )
 from steadyrl.trainers.checkpoints import GuardState
-from steadyrl.trainers.context import RuntimeContext, identity
+from steadyrl.trainers.context import RuntimeContext, StepNotes, identity
 
 logger = logging.getLogger("steadyrl.opefo")
 
@@ -72,12 +59,9 @@ ADAM_CLASSES = ("FusedAdam", "DeepSpeedCPUAdam")  # DeepSpeed's Adam implementat
 
 
 def _cause(bad_weights: int, state_ok: bool) -> str:
-    causes = []
-    if bad_weights:
-        causes.append(f"non-finite parameters ({bad_weights} tensor(s) over all ranks)")
-    if not state_ok:
-        causes.append("non-finite optimizer state (exp_avg / exp_avg_sq)")
-    return " and ".join(causes)
+    weights = f"non-finite parameters ({bad_weights} tensor(s) over all ranks)" if bad_weights else ""
+    state = "" if state_ok else "non-finite optimizer state (exp_avg / exp_avg_sq)"
+    return " and ".join(c for c in (weights, state) if c)
 
 
 def keeps_adam_moments(optimizer: Any) -> bool:
@@ -85,46 +69,32 @@ def keeps_adam_moments(optimizer: Any) -> bool:
     return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or type(optimizer).__name__ in ADAM_CLASSES
 
 
-class OpefoRuntime:
-    """OPEFO's schedule inside the trainer. Stateful: its ``state_dict`` goes to the checkpoint's guard state
-    (main process); the error-feedback residual is per rank and goes to the rank files (``rank_state_dict``).
+class StateRecovery:
+    """Floor, check, repair, rollback and snapshots after each optimizer step; the error-feedback residual is per
+    rank (``rank_state_dict``). ``observe``: decide and count only; ``notes``: who asks for a check this step."""
 
-    ``observe``: decide and count, change nothing (see the module docstring)."""
-
-    def __init__(self, config: OpefoConfig, observe: bool = False) -> None:
+    def __init__(self, config: OpefoConfig, observe: bool = False, notes: StepNotes | None = None) -> None:
         self.config = config
+        self.notes = notes if notes is not None else StepNotes()
         self.observe = observe
         self.would = {"rollback": 0, "repair": 0, "floor_entries": 0, "feed_back": 0}  # observe mode's counts
         self.policy = RollbackPolicy(config.rollback)
-        # The collectives are bound in ``attach`` (they depend on the backend); until then, identity.
-        self._reduce_partitioned = identity
-        self._reduce_all = identity
+        self._reduce_partitioned = self._reduce_all = identity  # the collectives are bound in ``attach``
         self.floor = SecondMomentFloor(config.floor, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.store: SnapshotStore | None = None
-        self.ctx = RuntimeContext()
-        self.guards = GuardState()
+        self.ctx, self.guards = RuntimeContext(), GuardState()
         self._named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]] = lambda: []
         self.base: torch.optim.Optimizer | None = None
         self.zero: Any = None
-        self._check_now: str | None = None
         self._pending_repair = 0  # entries (all ranks) counted by the last _refuse_repair
 
-    # ------------------------------------------------------------------ setup
-
     def attach(
-        self,
-        ctx: RuntimeContext,
-        optimizer: Any,
-        named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]],
-        output_dir: str,
-        guards: GuardState,
-    ) -> None:
-        """Bind to the prepared optimizer (called at train begin, after any resume) and take the first snapshot.
-
-        ``named_parameters``: the model's (name, parameter) pairs, read at each use; ``guards``: the trainer's guard
-        states, which a snapshot holds and a rollback restores (all but this runtime's own).
-        """
+        self, ctx: RuntimeContext, optimizer: Any, named_parameters: Callable[[], Iterable[tuple[str, Any]]],
+        output_dir: str, guards: GuardState,
+    ) -> None:  # fmt: skip
+        """Bind to the prepared optimizer (at train begin, after any resume) and take the first snapshot.
+        ``guards``: the guard states a snapshot holds and a rollback restores (all but this one's)."""
         self.ctx, self._named_parameters, self.guards = ctx, named_parameters, guards
         chain = optimizer_chain(optimizer)
         self.base = chain[-1]
@@ -153,48 +123,21 @@ class OpefoRuntime:
                 directory = base / f"rank{ctx.rank}"
             self.store = SnapshotStore(rb.storage, directory)
             self.store.clear()  # a snapshot from an earlier run of this output_dir is not this run's state
-            self._snapshot(ctx.global_step())
-
-    # ------------------------------------------------------------------ error feedback
-
-    def on_skip(self, gradients: list[torch.Tensor | None]) -> None:
-        if self.observe:  # the step was skipped by an acting step guard: count what error feedback would keep
-            self._check_now = "skipped step"
-            if self.config.error_feedback.enabled:
-                self.would["feed_back"] += 1
-            return
-        stored = self.feedback.store(gradients)
-        self._check_now = "skipped step"
-        if stored:
-            logger.info("step %d: skipped gradient kept for error feedback", self.ctx.global_step())
-
-    def feed_back(self, gradients: list[torch.Tensor | None]) -> bool:
-        """Inject the pending residual's next piece into this step's gradients; True when it changed them."""
-        if self.observe or not self.feedback.pending:
-            return False
-        metrics = self.feedback.apply(gradients)
-        self.ctx.log_metrics(metrics)
-        return metrics.get(OPEFO_EF_WEIGHT, 0.0) > 0.0
-
-    def on_nonfinite_loss(self) -> None:
-        self._check_now = "non-finite loss"
-
-    # ------------------------------------------------------------------ after each optimizer step
+            self.store.save(ctx.global_step(), self._payload())
 
     def on_step_end(self) -> float | None:
-        """After each optimizer step: floor, check, then repair, roll back or snapshot. Observe mode takes the same
-        decisions and counts them under ``would`` names instead of applying them. Returns the recovery factor of the
-        learning rate for the trainer to apply (1.0 outside a recovery; None when rollback is off or observing)."""
+        """Floor, check, then repair, roll back or snapshot. Returns the recovery factor of the learning rate (1.0
+        outside a recovery; None when rollback is off or observing)."""
         step = self.ctx.global_step()
         rb = self.config.rollback
         if self.config.floor.enabled:
             self._floor(step)
         if rb.enabled:
             due = step % rb.check_interval == 0 or step % rb.snapshot_interval == 0
-            if self._check_now is not None or due:
+            if self.notes.check_now is not None or due:
                 bad_weights, state_ok = self._health()
                 if bad_weights or not state_ok:
-                    trigger = f" after a {self._check_now}" if self._check_now else ""
+                    trigger = f" after a {self.notes.check_now}" if self.notes.check_now else ""
                     cause = _cause(bad_weights, state_ok) + trigger
                     refusal = self._refuse_repair(step, bad_weights, state_ok)
                     if self.observe:  # the state is never repaired here: every check that finds it bad counts
@@ -204,8 +147,8 @@ class OpefoRuntime:
                     else:
                         self._roll_back(step, cause, refusal)
                 elif step % rb.snapshot_interval == 0 and not self.observe:
-                    self._snapshot(step)
-            self._check_now = None
+                    self.store.save(step, self._payload())
+            self.notes.check_now = None
             self._log_counters(step)
         if self.observe:
             if self.config.error_feedback.enabled:
@@ -252,8 +195,7 @@ class OpefoRuntime:
         return [(n, p) for n, p in self._named_parameters() if p.requires_grad]
 
     def _health(self) -> tuple[int, bool]:
-        """(non-finite trainable weight tensors over all ranks, whether every rank's Adam moments are finite): the
-        same on all ranks."""
+        """(non-finite trainable weight tensors over all ranks, whether every rank's Adam moments are finite)."""
         params = self._trainable()
         bad = torch.zeros(1, dtype=torch.float64, device=params[0][1].device if params else "cpu")
         with torch.no_grad():
@@ -264,8 +206,7 @@ class OpefoRuntime:
         return bad_params, optimizer_state_finite(self.base, reduce_sum=self._reduce_all)
 
     def _refuse_repair(self, step: int, bad_weights: int, state_ok: bool) -> str | None:
-        """Why this failed check rolls back instead of repairing the moments in place; None: repair. The same answer
-        on every rank (the counts are reduced over all of them)."""
+        """Why this failed check rolls back instead of repairing in place; None: repair. Equal on every rank."""
         if not self.config.rollback.repair_state or bad_weights or state_ok:
             return self.policy.refuse_repair(step, bad_weights, 0 if state_ok else 1, 1)
         local = nonfinite_moment_entries(self.base)
@@ -281,8 +222,7 @@ class OpefoRuntime:
         return self.policy.refuse_repair(step, bad_weights, int(bad), int(total))
 
     def _repair(self, step: int, cause: str) -> None:
-        """Reset the non-finite moment entries in place (``repair_moments``); weights, the other entries, the
-        learning rate and every guard's state stay as they are."""
+        """Reset the non-finite moment entries in place; everything else stays as it is."""
         repaired = repair_moments(self.base)
         entries = self._pending_repair
         self.policy.record_repair(step, entries)
@@ -292,23 +232,14 @@ class OpefoRuntime:
             step, entries, "y" if entries == 1 else "ies", cause,
         )  # fmt: skip
         self.ctx.emit_event(EVENT_STATE_REPAIR, cause=cause, entries=entries, local_entries=repaired)
-        self._check_now = "repair"  # the next step's check confirms the state is finite
-
-    # ------------------------------------------------------------------ snapshots and rollback
+        self.notes.check_now = "repair"  # the next step's check confirms the state is finite
 
     def _payload(self) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "params": {n: p.detach() for n, p in self._trainable()},
-            "optimizer": self.base.state_dict(),
-            "guards": self.guards.guard_state_dicts(exclude=self),
-        }
+        params, guards = {n: p.detach() for n, p in self._trainable()}, self.guards.guard_state_dicts(exclude=self)
+        payload: dict[str, Any] = {"params": params, "optimizer": self.base.state_dict(), "guards": guards}
         if self.zero is not None:
             payload["fp32_partitions"] = [t.detach() for t in self.zero.single_partition_of_fp32_groups]
         return payload
-
-    def _snapshot(self, step: int) -> None:
-        assert self.store is not None
-        self.store.save(step, self._payload())
 
     def _roll_back(self, step: int, cause: str, refusal: str | None = None) -> None:
         assert self.store is not None
@@ -317,13 +248,10 @@ class OpefoRuntime:
         with torch.no_grad():
             for name, p in self._trainable():
                 p.copy_(payload["params"][name].to(p.device))
-            if self.zero is not None:
-                for live, saved in zip(
-                    self.zero.single_partition_of_fp32_groups, payload["fp32_partitions"], strict=True
-                ):
-                    live.copy_(saved.to(live.device))
-        # The snapshot's param groups hold the LR (and any other scheduled hyper-parameter) of the snapshot's step;
-        # the schedule is not rewound, so the current values stay and the recovery factor scales them.
+            partitions = self.zero.single_partition_of_fp32_groups if self.zero is not None else []
+            for live, saved in zip(partitions, payload.get("fp32_partitions", []), strict=True):
+                live.copy_(saved.to(live.device))
+        # the schedule is not rewound: the current LR (and other scheduled values) stay, not the snapshot's
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.base.param_groups]
         self.base.load_state_dict(payload["optimizer"])
         for group, current in zip(self.base.param_groups, hyper, strict=True):
@@ -337,8 +265,6 @@ class OpefoRuntime:
             step, self.policy.rollbacks, snap_step, cause, why, rb.recovery_lr_factor, rb.recovery_steps,
         )  # fmt: skip
         self.ctx.emit_event(EVENT_ROLLBACK, cause=cause, snapshot_step=snap_step)
-
-    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "floor": self.floor.state_dict(), "would": dict(self.would)}
