@@ -22,9 +22,8 @@ MIN_ABS_ADVANTAGE = 1e-6  # rows with a smaller |advantage| carry no learning si
 
 
 # Per-row keys a replayed batch may hold, with (side, pad value); None = the tokenizer's pad id. "prompt" keys are
-# left-padded like TRL's prompts; "completion" keys right-padded like its completions when they are token-aligned
-# (2-D with the completion width); other shapes (advantages (B,), importance_sampling_ratio (B, 1)) are per row.
-# Known gap: a sequence-level (B, 1) ratio in a batch whose completions are 1 token wide looks token-aligned.
+# left-padded; "completion" keys right-padded when token-aligned (2-D with the completion width, so a (B, 1) ratio
+# in a batch of 1-token completions counts as aligned), other shapes are per row.
 REPLAY_ROW_KEYS: dict[str, tuple[str, float | None]] = {
     "prompt_ids": ("prompt", None),
     "prompt_mask": ("prompt", 0),

@@ -87,10 +87,8 @@ class FilterConfig(Checked):
 
 @dataclass(eq=False)  # tensors: no elementwise ==
 class TokenBatch:
-    """B rows of token ids, left-aligned in a padded tensor: row b is ``ids[b, :lengths[b]]``.
-
-    ids: (B, T) integer (stored as int64), anything past a row's length is padding; lengths: (B,) in [0, T].
-    """
+    """B rows of token ids, left-aligned in a padded tensor: row b is ``ids[b, :lengths[b]]``. ids: (B, T) integer
+    (stored as int64), anything past a row's length is padding; lengths: (B,) in [0, T]."""
 
     ids: torch.Tensor
     lengths: torch.Tensor
@@ -295,10 +293,9 @@ class FilterResult:
 class RolloutFilter:
     """Rollout quality filters: ``filt(rewards, prompt_ids, completion_ids, num_generations) -> FilterResult``.
 
-    Inputs cover the whole generation batch, gathered over ranks: rewards (N,) with NaN = unscorable, and the token
-    ids of N prompts and N completions, each a ``TokenBatch`` or N unpadded id lists; groups are consecutive runs of
-    ``num_generations`` rows. The filters run in the order of ``FILTER_REASONS``; the first four judge each row on
-    its own, the last looks at the rows still kept:
+    Inputs cover the whole generation batch: rewards (N,) with NaN = unscorable, N prompts and N completions (each
+    a ``TokenBatch`` or N unpadded id lists); groups are consecutive runs of ``num_generations`` rows. The filters
+    run in the order of ``FILTER_REASONS``; the first four judge each row on its own, the last the rows still kept:
 
     - zscore: |r - mean| / std > ``max_abs_z`` over the finite rewards of the batch (unbiased std; skipped when
       std == 0 or with fewer than ``MIN_DISTINCT`` distinct finite values). NaN rewards never drop.
@@ -442,11 +439,8 @@ def masked_group_advantages(
     advantage_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Group advantages without the dropped rows. rewards, keep: (N,) -> advantages (N,), rewards' float dtype.
-
-    Dropped rows are set to NaN before ``advantage_fn`` ((num_prompts, G) -> same shape, NaN = unscorable), so they
-    leave their group's statistics; they get exactly 0. A group with fewer than 2 kept rows with a finite reward
-    gets 0 on every row.
-    """
+    Dropped rows are NaN for ``advantage_fn`` ((num_prompts, G) -> same shape) and get exactly 0, as does every row
+    of a group with fewer than 2 kept rows with a finite reward."""
     if rewards.ndim != 1 or keep.shape != rewards.shape:
         raise ValueError(f"rewards and keep must both have shape (N,), got {tuple(rewards.shape)}, {tuple(keep.shape)}")
     n_rows = rewards.shape[0]
