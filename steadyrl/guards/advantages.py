@@ -1,8 +1,5 @@
-"""TRL's group advantage as a pure function over tensors.
-
-``group_normalized_advantages`` reproduces TRL's GRPO advantage (``multi_objective_aggregation:
-sum_then_normalize``) so that a reward processor can be placed in front of it without changing anything
-else. GEPO's robust (median/MAD) advantage is ``steadyrl.guards.robust_advantage.robust_group_advantages``.
+"""TRL's GRPO group advantage (``multi_objective_aggregation: sum_then_normalize``) as a pure function over
+tensors, so that a reward processor can be placed in front of it without changing anything else.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Entropy floor (QUATRO, ``guards.quatro.entropy``): keep the policy's token entropy above ``floor_ratio`` x its
-mean over the first ``baseline_steps`` optimizer steps (docs/DESIGN.md, "QUATRO: entropy floor"; the experiments
-behind the defaults are in docs/entropy_floor_log.md).
+mean over the first ``baseline_steps`` optimizer steps (docs/DESIGN.md, "QUATRO: entropy floor").
 
-``EntropyFloor.observe(entropy_mean, reward_mean)`` once per optimizer step, with values reduced over ranks. The
-rolling ``window`` mean is compared with the floor: below it the floor turns on, above floor x ``HYSTERESIS`` off.
-A PI controller on the relative gap ``(floor - mean) / floor`` sets the control ``u`` in [0, 1]
-(``integral += ki x gap``, ``u = integral + kp x gap``, both clamped). For the next step ``u`` sets:
-- ``pg_scale``: every advantage in the loss times ``1 - u x pg_brake``;
-- ``moment_rescale()``: the factor on Adam's ``exp_avg`` (its square on ``exp_avg_sq``) that makes the moments
-  follow the brake's factor, floored at ``brake_moments``;
-- ``bonus``: ``u x coef_max``, in TRL's ``entropy_coef`` units;
-- ``clip_scale()``: ``clip_factor`` while the floor is on, else 1.
-
-The learning gate (``learning_gate``, ``reward_rising``) holds the floor off, every lever at 0 and the integral
-reset, while the reward it reads (``gate_reward``, else the weighted training reward) still rises; with
-``follow_learning`` such a step also lowers the floor to ``floor_ratio`` x the window mean.
+The rolling ``window`` mean of the entropy is compared with the floor: below it the floor turns on, above floor x
+``HYSTERESIS`` off. A PI controller on the relative gap ``(floor - mean) / floor`` sets the control ``u`` in [0, 1]
+(``integral += ki x gap``, ``u = integral + kp x gap``, both clamped), which sets the next step's levers:
+``pg_scale`` (``1 - u x pg_brake`` on every advantage), ``moment_rescale()`` (Adam's moments follow that factor,
+floored at ``brake_moments``), ``bonus`` (``u x coef_max``, TRL's ``entropy_coef``) and ``clip_scale()``
+(``clip_factor`` while on). The learning gate (``reward_rising``) holds the floor off, every lever at 0, while the
+reward it reads (``gate_reward``, else the training reward) still rises; with ``follow_learning`` such a step also
+lowers the floor to ``floor_ratio`` x the window mean.
 """
 
 from __future__ import annotations
@@ -40,6 +34,11 @@ from steadyrl.ranges import Checked, bounded
 GATE_WINDOW = 10
 GATE_Z = 1.0
 HYSTERESIS = 1.05  # the floor turns off when the window mean is above floor x HYSTERESIS
+# EntropyFloor's attributes in its checkpoint, in this order ("rewards" after the first 12)
+_STATE = (
+    "baseline floor active control integral at_cap steps nan_count activations warnings check_ref check_steps "
+    "held_off holding_off follows moment_scale"
+).split()
 
 
 @dataclass
@@ -48,17 +47,14 @@ class EntropyConfig(Checked):
     baseline_steps: int = bounded(10, ge=1)  # optimizer steps whose mean entropy is the baseline
     floor_ratio: float = bounded(0.8, gt=0, le=1)  # floor = floor_ratio x baseline
     window: int = bounded(5, ge=1)  # rolling window (steps) compared with the floor
-    # integral gain: control change per step at a relative gap of 1 (the control is in [0, 1])
-    ki: float = bounded(0.1, gt=0, finite=True)
-    # proportional gain: control per unit relative gap, on top of the integral
-    kp: float = bounded(0.4, ge=0, finite=True)
+    ki: float = bounded(0.1, gt=0, finite=True)  # integral gain: control change per step at a relative gap of 1
+    kp: float = bounded(0.4, ge=0, finite=True)  # proportional gain: control per unit relative gap
     coef_max: float = bounded(0.01, ge=0, finite=True)  # entropy bonus at control 1 (TRL's entropy_coef)
     pg_brake: float = bounded(1.0, ge=0, le=1)  # share of every advantage taken off at control 1; 0: off
     brake_moments: float = bounded(0.01, ge=0, lt=1)  # Adam's moments follow the brake, floored at this; 0: off
     clip_factor: float = bounded(0.5, gt=0, le=1)  # epsilon x clip_factor while the floor is active
     learning_gate: bool = True  # stay off while the training reward still rises (module docstring)
-    # the reward the gate reads: a `rewards[].name` (weight 0 allowed: a verifier that only watches); None: the
-    # weighted training reward, which a reward that pays for the collapse itself also raises
+    # the reward the gate reads: a `rewards[].name` (weight 0 allowed); None: the weighted training reward
     gate_reward: str | None = None
     follow_learning: bool = False  # while the gate's reward rises the floor follows entropy down (module docstring)
 
@@ -84,10 +80,8 @@ class EntropyConfig(Checked):
 
 
 class EntropyFloor:
-    """Entropy floor controller: ``observe(entropy_mean)`` once per optimizer step (after the step's loss).
-
-    ``bonus``, ``pg_scale`` and ``clip_scale()`` then apply to the next step.
-    """
+    """Entropy floor controller: ``observe(entropy_mean)`` once per optimizer step (after the step's loss);
+    ``bonus``, ``pg_scale`` and ``clip_scale()`` then apply to the next step."""
 
     def __init__(self, config: EntropyConfig | None = None) -> None:
         self.config = config or EntropyConfig()
@@ -100,13 +94,11 @@ class EntropyFloor:
         self.control = 0.0  # u in [0, 1]
         self.integral = 0.0  # in control units
         self.steps = 0  # finite observations
-        self.nan_count = 0
-        self.activations = 0
+        self.nan_count = self.activations = self.warnings = 0
         self.at_cap = 0  # steps with the control at 1 while below the floor
-        self.warnings = 0
         self.warning: str | None = None  # the warning of the last observe() call, else None
-        self._check_ref = math.nan  # window mean at the start of the current falling check
-        self._check_steps = 0
+        self.check_ref = math.nan  # window mean at the start of the current falling check
+        self.check_steps = 0
         self._rewards: deque[float] = deque(maxlen=GATE_WINDOW)  # per-step training reward means
         self.held_off = 0  # steps with the entropy under the floor while the reward was rising
         self.holding_off = False  # this step's
@@ -115,23 +107,20 @@ class EntropyFloor:
 
     @property
     def bonus(self) -> float:
-        """Entropy bonus coefficient for TRL's ``entropy_coef``: control x ``coef_max`` (0 until the floor turns on,
-        and while the learning gate holds the floor off)."""
+        """TRL's ``entropy_coef``: control x ``coef_max`` (0 while the learning gate holds the floor off)."""
         return 0.0 if self.holding_off else self.control * self.config.coef_max
 
     @property
     def pg_scale(self) -> float:
-        """Factor on the loss's advantages: ``1 - control x pg_brake`` (exactly 1 with the brake off, until the floor
-        turns on, and while the learning gate holds it off)."""
+        """Factor on the loss's advantages: ``1 - control x pg_brake`` (exactly 1 with the brake off, and while the
+        learning gate holds the floor off)."""
         if self.holding_off or self.config.pg_brake == 0:
             return 1.0
         return 1.0 - self.control * self.config.pg_brake
 
     def moment_rescale(self) -> float:
-        """``brake_moments``: the factor for Adam's ``exp_avg`` (its square for
-        ``exp_avg_sq``) that moves the moments from the brake factor they follow to this step's, ``max(pg_scale,
-        brake_moments) / moment_scale``; it records the new scale. 1.0 with ``brake_moments`` off. Call once per
-        optimizer step, after ``observe``, and apply the factor before the next step's update."""
+        """The factor for Adam's ``exp_avg`` (its square for ``exp_avg_sq``), ``max(pg_scale, brake_moments) /
+        moment_scale``, recording the new scale; 1.0 with ``brake_moments`` off. Once per step, after ``observe``."""
         low = self.config.brake_moments
         if low == 0:
             return 1.0
@@ -147,9 +136,8 @@ class EntropyFloor:
         return self.config.clip_factor if self.active and not self.holding_off else 1.0
 
     def reward_rising(self) -> bool:
-        """The learning gate: the last ``GATE_WINDOW / 2`` rewards' mean above the mean of the ``GATE_WINDOW / 2``
-        before them by more than ``GATE_Z`` standard errors of the difference (unbiased variance within each half).
-        False with the gate off or fewer than ``GATE_WINDOW`` rewards."""
+        """The learning gate: the last ``GATE_WINDOW / 2`` rewards' mean above the previous half's by more than
+        ``GATE_Z`` standard errors of the difference; False with the gate off or fewer than ``GATE_WINDOW`` rewards."""
         if not self.config.learning_gate or len(self._rewards) < GATE_WINDOW:
             return False
         half = GATE_WINDOW // 2
@@ -196,7 +184,7 @@ class EntropyFloor:
         if activated:
             self.active = True
             self.activations += 1
-            self._check_ref, self._check_steps = mean, 0
+            self.check_ref, self.check_steps = mean, 0
         elif self.active and (mean > self.floor * HYSTERESIS or not c.enabled):
             self.active = False
         if self.active or self.integral > 0:  # runs from the first activation until the integral is back at 0
@@ -205,22 +193,19 @@ class EntropyFloor:
             self.control = min(max(self.integral + c.kp * gap, 0.0), 1.0) if c.enabled else 0.0
             if self.control >= 1.0 and mean < self.floor:
                 self.at_cap += 1
-        if self.active:
-            if not activated:  # the falling check: every `window` steps after activation
-                self._check_steps += 1
-                if self._check_steps >= c.window:
-                    if mean < self._check_ref:
-                        self.warnings += 1
-                        self.warning = (
-                            f"entropy floor active and the window entropy still fell over {c.window} steps "
-                            f"({self._check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, "
-                            f"control {self.control:.4g}): it is not holding it yet; raise guards.quatro.entropy.ki "
-                            "(faster), pg_brake or coef_max (if the control sits at 1), or raise "
-                            "trainer.beta to pull "
-                            "the policy back to the reference "
-                            '(docs/DESIGN.md, "QUATRO: entropy floor")'
-                        )
-                    self._check_ref, self._check_steps = mean, 0
+        if self.active and not activated:  # the falling check: every `window` steps after activation
+            self.check_steps += 1
+            if self.check_steps >= c.window:
+                if mean < self.check_ref:
+                    self.warnings += 1
+                    self.warning = (
+                        f"entropy floor active and the window entropy still fell over {c.window} steps "
+                        f"({self.check_ref:.4g} -> {mean:.4g}, floor {self.floor:.4g}, "
+                        f"control {self.control:.4g}): it is not holding it yet; raise guards.quatro.entropy.ki "
+                        "(faster), pg_brake or coef_max (if the control sits at 1), or raise trainer.beta to pull "
+                        'the policy back to the reference (docs/DESIGN.md, "QUATRO: entropy floor")'
+                    )
+                self.check_ref, self.check_steps = mean, 0
         return self.warning
 
     def metrics(self) -> dict[str, float]:
@@ -240,23 +225,9 @@ class EntropyFloor:
             "version": 3,
             "window": list(self._window),
             "baseline_values": list(self._baseline_values),
-            "baseline": self.baseline,
-            "floor": self.floor,
-            "active": self.active,
-            "control": self.control,
-            "integral": self.integral,
-            "at_cap": self.at_cap,
-            "steps": self.steps,
-            "nan_count": self.nan_count,
-            "activations": self.activations,
-            "warnings": self.warnings,
-            "check_ref": self._check_ref,
-            "check_steps": self._check_steps,
+            **{key: getattr(self, key) for key in _STATE[:12]},
             "rewards": list(self._rewards),
-            "held_off": self.held_off,
-            "holding_off": self.holding_off,
-            "follows": self.follows,
-            "moment_scale": self.moment_scale,
+            **{key: getattr(self, key) for key in _STATE[12:]},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,16 +244,12 @@ class EntropyFloor:
             self.integral = min(float(state["integral"]) / cap, 1.0) if cap > 0 else 0.0
         else:  # version 1: an integer ramp level of 0.001 per step (the old default ramp)
             self.control = self.integral = min(int(state["level"]) * 0.001 / cap, 1.0) if cap > 0 else 0.0
-        self.at_cap = int(state.get("at_cap", 0))
-        self.steps = int(state["steps"])
-        self.nan_count = int(state["nan_count"])
-        self.activations = int(state["activations"])
-        self.warnings = int(state["warnings"])
-        self._check_ref = float(state["check_ref"])
-        self._check_steps = int(state["check_steps"])
+        for key in ("steps", "nan_count", "activations", "warnings", "check_steps"):
+            setattr(self, key, int(state[key]))
+        for key in ("at_cap", "held_off", "follows"):  # absent in checkpoints from before these counters
+            setattr(self, key, int(state.get(key, 0)))
+        self.check_ref = float(state["check_ref"])
         self._rewards = deque((float(v) for v in state.get("rewards", [])), maxlen=GATE_WINDOW)
-        self.held_off = int(state.get("held_off", 0))  # absent in checkpoints from before the learning gate
-        self.holding_off = bool(state.get("holding_off", False))
-        self.follows = int(state.get("follows", 0))  # absent before follow_learning
+        self.holding_off = bool(state.get("holding_off", False))  # absent before the learning gate
         self.moment_scale = float(state.get("moment_scale", 1.0))  # absent before brake_moments
         self.warning = None

@@ -1,6 +1,5 @@
 """Error feedback (OPEFO, ``guards.opefo.error_feedback``): the gradient of a skipped step is kept and fed back over
-the next taken steps (0.3, 0.3, 0.2, 0.2), each piece rescaled to the current gradient's norm (docs/DESIGN.md,
-"OPEFO: error feedback"). Pure torch over gradients; see steadyrl.guards.opefo.
+the next taken steps, each piece rescaled to the current gradient's norm (docs/DESIGN.md, "OPEFO: error feedback").
 """
 
 from __future__ import annotations
@@ -12,11 +11,8 @@ from typing import Any
 import torch
 
 from steadyrl.guards.optimizer_state import ReduceSum, first_device, identity, slot_squares
-from steadyrl.metrics import (
-    OPEFO_EF_INJECTED_NORM,
-    OPEFO_EF_PENDING,
-    OPEFO_EF_WEIGHT,
-)
+from steadyrl.guards.rollback import cpu_copy
+from steadyrl.metrics import OPEFO_EF_INJECTED_NORM, OPEFO_EF_PENDING, OPEFO_EF_WEIGHT
 from steadyrl.ranges import Checked, bounded
 
 
@@ -38,11 +34,8 @@ class ErrorFeedbackConfig(Checked):
 class ErrorFeedback:
     """Feeds a skipped step's gradient back over the next taken steps (``store`` on a skip, ``apply`` per step).
 
-    ``gradients`` are this rank's tensors in a fixed order (full gradients under one process or DDP, this rank's
-    partitions under ZeRO-2); ``None`` entries are allowed. Call ``apply`` only for steps that are taken, after
-    the skip decision (so the injection cannot itself trigger a skip) and before gradient clipping. State is per
-    rank: under ZeRO-2 save it per rank.
-    """
+    ``gradients``: this rank's tensors (or None) in a fixed order. Call ``apply`` only for taken steps, after the
+    skip decision and before gradient clipping. State is per rank."""
 
     def __init__(self, config: ErrorFeedbackConfig | None = None, reduce_sum: ReduceSum | None = None) -> None:
         self.config = config or ErrorFeedbackConfig()
@@ -51,30 +44,18 @@ class ErrorFeedback:
         self._slot_sq: torch.Tensor | None = None  # local squared norm per slot, float64
         self._norm = 0.0  # global ||r||
         self._position = 0  # index of the next weight
-        self.stored = 0
-        self.merged = 0
-        self.rejected_nonfinite = 0
-        self.rejected_zero = 0
-        self.deferred = 0
-        self.completed = 0
+        self.stored = self.merged = self.rejected_nonfinite = self.rejected_zero = self.deferred = self.completed = 0
 
     @property
     def pending(self) -> bool:
         return self._residual is not None
-
-    @property
-    def position(self) -> int:
-        return self._position
 
     def _global_sq(self, slot_sq: torch.Tensor) -> float:
         return self.reduce_sum(slot_sq.sum().reshape(1)).item()
 
     def store(self, gradients: list[torch.Tensor | None]) -> bool:
         """Keep the gradients of a skipped step as the residual; returns whether a residual is now pending anew.
-
-        Non-finite anywhere (the global sum of squares is NaN/inf on every rank then): nothing stored, counted in
-        ``rejected_nonfinite``, a pending residual keeps its schedule. All-zero: nothing stored (no direction).
-        """
+        Non-finite or all-zero gradients are not stored (a pending residual keeps its schedule)."""
         if not self.config.enabled:
             return False
         home = first_device(gradients)
@@ -120,7 +101,7 @@ class ErrorFeedback:
         slot_sq = slot_squares(residual, home)
         total = self._global_sq(slot_sq)
         if not math.isfinite(total) or total == 0.0:  # the two directions cancelled exactly: nothing left
-            self._free()
+            self.clear()
             self.rejected_zero += 1
             return
         self._slot_sq, self._norm = slot_sq, math.sqrt(total)
@@ -128,10 +109,9 @@ class ErrorFeedback:
     def apply(self, gradients: list[torch.Tensor | None]) -> dict[str, float]:
         """If a residual is pending: ``g += w_k * ||g|| * r / ||r||`` in place (global norms), k += 1.
 
-        Returns ``opefo/ef_pending`` (1 when a residual was pending at this call), ``opefo/ef_weight`` (w_k used,
-        0 when none) and ``opefo/ef_injected_norm`` (global norm of what was added). When ||g|| is 0 or not finite
-        nothing is added and k stays (the schedule is delayed to the next taken step, never lost); counted in
-        ``deferred``. Slots whose gradient (or stored residual) is None are left out.
+        Returns ``opefo/ef_pending``, ``opefo/ef_weight`` (w_k used, 0 when none) and ``opefo/ef_injected_norm``
+        (global norm of what was added). When ||g|| is 0 or not finite nothing is added and k stays (``deferred``).
+        Slots whose gradient (or stored residual) is None are left out.
         """
         out = {OPEFO_EF_PENDING: 0.0, OPEFO_EF_WEIGHT: 0.0, OPEFO_EF_INJECTED_NORM: 0.0}
         residual = self._residual
@@ -161,7 +141,7 @@ class ErrorFeedback:
                 g.add_(r, alpha=scale)
         self._position += 1
         if self._position >= len(self.config.weights):
-            self._free()
+            self.clear()
             self.completed += 1
         out[OPEFO_EF_WEIGHT] = weight
         out[OPEFO_EF_INJECTED_NORM] = scale * math.sqrt(r_total)
@@ -178,37 +158,28 @@ class ErrorFeedback:
             if g is not None and r is not None and g.shape != r.shape:
                 raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, the residual {tuple(r.shape)}")
 
-    def _free(self) -> None:
-        self._residual, self._slot_sq, self._norm, self._position = None, None, 0.0, 0
-
     def clear(self) -> None:
         """Drop a pending residual (e.g. after a rollback: it belongs to the state that was abandoned)."""
-        self._free()
+        self._residual, self._slot_sq, self._norm, self._position = None, None, 0.0, 0
 
     def state_dict(self) -> dict[str, Any]:
         """Pending residual (CPU copies), its position and norm, counters."""
-
-        def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to("cpu", copy=True)
-
         return {
             "version": 1,
             "weights": list(self.config.weights),
             "position": self._position,
             "norm": self._norm,
-            "residual": None if self._residual is None else [cpu(r) for r in self._residual],
-            "slot_sq": cpu(self._slot_sq),
+            "residual": cpu_copy(self._residual),
+            "slot_sq": cpu_copy(self._slot_sq),
             "counters": {name: getattr(self, name) for name in _EF_COUNTERS},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
-        """Restore; tensors go to ``device`` now, or (None) stay on the CPU until the first store/apply moves them.
-
-        If the configured weights are shorter than the saved position the residual is dropped.
-        """
+        """Restore; tensors go to ``device`` (None: the CPU, until the first store/apply moves them). A residual
+        past the end of the configured weights is dropped."""
         for name in _EF_COUNTERS:
             setattr(self, name, int(state["counters"][name]))
-        self._free()
+        self.clear()
         if state["residual"] is None or int(state["position"]) >= len(self.config.weights):
             return
         target = torch.device(device) if device is not None else torch.device("cpu")

@@ -4,11 +4,8 @@ target by scaling beta (docs/DESIGN.md, "QUATRO: adaptive KL").
 With ``target: auto`` (the default) beta stays at ``trainer.beta`` for the first ``calibration_steps`` updates; the
 target is then ``target_ratio`` x the mean KL of the second half of that window (at least ``TARGET_MIN``). A number
 sets an absolute per-token target. Each update multiplies beta by KL / target clamped to [``down``, ``up``] and keeps
-it in ``beta_range`` x ``trainer.beta``. ``factor = beta / beta0`` is one multiplicative factor of the trainer's KL
-coefficient. Updates that wanted beta past a bound are counted (``quatro/kl_at_max``, ``quatro/kl_at_min``;
-``quatro/kl_bound_run`` is the current streak); resting at ``trainer.beta`` under a ``beta_range`` low of 1 is the
-idle state, not saturation. A NaN observation is ignored and counted; a window with no finite value leaves beta
-unchanged.
+it in ``beta_range`` x ``trainer.beta``; updates that wanted beta past a bound are counted (resting at
+``trainer.beta`` under a ``beta_range`` low of 1 is idle, not saturation). NaN observations are ignored and counted.
 """
 
 from __future__ import annotations
@@ -55,10 +52,6 @@ class KLConfig(Checked):
                 f"invalid KLConfig: beta_range must be [low, high] with low <= 1 <= high, got {self.beta_range}"
             )
 
-    @property
-    def auto(self) -> bool:
-        return self.target == AUTO
-
     def bounds(self, beta0: float) -> tuple[float, float]:
         """(lowest, highest) beta for a run whose trainer.beta is ``beta0``."""
         return beta0 * self.beta_range[0], beta0 * self.beta_range[1]
@@ -77,16 +70,13 @@ class AdaptiveKL:
                 "guards.quatro.kl.enabled=false"
             )
         self.beta_min, self.beta_max = c.bounds(float(beta0))  # beta_range contains 1: trainer.beta is inside
-        self.beta0 = float(beta0)
-        self.beta = float(beta0)
-        self.target: float = math.nan if c.auto else float(c.target)  # auto: set after calibration
+        self.beta0 = self.beta = float(beta0)
+        self.target: float = math.nan if c.target == AUTO else float(c.target)  # auto: set after calibration
         self._calibration: list[float] = []
-        self._sum = 0.0
-        self._count = 0
+        self._sum, self._count = 0.0, 0  # the finite observations since the last update
         self._steps = 0  # observe() calls since the last update
         self.last_mean = math.nan  # window mean of the last update
-        self.updates = 0
-        self.nan_count = 0
+        self.updates = self.nan_count = 0
         self.at_max = 0  # updates that wanted beta above beta_max
         self.at_min = 0  # updates that wanted beta below beta_min
         self.bound_run = 0  # the current streak of either
@@ -97,23 +87,8 @@ class AdaptiveKL:
         return self.beta / self.beta0
 
     @property
-    def coef(self) -> float:
-        """The controller's absolute KL coefficient (alias of ``beta``; logged as ``quatro/kl_coef``)."""
-        return self.beta
-
-    @property
     def calibrating(self) -> bool:
         return math.isnan(self.target)
-
-    def _calibrate(self, mean: float) -> None:
-        """Auto target: collect window means at beta0; the last one of the window sets the target."""
-        c = self.config
-        self._calibration.append(mean)
-        if len(self._calibration) < c.calibration_steps:
-            return
-        tail = self._calibration[len(self._calibration) // 2 :]
-        self.target = max(c.target_ratio * sum(tail) / len(tail), TARGET_MIN)
-        self._calibration = []
 
     def observe(self, kl_mean: float) -> bool:
         """Record one optimizer step's mean per-token KL (reduced over ranks); True when beta was updated."""
@@ -133,12 +108,16 @@ class AdaptiveKL:
         self._sum, self._count = 0.0, 0
         self.last_mean = mean
         self.updates += 1
-        if self.calibrating:  # beta stays at trainer.beta until the window is full
-            self._calibrate(mean)
-            return False
-        if not self.config.enabled:
-            return False
         c = self.config
+        if self.calibrating:  # auto target: beta stays at trainer.beta while the window means are collected
+            self._calibration.append(mean)
+            if len(self._calibration) >= c.calibration_steps:
+                tail = self._calibration[len(self._calibration) // 2 :]
+                self.target = max(c.target_ratio * sum(tail) / len(tail), TARGET_MIN)
+                self._calibration = []
+            return False
+        if not c.enabled:
+            return False
         wanted = self.beta * min(max(mean / self.target, c.down), c.up)
         self.beta = min(max(wanted, self.beta_min), self.beta_max)
         if wanted > self.beta_max:
@@ -165,19 +144,10 @@ class AdaptiveKL:
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": 2,
-            "beta0": self.beta0,
-            "beta": self.beta,
-            "target": self.target,
+            **{key: getattr(self, key) for key in ("beta0", "beta", "target")},
             "calibration": list(self._calibration),
-            "sum": self._sum,
-            "count": self._count,
-            "steps": self._steps,
-            "last_mean": self.last_mean,
-            "updates": self.updates,
-            "nan_count": self.nan_count,
-            "at_max": self.at_max,
-            "at_min": self.at_min,
-            "bound_run": self.bound_run,
+            **{key: getattr(self, "_" + key) for key in ("sum", "count", "steps")},
+            **{key: getattr(self, key) for key in "last_mean updates nan_count at_max at_min bound_run".split()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,7 +1,6 @@
 """Second-moment floor (OPEFO, ``guards.opefo.floor``): when many of a tensor's ``exp_avg_sq`` entries underflowed,
 raise the ones below that tensor's 10th percentile to it, so ``lr * m / (sqrt(v) + eps)`` cannot take a huge step
-where v is ~0 (docs/DESIGN.md, "OPEFO: second-moment floor"). Pure torch over the optimizer's state; see
-steadyrl.guards.opefo.
+where v is ~0 (docs/DESIGN.md, "OPEFO: second-moment floor").
 """
 
 from __future__ import annotations
@@ -13,18 +12,12 @@ from typing import Any
 import torch
 
 from steadyrl.guards.optimizer_state import CHUNK, ReduceSum, flat, identity, optimizer_device
-from steadyrl.metrics import (
-    OPEFO_FLOOR_TRIGGERED,
-    opefo_floor_raised_frac,
-    opefo_floor_value,
-    opefo_tiny_frac,
-)
+from steadyrl.metrics import OPEFO_FLOOR_TRIGGERED, opefo_floor_raised_frac, opefo_floor_value, opefo_tiny_frac
 from steadyrl.ranges import Checked, bounded
 
 TINY = 1e-20  # the percentile is taken over the entries above this (the literal p10 over all is ~0 once they are many)
 # the percentile is exact up to this many entries per tensor, else taken from a sample of this many drawn with a
-# generator seeded with SAMPLE_SEED + step (the same on every replica and after resume): about +-0.12 percentile
-# points (1 sigma) at p10
+# generator seeded with SAMPLE_SEED + step (the same on every replica and after resume)
 SAMPLE_SIZE = 65536
 SAMPLE_SEED = 0
 
@@ -53,9 +46,7 @@ def consistency_bound(beta1: float, beta2: float) -> float:
 
     ``m = (1 - b1) sum_k b1^k g_k`` and ``v = (1 - b2) sum_k b2^k g_k^2``; by Cauchy-Schwarz
     ``|sum b1^k g_k| <= sqrt(sum (b1^2 / b2)^k) sqrt(sum b2^k g_k^2)``, so ``|m| <= C sqrt(v)`` with
-    ``C = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))``: 7.27 for (0.9, 0.999), at every step, for any gradients
-    (clipped ones too). An entry past it has a second moment that cannot explain its first: an underflow or a
-    damaged state. Infinite when ``b1^2 >= b2`` (no bound)."""
+    ``C = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` (7.27 for (0.9, 0.999)). Infinite when ``b1^2 >= b2``."""
     if beta1**2 >= beta2 or beta2 >= 1.0:
         return math.inf
     return (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1**2 / beta2))
@@ -73,19 +64,11 @@ def _inconsistent(v: torch.Tensor, m: torch.Tensor, bound: float, eps: float) ->
 class SecondMomentFloor:
     """``maybe_apply(optimizer, step)`` raises underflowed ``exp_avg_sq`` entries to a per-tensor percentile floor.
 
-    Stateless between calls apart from counters (the sample depends only on ``SAMPLE_SEED + step``).
-
     The unit is one state tensor (one parameter's ``exp_avg_sq``; under ZeRO-2, this rank's flat fp32 partition of a
-    param group, which is what DeepSpeed's base optimizer holds). An entry counts as underflowed when its second
-    moment cannot explain its first: ``|m| > C (sqrt(v) + eps)``, with C the largest ratio any gradient history
-    allows (``consistency_bound``, 7.27 for betas (0.9, 0.999)), i.e. its Adam step is larger than any healthy
-    state can produce. An entry whose gradient was always 0 (the embedding row of a token never seen) has
-    m = v = 0 and steps by exactly 0; a tiny but consistent one (v ~ 1e-20 from gradients ~ 1e-9) steps normally:
-    neither is a fault, where the design notes' ``v <= 1e-20`` count fires on both. A tensor with more than
-    ``trigger_frac`` of its entries underflowed gets its live entries (m != 0) below its own ``percentile`` (over
-    its entries above ``TINY``) raised to it: the floor sits at the scale of that tensor, not of the whole group
-    (a group-wide p10 can sit thousands of times below one tensor's level).
-    Decisions need no collective: DDP replicas hold equal states, and a ZeRO partition belongs to one rank only.
+    param group). An entry counts as underflowed when ``|m| > C (sqrt(v) + eps)`` (``consistency_bound``). A tensor
+    with more than ``trigger_frac`` of its entries underflowed gets its live entries (m != 0) below its own
+    ``percentile`` (over its entries above ``TINY``) raised to it. Stateless apart from counters; decisions need no
+    collective (DDP replicas hold equal states, a ZeRO partition belongs to one rank).
     """
 
     def __init__(self, config: FloorConfig | None = None, reduce_sum: ReduceSum | None = None) -> None:
@@ -99,11 +82,10 @@ class SecondMomentFloor:
         """At ``step % interval == 0`` (step > 0): check each state tensor, floor those above ``trigger_frac``.
 
         Returns ``opefo/floor_triggered`` (groups with a floored tensor), and per group index g
-        ``opefo/tiny_frac/<g>`` (underflowed live entries / entries, over all ranks), ``opefo/floor_value/<g>`` (the
-        lowest floor this rank applied in the group, 0 when none) and ``opefo/floor_raised_frac/<g>`` (entries
-        changed); ``{}`` when this step is not a check step. ``last_raised`` holds the number of entries raised
-        (summed over ranks). ``apply=False`` (observe mode): the same decisions and counts, no entry is changed and
-        the ``floored_groups`` total stays. One ``reduce_sum`` per check, on every rank.
+        ``opefo/tiny_frac/<g>`` (underflowed entries / entries, over all ranks), ``opefo/floor_value/<g>`` (the
+        lowest floor this rank applied in the group, 0 when none) and ``opefo/floor_raised_frac/<g>``; ``{}`` off
+        check steps. ``last_raised``: entries raised, over ranks. ``apply=False`` (observe mode): the same decisions
+        and counts, nothing changed. One ``reduce_sum`` per check, on every rank.
         """
         cfg = self.config
         if not cfg.enabled or step <= 0 or step % cfg.interval:
@@ -155,18 +137,13 @@ class SecondMomentFloor:
         exact up to ``SAMPLE_SIZE`` entries, else over a seeded sample of that many; None when no entry qualifies."""
         if v.numel() <= SAMPLE_SIZE:
             sample = flat(v).to(home, torch.float64)
-        else:
-            sample = self._sample(v, SAMPLE_SIZE, generator, home)
+        else:  # SAMPLE_SIZE entries drawn uniformly with replacement, in index order
+            index = torch.randint(0, v.numel(), (SAMPLE_SIZE,), generator=generator).sort().values
+            sample = flat(v)[index.to(v.device)].to(home, torch.float64)
         sample = sample[torch.isfinite(sample) & (sample > TINY)]
         if sample.numel() == 0:
             return None
         return torch.quantile(sample, self.config.percentile / 100.0).item()
-
-    @staticmethod
-    def _sample(v: torch.Tensor, k: int, generator: torch.Generator, home: torch.device) -> torch.Tensor:
-        """k entries of ``v`` drawn uniformly with replacement (index order), as float64 on ``home``."""
-        index = torch.randint(0, v.numel(), (k,), generator=generator).sort().values
-        return flat(v)[index.to(v.device)].to(home, torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": self.checks, "floored_groups": self.floored_groups}

@@ -1,9 +1,6 @@
-"""Helpers over an optimizer's Adam state shared by OPEFO's pieces and QUATRO's ``brake_moments``, and the injected
-collectives.
-
-Nothing here knows about processes: every cross-rank operation goes through ``reduce_sum(t)`` (summed over ranks)
-and ``all_gather(t)`` (1-D tensors of any lengths concatenated in rank order), the identity by default;
-``distributed_ops()`` builds them from ``torch.distributed``.
+"""Helpers over an optimizer's Adam state shared by OPEFO's pieces and QUATRO's ``brake_moments``. Cross-rank
+operations go through ``reduce_sum(t)`` (summed over ranks) and ``all_gather(t)`` (1-D tensors of any lengths
+concatenated in rank order), the identity by default; ``distributed_ops()`` builds them from ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -15,11 +12,7 @@ from typing import Any
 import torch
 
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
-
-
 AllGather = Callable[[torch.Tensor], torch.Tensor]
-
-
 CHUNK = 1 << 22  # entries per piece of an elementwise pass: a bool temporary of at most 4 MiB
 
 
@@ -42,16 +35,6 @@ def optimizer_device(optimizer: torch.optim.Optimizer, keys: Iterable[str] = ("e
         for p in group["params"]:
             return p.device
     return torch.device("cpu")
-
-
-def group_states(optimizer: torch.optim.Optimizer, group: dict[str, Any], key: str) -> list[torch.Tensor]:
-    """The ``key`` state tensors of one param group, in parameter order; params without that state are skipped."""
-    out = []
-    for p in group["params"]:
-        t = optimizer.state.get(p, {}).get(key)
-        if isinstance(t, torch.Tensor) and t.numel():
-            out.append(t)
-    return out
 
 
 def slot_squares(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -103,20 +86,16 @@ def _moment_tensors(optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Te
 
 def _bad_pieces(moments: dict[str, torch.Tensor]) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """One parameter's moments in pieces of ``CHUNK`` entries: (the pieces by key, views of the tensors; the bool
-    mask of the entries where any of them is not finite). A bool temporary of at most 4 MiB at a time."""
-    if not all(t.is_contiguous() for t in moments.values()):  # a flat view would be a copy: the whole tensors
-        bad = torch.zeros(
-            next(iter(moments.values())).shape, dtype=torch.bool, device=next(iter(moments.values())).device
-        )
-        for t in moments.values():
-            bad |= ~torch.isfinite(t)
-        yield dict(moments), bad
-        return
-    views = {k: t.view(-1) for k, t in moments.items()}
-    size = min(v.numel() for v in views.values())
-    for start in range(0, size, CHUNK):
-        pieces = {k: v[start : start + CHUNK] for k, v in views.items()}
-        bad = torch.zeros(next(iter(pieces.values())).shape, dtype=torch.bool, device=next(iter(views.values())).device)
+    mask of the entries where any of them is not finite)."""
+    if all(t.is_contiguous() for t in moments.values()):
+        views = {k: t.view(-1) for k, t in moments.items()}
+        size = min(v.numel() for v in views.values())
+        chunks = [{k: v[start : start + CHUNK] for k, v in views.items()} for start in range(0, size, CHUNK)]
+    else:  # a flat view would be a copy: the whole tensors at once
+        chunks = [dict(moments)]
+    for pieces in chunks:
+        first = next(iter(pieces.values()))
+        bad = torch.zeros(first.shape, dtype=torch.bool, device=first.device)
         for piece in pieces.values():
             bad |= ~torch.isfinite(piece)
         yield pieces, bad
@@ -140,12 +119,9 @@ def nonfinite_moment_entries(optimizer: torch.optim.Optimizer, reduce_sum: Reduc
 def repair_moments(optimizer: torch.optim.Optimizer) -> int:
     """Reset this rank's non-finite moment entries in place; returns how many entries were reset.
 
-    An entry is bad when its first or its second moment is not finite. Its first moment becomes 0 (no momentum in
-    either direction) and its second moment the largest finite second moment of the same tensor (of all this rank's
-    tensors when that one has none; 0 when none is finite anywhere): the most conservative scale a healthy entry of
-    that tensor has, so the entry's next updates are no larger than that tensor's smallest, and the step it takes
-    grows back as Adam's average forgets the value. Nothing else changes: the other entries, the weights, the step
-    count.
+    An entry is bad when any of its moments is not finite. Its first moment becomes 0 and its second moment the
+    largest finite second moment of the same tensor (of all this rank's tensors when that one has none; 0 when none
+    is finite anywhere), so its next updates are no larger than that tensor's smallest. Nothing else changes.
     """
     tensors = _moment_tensors(optimizer)
     repaired = 0
@@ -180,11 +156,8 @@ def _largest_finite(tensors: Sequence[torch.Tensor]) -> float | None:
 
 def distributed_ops(group: Any = None, device: torch.device | str | None = None) -> tuple[ReduceSum, AllGather]:
     """``(reduce_sum, all_gather)`` over a ``torch.distributed`` process group (the default one when None).
-
-    ``device``: where the collectives run (e.g. the rank's CUDA device for NCCL when the optimizer state is
-    offloaded to the CPU); results come back on the input's device. ``all_gather`` exchanges the lengths first,
-    pads to the longest and trims, so ranks may pass 1-D tensors of different lengths (including 0).
-    """
+    ``device``: where the collectives run (e.g. CUDA for NCCL with offloaded state); results come back on the
+    input's device."""
     import torch.distributed as dist
 
     def reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -217,11 +190,9 @@ UNBRAKED_GROUP = "steadyrl_unbraked"  # a param-group key: True on groups whose 
 
 
 def scale_moments(optimizer: torch.optim.Optimizer, factor: float) -> int:
-    """Multiply every Adam first moment (``exp_avg``) by ``factor`` and every second moment (``exp_avg_sq``,
-    ``max_exp_avg_sq``) by ``factor**2``, in place: the state Adam would hold had every gradient it averaged been
-    ``factor`` times as large. Param groups marked ``UNBRAKED_GROUP`` (PPO's critic, whose value loss the brake does
-    not scale) keep theirs. Per rank (each rank scales the entries it holds, a ZeRO partition included; no
-    collective). Returns the number of state tensors scaled."""
+    """Multiply every Adam first moment (``exp_avg``) by ``factor`` and every second moment by ``factor**2``, in
+    place: the state Adam would hold had every gradient been ``factor`` times as large. Groups marked
+    ``UNBRAKED_GROUP`` (PPO's critic) keep theirs. Per rank, no collective; returns the number of tensors scaled."""
     if not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"scale_moments: factor must be finite and > 0, got {factor}")
     scaled = 0

@@ -1,10 +1,7 @@
 """QUATRO loop layer (docs/DESIGN.md, the "QUATRO" sections): the config a trainer takes.
 
-QUATRO breaks the "bad policy -> bad rollouts -> worse policy" loop with four parts, each in its own module:
-``kl_controller`` (adaptive KL coefficient), ``entropy_floor`` (entropy floor), ``rollout_filters`` (rollout quality
-filters) and ``replay`` (rollout replay). Nothing in them knows about processes: the caller passes values that are
-identical on all ranks (KL and entropy reduced over ranks, rewards and token ids gathered for the filters), so every
-rank decides the same; the replay buffer is per rank. ``steadyrl.trainers.quatro_runtime`` runs them.
+Its parts: ``kl_controller``, ``entropy_floor``, ``rollout_filters`` and ``replay`` (per rank); the caller passes
+values identical on all ranks. ``steadyrl.trainers.quatro_runtime`` runs them.
 """
 
 from __future__ import annotations

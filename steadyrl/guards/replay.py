@@ -15,23 +15,15 @@ from typing import Any
 
 import torch
 
-from steadyrl.metrics import (
-    QUATRO_REPLAY_AGE_MEAN,
-    QUATRO_REPLAY_FRAC,
-)
+from steadyrl.metrics import QUATRO_REPLAY_AGE_MEAN, QUATRO_REPLAY_FRAC
 from steadyrl.ranges import Checked, bounded
 
 MIN_ABS_ADVANTAGE = 1e-6  # rows with a smaller |advantage| carry no learning signal and are not stored
 
 
-def _round_half_up(x: float) -> int:
-    return math.floor(x + 0.5)
-
-
 # Per-row keys a replayed batch may hold, with (side, pad value); None = the tokenizer's pad id. "prompt" keys are
-# left-padded like TRL's prompts; "completion" keys right-padded like its completions when they are token-aligned
-# (2-D with the completion width); other shapes (advantages (B,), importance_sampling_ratio (B, 1)) are per row.
-# Known gap: a sequence-level (B, 1) ratio in a batch whose completions are 1 token wide looks token-aligned.
+# left-padded; "completion" keys right-padded when token-aligned (2-D with the completion width, so a (B, 1) ratio
+# in a batch of 1-token completions counts as aligned), other shapes are per row.
 REPLAY_ROW_KEYS: dict[str, tuple[str, float | None]] = {
     "prompt_ids": ("prompt", None),
     "prompt_mask": ("prompt", 0),
@@ -47,21 +39,8 @@ REPLAY_ROW_KEYS: dict[str, tuple[str, float | None]] = {
     "returns": ("completion", 0.0),  # PPO: GAE returns (B, T)
     "value_weight": ("completion", 1.0),  # PPO: (B,) per row, 0 = the row trains no value (unscorable, filtered)
 }
-
-
-REPLAY_REQUIRED_KEYS = (
-    "prompt_ids",
-    "prompt_mask",
-    "completion_ids",
-    "completion_mask",
-    "advantages",
-    "old_per_token_logps",
-)
-
-
+REPLAY_REQUIRED_KEYS = tuple(REPLAY_ROW_KEYS)[:6]  # ids, masks, advantages, old_per_token_logps
 REPLAY_PASS_THROUGH_KEYS = ("num_items_in_batch",)  # batch-level values, taken from the fresh batch unchanged
-
-
 LOGPROB_KEYS = ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps")  # finite on stored rows
 
 
@@ -73,7 +52,7 @@ class ReplayConfig(Checked):
 
     def rows_per_batch(self, batch_size: int) -> int:
         """Rows replayed in a micro-batch of ``batch_size`` once the buffer is warm: round_half_up(ratio x B)."""
-        return _round_half_up(self.replay_ratio * batch_size)
+        return math.floor(self.replay_ratio * batch_size + 0.5)
 
 
 @dataclass
@@ -86,21 +65,10 @@ class ReplayInfo:
     def metrics(self) -> dict[str, float]:
         return {QUATRO_REPLAY_FRAC: self.replay_frac, QUATRO_REPLAY_AGE_MEAN: self.replay_age_mean}
 
-    def mask(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """(batch_size,) bool, True on replayed rows."""
-        out = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        out[self.indices] = True
-        return out
-
 
 def _row_signal(batch: dict[str, Any], i: int) -> float:
     """|advantage| of row i: the scalar, or for per-token advantages (PPO's GAE, (B, T)) the mean |advantage| over
-    its loss tokens (completion mask, times the tool mask when there is one); 0.0 without loss tokens.
-
-    The mean, not the largest token: a row's share of the policy gradient grows with all its tokens' advantages, and
-    one large token (e.g. the last, where the sequence reward lands) should not make an otherwise flat row look
-    like the strongest signal. A row without signal still has mean 0, so ``MIN_ABS_ADVANTAGE`` keeps its meaning.
-    """
+    its loss tokens (completion mask, times the tool mask when there is one); 0.0 without loss tokens."""
     adv = batch["advantages"][i]
     if adv.ndim == 0:
         return abs(float(adv))
@@ -114,25 +82,15 @@ def _row_signal(batch: dict[str, Any], i: int) -> float:
 class ReplayBuffer:
     """Rollout replay: ``add(micro_batch, step)`` after scoring, ``mix(micro_batch, step)`` before training.
 
-    What is stored: the rows of a scored micro-batch with a learning signal, |advantage| > ``MIN_ABS_ADVANTAGE``
-    and at least one unmasked completion token. Rows of zero-variance groups (advantage 0) and rows the filters
-    dropped (mask 0, advantage 0) contribute no policy gradient, so replaying them would only displace fresh rows.
-    Rows with a non-finite log-prob on an unmasked token (``LOGPROB_KEYS``: a policy that went NaN) are not stored
-    either: each replay would turn a later loss NaN, long after the step that caused it was skipped or rolled back.
-    Each row keeps its tensors (``REPLAY_ROW_KEYS``: ids, masks, advantage, the sampling policy's
-    ``old_per_token_logps``, which are required, ``ref_per_token_logps`` when present; under PPO also its (B, T)
-    token advantages, ``old_values`` and ``returns``, all right-padded like the completion) trimmed to its own length,
-    on the CPU, and the step it was sampled at. A replayed row's importance ratio is exp(current - its own old
-    log-probs). The buffer is FIFO by micro-batch: the last ``capacity`` calls of ``add``, a call with no signal
-    row included (so no row is older than ``capacity`` micro-batches).
+    Stored: the rows of a scored micro-batch with |advantage| > ``MIN_ABS_ADVANTAGE``, at least one unmasked
+    completion token and finite ``LOGPROB_KEYS`` on those tokens; each row's ``REPLAY_ROW_KEYS`` tensors trimmed to
+    its own length, on the CPU, with the step it was sampled at. FIFO by micro-batch: the last ``capacity`` calls of
+    ``add``, a call with no stored row included.
 
-    ``mix`` replaces k = round_half_up(``replay_ratio`` x B) rows (at most the rows stored) of the fresh micro-batch
-    with rows drawn uniformly without replacement from the buffer by a seeded ``torch.Generator``. The fresh rows
-    replaced are the k with the smallest |advantage| (ties: lower index first): they carry the least gradient, so
-    replay displaces as little fresh signal as possible. Replayed rows take the freed positions in draw order. The
-    batch keeps B rows; prompt tensors are left-padded and completion tensors right-padded to a common width (ids
-    with ``pad_token_id``, masks 0, log-probs 0, ratios and tool masks 1), as TRL pads them. Call ``mix`` with the
-    fresh batch before ``add``-ing that same fresh batch, so a batch never replays itself.
+    ``mix`` replaces k = round_half_up(``replay_ratio`` x B) rows (at most the rows stored) of the fresh micro-batch,
+    the k with the smallest |advantage| (ties: lower index first), with rows drawn uniformly without replacement by a
+    seeded ``torch.Generator``, in draw order. Prompt tensors are left-padded and completion tensors right-padded to
+    a common width as TRL pads them (``REPLAY_ROW_KEYS``). Call ``mix`` before ``add``-ing the same fresh batch.
     """
 
     def __init__(self, config: ReplayConfig | None = None, seed: int = 0, pad_token_id: int = 0) -> None:
@@ -147,10 +105,6 @@ class ReplayBuffer:
     def __len__(self) -> int:
         """Rows stored."""
         return sum(len(rows) for _, rows in self._entries)
-
-    @property
-    def num_batches(self) -> int:
-        return len(self._entries)
 
     def _check_keys(self, batch: dict[str, Any]) -> list[str]:
         """The per-row keys of ``batch`` (in REPLAY_ROW_KEYS order); raises on a missing or unknown key."""
@@ -294,14 +248,3 @@ def replay_importance_ratio_sum(
     selected = mask.to(torch.bool) & rows.to(device=mask.device, dtype=torch.bool).unsqueeze(1)
     ratio = torch.exp(per_token_logps.detach().double() - old_per_token_logps.detach().double())
     return ratio[selected].sum(), selected.sum().double()
-
-
-def replay_importance_ratio_mean(
-    per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor
-) -> float:
-    """Token mean of exp(current - stored log-probs) over the unmasked tokens of the ``rows`` (B,) bool selection.
-
-    per_token_logps, old_per_token_logps, mask: (B, T) -> a float (``quatro/replay_ratio_mean``); NaN without tokens.
-    """
-    total, count = replay_importance_ratio_sum(per_token_logps, old_per_token_logps, mask, rows)
-    return float(total / count) if count > 0 else math.nan

@@ -1,8 +1,7 @@
 """GRADE reward scaler: rolling whitening, quantile tail clipping, per-prompt counterfactual centring
 (docs/DESIGN.md, "GRADE: reward scaler").
 
-``GradeScaler`` is a ``RewardProcessor`` (and ``Stateful``): raw rewards of a whole generation batch (N,) -> scaled
-rewards (N,), before any advantage; call ``step()`` once per optimizer step. In order:
+``GradeScaler``: raw rewards of a whole generation batch (N,) -> scaled rewards (N,), before any advantage. In order:
 
 a) whitening, ``(r - mean) / (std + EPS)`` over the last ``window_size`` raw finite rewards *before* this batch;
    until the window holds ``warmup`` values rewards pass through unchanged (``whiten=False``: no whitening, no warmup);
@@ -12,9 +11,8 @@ b) quantile tail clip: bounds are the ``tau`` / ``1 - tau`` quantiles of the las
 c) centring, ``r <- r - centring_beta * baseline(prompt)``, the running mean of the prompt's earlier scaled rewards
    in an LRU of ``MAX_PROMPTS`` prompts; a first-seen prompt is not shifted; ``centring_beta: 0`` turns it off.
 
-Under GRPO's per-group normalisation whitening and centring cancel (an affine map per group); only the clip changes
-advantages there. NaN/±inf rewards are unscorable: they enter no window or baseline and come out NaN. Statistics are
-float64; the output has the input's dtype.
+NaN/±inf rewards are unscorable: they enter no window or baseline and come out NaN. Statistics are float64; the
+output has the input's dtype.
 """
 
 from __future__ import annotations
@@ -66,11 +64,6 @@ class GradeConfig(Checked):
             raise ValueError("invalid GradeConfig: " + "; ".join(problems))
 
 
-def whiten(values: torch.Tensor, mean: float, std: float, eps: float) -> torch.Tensor:
-    """Rolling whitening (stage a): (r - mean) / (std + eps). values: (N,) -> (N,)."""
-    return (values - mean) / (std + eps)
-
-
 def soft_tail_clip(values: torch.Tensor, low: float, high: float, slope: float) -> torch.Tensor:
     """Quantile tail clip (stage b): beyond a bound, x -> bound + slope * (x - bound). values: (N,) -> (N,).
 
@@ -86,10 +79,8 @@ def prompt_key(prompt: Any) -> str:
 
 
 class GradeScaler:
-    """Stateful GRADE ``RewardProcessor``: ``scaler(rewards (N,), prompts (N,), num_generations) -> (N,)``.
-
-    Call ``step()`` once per optimizer step. ``metrics()`` and ``kl_compensation()`` describe the last call.
-    """
+    """GRADE ``RewardProcessor``: ``scaler(rewards (N,), prompts (N,), num_generations) -> (N,)``; ``step()`` once
+    per optimizer step. ``metrics()`` and ``kl_compensation()`` describe the last call."""
 
     def __init__(self, config: GradeConfig | None = None) -> None:
         self.config = config or GradeConfig()
@@ -102,7 +93,6 @@ class GradeScaler:
         self._last: dict[str, float] = {}
         self._last_whitened = False
 
-    # -- RewardProcessor --------------------------------------------------------------------------------------
     def __call__(self, rewards: torch.Tensor, prompts: list[Any], num_generations: int) -> torch.Tensor:
         """rewards: (N,), NaN = unscorable; prompts: N entries, one per row -> scaled rewards (N,), NaN kept."""
         cfg = self.config
@@ -120,15 +110,12 @@ class GradeScaler:
 
         # a) whitening with the window as it was before this batch; before warmup nothing else happens either
         x = raw
-        active = False
         stats: tuple[float, float] | None = None  # (mean, std) of this batch's whitening
-        if not cfg.whiten:
-            active = True  # no whitening: values are on their final scale from the start
-        elif len(self._raw) >= cfg.warmup:
+        active = not cfg.whiten or len(self._raw) >= cfg.warmup  # no whitening: on the final scale from the start
+        if cfg.whiten and active:
             window = torch.tensor(list(self._raw), dtype=torch.float64)
             stats = window.mean().item(), window.std().item()
-            x = whiten(raw, *stats, EPS)
-            active = True
+            x = (raw - stats[0]) / (stats[1] + EPS)
 
         # b) quantile tail clipping: raw bounds from the quantile window before this batch, whitened as x was
         clipped_low = clipped_high = 0
@@ -137,7 +124,7 @@ class GradeScaler:
             if bounds is not None:
                 low, high = bounds
                 if stats is not None:
-                    low, high = whiten(torch.tensor(bounds, dtype=torch.float64), *stats, EPS).tolist()
+                    low, high = ((torch.tensor(bounds, dtype=torch.float64) - stats[0]) / (stats[1] + EPS)).tolist()
                 clipped_low = int((x < low).sum().item())
                 clipped_high = int((x > high).sum().item())
                 x = soft_tail_clip(x, low, high, cfg.tail_slope)
@@ -152,15 +139,36 @@ class GradeScaler:
                 if entry is not None:
                     shift[i] = entry[0] / entry[1]
             x = x - cfg.centring_beta * shift
-            self._update_baselines(keys, scaled)
+            for key, value in zip(keys, scaled.tolist(), strict=True):
+                entry = self._baselines.get(key)
+                if entry is not None:
+                    self._baselines.move_to_end(key)
+                if math.isnan(value):
+                    continue
+                if entry is None:
+                    entry = self._baselines[key] = [0.0, 0]
+                entry[0] += value
+                entry[1] += 1
+            while len(self._baselines) > MAX_PROMPTS:
+                self._baselines.popitem(last=False)
 
         # windows take the batch only now (no leakage into its own statistics)
         self._raw.extend(raw_finite)
         self._quantile.extend(raw_finite)
-        self._record_metrics(raw, x, finite, clipped_low, clipped_high, active and cfg.whiten)
+        n = int(finite.sum().item())
+        raw_f, out_f = raw[finite], x[finite]
+        self._last = {
+            GRADE_RAW_MEAN: raw_f.mean().item() if n else float("nan"),
+            GRADE_RAW_STD: raw_f.std().item() if n > 1 else float("nan"),
+            GRADE_SCALED_MEAN: out_f.mean().item() if n else float("nan"),
+            GRADE_SCALED_STD: out_f.std().item() if n > 1 else float("nan"),
+            GRADE_CLIP_FRAC_LOW: clipped_low / n if n else 0.0,
+            GRADE_CLIP_FRAC_HIGH: clipped_high / n if n else 0.0,
+            GRADE_WINDOW: float(len(self._raw)),
+        }
+        self._last_whitened = active and cfg.whiten
         return x.to(out_dtype).to(rewards.device)
 
-    # -- optimizer steps and internals ------------------------------------------------------------------------
     def step(self) -> None:
         """Advance the optimizer-step counter (quantile refresh)."""
         self._steps += 1
@@ -172,47 +180,10 @@ class GradeScaler:
                 return self._bounds
             window = torch.tensor(list(self._quantile), dtype=torch.float64)
             q = torch.tensor([self.config.tau, 1.0 - self.config.tau], dtype=torch.float64)
-            low, high = torch.quantile(window, q, interpolation="linear").tolist()
-            self._bounds = (low, high)
+            self._bounds = tuple(torch.quantile(window, q, interpolation="linear").tolist())
             self._steps_since_refresh = 0
         return self._bounds
 
-    def _update_baselines(self, keys: list[str], scaled: torch.Tensor) -> None:
-        values = scaled.tolist()
-        for key, value in zip(keys, values, strict=True):
-            entry = self._baselines.get(key)
-            if entry is not None:
-                self._baselines.move_to_end(key)
-            if math.isnan(value):
-                continue
-            if entry is None:
-                entry = self._baselines[key] = [0.0, 0]
-            entry[0] += value
-            entry[1] += 1
-        while len(self._baselines) > MAX_PROMPTS:
-            self._baselines.popitem(last=False)
-
-    def _record_metrics(
-        self, raw: torch.Tensor, out: torch.Tensor, finite: torch.Tensor, low: int, high: int, whitened: bool
-    ) -> None:
-        n = int(finite.sum().item())
-        raw_f, out_f = raw[finite], out[finite]
-
-        def std(t: torch.Tensor) -> float:
-            return t.std().item() if t.numel() > 1 else float("nan")
-
-        self._last = {
-            GRADE_RAW_MEAN: raw_f.mean().item() if n else float("nan"),
-            GRADE_RAW_STD: std(raw_f),
-            GRADE_SCALED_MEAN: out_f.mean().item() if n else float("nan"),
-            GRADE_SCALED_STD: std(out_f),
-            GRADE_CLIP_FRAC_LOW: low / n if n else 0.0,
-            GRADE_CLIP_FRAC_HIGH: high / n if n else 0.0,
-            GRADE_WINDOW: float(len(self._raw)),
-        }
-        self._last_whitened = whitened
-
-    # -- reporting --------------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Figures of the last call (empty before the first call)."""
         return dict(self._last)
@@ -227,7 +198,6 @@ class GradeScaler:
             return 1.0
         return min(max(ratio, lo), hi)
 
-    # -- Stateful ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": 2,

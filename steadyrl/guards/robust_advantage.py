@@ -11,9 +11,7 @@ For each prompt's group of G rewards::
 When MAD == 0 but the group is not constant, the group's unbiased std replaces ``mad_scale * mad`` (and with
 ``mad_zero_centre: mean`` the mean replaces the median). Unscorable rows (NaN, ±inf) leave the statistics and get
 exactly 0, as do groups with fewer than 2 scorable rows or all-equal rewards. Arithmetic is float64, cast back to
-the input dtype; ``|adv| < clip_scale`` always holds (tanh's saturation at 1.0 is clamped to the largest value of
-the output dtype below ``clip_scale``). The spike skip and the monitor live elsewhere (``spike``,
-``steadyrl.evidence.early_warnings``).
+the input dtype; ``|adv| < clip_scale`` always holds (clamped to the largest value of that dtype below it).
 """
 
 from __future__ import annotations
@@ -23,28 +21,20 @@ from dataclasses import dataclass
 import torch
 
 CLIP_SCALE_RANGE = (2.5, 4.0)
-
-
-def _validate_clip_scale(clip_scale: float) -> None:
-    low, high = CLIP_SCALE_RANGE
-    if not low <= clip_scale <= high:
-        raise ValueError(f"clip_scale must be in [{low}, {high}], got {clip_scale!r}")
-
-
-def nan_median(values: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """True median ignoring NaN: mean of the two middle values for an even count; all-NaN -> NaN.
-
-    values: any shape -> median along ``dim``. Uses ``torch.nanquantile(q=0.5, interpolation="linear")``.
-    """
-    return torch.nanquantile(values, 0.5, dim=dim, keepdim=keepdim, interpolation="linear")
-
-
 MAD_ZERO_CENTRES = ("mean", "median")
 
 
-def _validate_mad_zero_centre(mad_zero_centre: str) -> None:
+def _validate(clip_scale: float, mad_zero_centre: str) -> None:
+    low, high = CLIP_SCALE_RANGE
+    if not low <= clip_scale <= high:
+        raise ValueError(f"clip_scale must be in [{low}, {high}], got {clip_scale!r}")
     if mad_zero_centre not in MAD_ZERO_CENTRES:
         raise ValueError(f"mad_zero_centre must be one of {', '.join(MAD_ZERO_CENTRES)}, got {mad_zero_centre!r}")
+
+
+def nan_median(values: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """True median along ``dim`` ignoring NaN: mean of the two middle values for an even count; all-NaN -> NaN."""
+    return torch.nanquantile(values, 0.5, dim=dim, keepdim=keepdim, interpolation="linear")
 
 
 def robust_group_advantages(
@@ -56,13 +46,10 @@ def robust_group_advantages(
 ) -> torch.Tensor:
     """GEPO advantage: clip_scale * tanh((r - median) / (mad_scale * MAD + eps) / clip_scale), per group.
 
-    grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape and dtype, finite, and
-    ``|adv| < clip_scale`` strictly. Unscorable rows, constant groups and groups with fewer than 2 scorable rows
-    get exactly 0; MAD == 0 in a non-constant group falls back to the unbiased group std (see module docstring).
-    Source: docs/DESIGN.md, "GEPO: robust advantages".
+    grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape and dtype, finite,
+    ``|adv| < clip_scale``; zeros and the MAD == 0 fallback as in the module docstring.
     """
-    _validate_clip_scale(clip_scale)
-    _validate_mad_zero_centre(mad_zero_centre)
+    _validate(clip_scale, mad_zero_centre)
     if grouped_rewards.ndim != 2:
         raise ValueError(f"grouped_rewards must have shape (num_prompts, G), got {tuple(grouped_rewards.shape)}")
     out_dtype = grouped_rewards.dtype if grouped_rewards.is_floating_point() else torch.float32
@@ -76,10 +63,11 @@ def robust_group_advantages(
 
     centre = nan_median(r, dim=1, keepdim=True)
     mad = nan_median((r - centre).abs(), dim=1, keepdim=True)
-    std = _nan_std(r, count)
+    mean = torch.nanmean(r, dim=1, keepdim=True)
+    std = torch.sqrt(torch.nansum((r - mean) ** 2, dim=1, keepdim=True) / (count - 1).clamp(min=0))  # unbiased
     spread = torch.where(mad > 0, mad_scale * mad, std)
     if mad_zero_centre == "mean":  # the std fallback's own centre (see the module docstring)
-        centre = torch.where(mad > 0, centre, torch.nanmean(r, dim=1, keepdim=True))
+        centre = torch.where(mad > 0, centre, mean)
     scale = spread + eps
 
     hi = torch.where(scorable, r, torch.full_like(r, -torch.inf)).amax(dim=1, keepdim=True)
@@ -89,20 +77,9 @@ def robust_group_advantages(
     adv = clip_scale * torch.tanh((r - centre) / scale / clip_scale)
     adv = torch.where(scorable & informative, adv, torch.zeros_like(adv))
     adv = adv.to(out_dtype)
-    # The largest value of out_dtype below clip_scale, as a Python number: clamp() takes it on any device (a CPU
-    # tensor bound failed on CUDA, the H200 smoke run of 7cd9895).
+    # the largest value of out_dtype below clip_scale, as a Python number: clamp() takes it on any device
     bound = torch.nextafter(torch.tensor(clip_scale, dtype=out_dtype), torch.tensor(0.0, dtype=out_dtype)).item()
     return adv.clamp(-bound, bound)
-
-
-def _nan_std(r: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Unbiased std over non-NaN entries of each row. r: (P, G) float64 with NaN holes, count: (P, 1) -> (P, 1).
-
-    Rows with fewer than 2 entries give NaN (they are zeroed by the caller).
-    """
-    mean = torch.nanmean(r, dim=1, keepdim=True)
-    sq = torch.nansum((r - mean) ** 2, dim=1, keepdim=True)
-    return torch.sqrt(sq / (count - 1).clamp(min=0))
 
 
 @dataclass
@@ -113,31 +90,24 @@ class AdvantageConfig:
     mad_zero_centre: str = "median"  # centre of a group whose MAD is 0 (a majority shares one value): mean | median
 
 
+@dataclass(eq=False)
 class GEPOAdvantage:
     """``AdvantageFunction`` wrapping :func:`robust_group_advantages` with fixed hyper-parameters; stateless."""
+
+    clip_scale: float = 3.0
+    mad_scale: float = 1.4826
+    eps: float = 1e-8
+    mad_zero_centre: str = "median"
+
+    def __post_init__(self) -> None:
+        _validate(self.clip_scale, self.mad_zero_centre)
+        if self.mad_scale <= 0 or self.eps <= 0:
+            raise ValueError(f"mad_scale and eps must be > 0, got mad_scale={self.mad_scale!r}, eps={self.eps!r}")
 
     @classmethod
     def from_config(cls, config: AdvantageConfig) -> GEPOAdvantage:
         return cls(config.clip_scale, mad_zero_centre=config.mad_zero_centre)
 
-    def __init__(
-        self, clip_scale: float = 3.0, mad_scale: float = 1.4826, eps: float = 1e-8, mad_zero_centre: str = "median"
-    ) -> None:
-        _validate_clip_scale(clip_scale)
-        _validate_mad_zero_centre(mad_zero_centre)
-        if mad_scale <= 0 or eps <= 0:
-            raise ValueError(f"mad_scale and eps must be > 0, got mad_scale={mad_scale!r}, eps={eps!r}")
-        self.clip_scale = clip_scale
-        self.mad_scale = mad_scale
-        self.eps = eps
-        self.mad_zero_centre = mad_zero_centre
-
     def __call__(self, grouped_rewards: torch.Tensor) -> torch.Tensor:
         """grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages (num_prompts, G)."""
         return robust_group_advantages(grouped_rewards, self.clip_scale, self.mad_scale, self.eps, self.mad_zero_centre)
-
-    def __repr__(self) -> str:
-        return (
-            f"GEPOAdvantage(clip_scale={self.clip_scale}, mad_scale={self.mad_scale}, eps={self.eps}, "
-            f"mad_zero_centre={self.mad_zero_centre!r})"
-        )

@@ -32,41 +32,30 @@ class RollbackConfig(Checked):
     recovery_steps: int = bounded(100, ge=0)
     max_rollbacks: int = bounded(3, ge=0)
     rollback_window: int = bounded(1000, ge=1)
-    # A check that finds non-finite Adam moments and finite weights resets the bad entries in place (first moment 0,
-    # second moment the largest finite one of its tensor) instead of rolling back: no lost steps, no LR cut. It
-    # rolls back instead when more than repair_max_share of the moment entries are bad (not a few corrupted
-    # entries), or when the moments go bad again within recovery_steps of a repair (not a one-off).
+    # non-finite moments with finite weights: reset the bad entries in place instead of rolling back, unless more
+    # than repair_max_share of them are bad or they go bad again within recovery_steps of a repair
     repair_state: bool = True
     repair_max_share: float = bounded(0.01, gt=0, le=1)
 
 
-def _cpu_copy(obj: Any) -> Any:
+def cpu_copy(obj: Any) -> Any:
     """Deep copy of a nested payload with every tensor cloned onto the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((k, _cpu_copy(v)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_cpu_copy(v) for v in obj)
+    if isinstance(obj, dict):  # an OrderedDict stays one, other dicts become dicts
+        return (OrderedDict if isinstance(obj, OrderedDict) else dict)((k, cpu_copy(v)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return (tuple if isinstance(obj, tuple) else list)(cpu_copy(v) for v in obj)
     return copy.deepcopy(obj)
 
 
 class SnapshotStore:
-    """The latest healthy snapshot: ``save(step, payload)``, ``load() -> (step, payload)``, ``latest_step``, ``clear``.
+    """The latest healthy snapshot: ``save(step, payload)``, ``load() -> (step, payload)``, ``clear()``.
 
-    ``payload`` is a nested dict of tensors and Python objects (trainable weights, optimizer state_dict, scheduler
-    state, RNG states, guard states). ``memory`` keeps a CPU deep copy and ``load`` returns a fresh copy each time
-    (``Optimizer.load_state_dict`` keeps same-device tensors by reference, which would let training overwrite the
-    snapshot). ``disk`` writes ``snapshot-<step>.pt`` through a temp file and ``os.replace`` in the same folder, so
-    a crash mid-write leaves the previous snapshot intact, then deletes older ones; a store opened on a folder
-    that already holds a snapshot sees it (``clear()`` it when stale, e.g. after resuming from an earlier
-    checkpoint). Under ZeRO-2 every rank holds a different partition: give each rank its own directory.
-    Cost: a full copy of the payload per rank (host RAM for ``memory``; for 7B under DDP about 28 GB of fp32
-    weights + 56 GB of Adam moments), so big models want ``disk``.
+    ``payload``: a nested dict of tensors and Python objects. ``memory`` keeps a CPU deep copy and ``load`` returns a
+    fresh copy each time (``Optimizer.load_state_dict`` keeps same-device tensors by reference). ``disk`` writes
+    ``snapshot-<step>.pt`` atomically (temp file and ``os.replace``), then deletes older ones; a store opened on a
+    folder that already holds a snapshot sees it (``clear()`` it when stale). Give each rank its own directory.
     """
 
     _NAME = re.compile(r"^snapshot-(\d+)\.pt$")
@@ -87,16 +76,9 @@ class SnapshotStore:
         found = [(self._NAME.match(p.name), p) for p in self.directory.iterdir()]
         return sorted((int(m.group(1)), p) for m, p in found if m)
 
-    @property
-    def latest_step(self) -> int | None:
-        if self.storage == "memory":
-            return None if self._memory is None else self._memory[0]
-        files = self._files()
-        return files[-1][0] if files else None
-
     def save(self, step: int, payload: dict[str, Any]) -> None:
         if self.storage == "memory":
-            self._memory = (int(step), _cpu_copy(payload))
+            self._memory = (int(step), cpu_copy(payload))
             return
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -119,7 +101,7 @@ class SnapshotStore:
         if self.storage == "memory":
             if self._memory is None:
                 raise LookupError("no snapshot has been saved in memory yet")
-            return self._memory[0], _cpu_copy(self._memory[1])
+            return self._memory[0], cpu_copy(self._memory[1])
         files = self._files()
         if not files:
             raise LookupError(f"no snapshot in {self.directory}")

@@ -2,11 +2,9 @@
 length, parrot (copies the prompt), repetition, zero-variance group -- and compute advantages without them
 (docs/DESIGN.md, "QUATRO: rollout filters").
 
-Filters work on token ids (tokenizer-agnostic), so n-gram sizes are in tokens. The caller passes rewards and ids
-gathered over all ranks, so every rank keeps the same rows. The ids come as padded tensors (``TokenBatch``) and every
-filter is tensor code over the whole batch: each n-gram is one exact int64 code (``ngram_codes``), and sorts,
-``searchsorted`` and comparisons count repeats and prompt copies (``repeat_shares``, ``parrot_shares``).
-``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version.
+Filters work on token ids gathered over all ranks (every rank keeps the same rows), as padded tensors
+(``TokenBatch``); n-gram sizes are in tokens. Every n-gram is one exact int64 code (``ngram_codes``).
+``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version they are tested against.
 """
 
 from __future__ import annotations
@@ -20,15 +18,11 @@ from typing import Any
 
 import torch
 
-from steadyrl.metrics import (
-    QUATRO_FILTERED_SHARE,
-    QUATRO_ZERO_VARIANCE_GROUPS,
-    quatro_filtered,
-)
+from steadyrl.metrics import QUATRO_FILTERED_SHARE, QUATRO_ZERO_VARIANCE_GROUPS, quatro_filtered
 from steadyrl.ranges import Checked, bounded
 
-# A dropped row is counted under the first of these that dropped it (the order the filters run in).
 DROPPED_ROWS = ("zero_advantage", "exclude")
+# A dropped row is counted under the first of these that dropped it (the order the filters run in).
 FILTER_REASONS = ("zscore", "length", "parrot", "repetition", "zero_variance")
 MIN_DISTINCT = 3  # the z-score filter is skipped when the finite rewards take fewer distinct values (pass/fail)
 # the length filter's rolling range: [LENGTH_PERCENTILES] of the last LENGTH_HISTORY completion lengths, once
@@ -87,57 +81,22 @@ class FilterConfig(Checked):
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
     zero_variance: ZeroVarianceConfig = field(default_factory=ZeroVarianceConfig)
     max_drop_share: float = bounded(0.5, ge=0, le=1)  # dropping more than this share of a batch comes with a warning
-    # what a dropped row becomes in the loss: "zero_advantage" (it stays in the loss with advantage 0, so the
-    # kept rows keep the weight they have without filters, and the KL term still sees it) or "exclude" (its
-    # completion mask is zeroed: the normaliser shrinks and the kept rows' effective learning rate grows by
-    # rows / kept rows)
+    # a dropped row in the loss: "zero_advantage" (stays, advantage 0) or "exclude" (completion mask zeroed)
     dropped_rows: str = bounded("zero_advantage", choices=DROPPED_ROWS)
-
-
-# ------------------------------------------------------------------ per-row measures (Python lists)
-# The reference the tensor measures below are tested against (tests/unit/test_rollout_filters_vectorised.py);
-# ``RolloutFilter`` itself no longer calls them.
-
-
-def ngrams(ids: Sequence[int], n: int) -> list[tuple[int, ...]]:
-    """The n-grams of ``ids`` at every position (len(ids) - n + 1 of them; none when shorter than n)."""
-    return [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
-
-
-def parrot_share(prompt: Sequence[int], completion: Sequence[int], n: int) -> float:
-    """Share of the completion's n-gram positions whose n-gram also occurs in the prompt; 0 without n-grams."""
-    grams = ngrams(completion, n)
-    if not grams:
-        return 0.0
-    seen = set(ngrams(prompt, n))
-    return sum(g in seen for g in grams) / len(grams)
-
-
-def repeat_share(completion: Sequence[int], n: int) -> float:
-    """1 - distinct / total n-grams of the completion: the share of n-grams that repeat an earlier one."""
-    grams = ngrams(completion, n)
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
-
-
-# ------------------------------------------------------------------ token batches and n-gram codes (tensors)
 
 
 @dataclass(eq=False)  # tensors: no elementwise ==
 class TokenBatch:
-    """B rows of token ids, left-aligned in a padded tensor: row b is ``ids[b, :lengths[b]]``.
-
-    ids: (B, T) integer (stored as int64), anything past a row's length is padding; lengths: (B,) in [0, T].
-    """
+    """B rows of token ids, left-aligned in a padded tensor: row b is ``ids[b, :lengths[b]]``. ids: (B, T) integer
+    (stored as int64), anything past a row's length is padding; lengths: (B,) in [0, T]."""
 
     ids: torch.Tensor
     lengths: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.ids.ndim != 2 or self.ids.is_floating_point() or self.ids.is_complex() or self.ids.dtype == torch.bool:
-            raise ValueError(f"ids must be a (B, T) integer tensor, got {self.ids.dtype} {tuple(self.ids.shape)}")
+        self.ids = _integer_ids(self.ids)
         if self.lengths.shape != (self.ids.shape[0],):
             raise ValueError(f"lengths must have shape ({self.ids.shape[0]},), got {tuple(self.lengths.shape)}")
-        self.ids = self.ids.long()
         self.lengths = self.lengths.to(device=self.ids.device, dtype=torch.long)
         if self.lengths.numel():
             low, high = (int(v) for v in torch.aminmax(self.lengths))
@@ -177,12 +136,9 @@ class TokenBatch:
 
     @classmethod
     def _unchecked(cls, ids: torch.Tensor, lengths: torch.Tensor) -> TokenBatch:
-        """For lengths in [0, T] by construction (a mask's row sums): skips ``__post_init__``'s range check, a
-        reduction and two syncs per batch."""
-        if ids.ndim != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(f"ids must be a (B, T) integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+        """For lengths in [0, T] by construction (a mask's row sums): skips ``__post_init__``'s range check."""
         batch = object.__new__(cls)
-        batch.ids, batch.lengths = ids.long(), lengths.long()
+        batch.ids, batch.lengths = _integer_ids(ids), lengths.long()
         return batch
 
     def valid(self) -> torch.Tensor:
@@ -196,14 +152,16 @@ class TokenBatch:
         return [row[:n] for row, n in zip(self.ids.tolist(), self.lengths.tolist(), strict=True)]
 
 
+def _integer_ids(ids: torch.Tensor) -> torch.Tensor:
+    if ids.ndim != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be a (B, T) integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    return ids.long()
+
+
+# parrot_shares compares every (completion n-gram, prompt n-gram) pair of a row at once up to this many pairs per row,
+# and binary-searches the sorted prompt n-grams above it
 BROADCAST_PAIRS = 1024
-"""``parrot_shares`` compares every (completion n-gram, prompt n-gram) pair of a row at once up to this many pairs
-per row (a (B, Lc, Lp) bool tensor, one op), and sorts and binary-searches above it (O((Lc + Lp) log Lp) per row)."""
-
-NO_GRAM = torch.iinfo(torch.int64).max
-"""The code of a window that is no n-gram (it runs past its row's end): above every real code, so it sorts last."""
-
-_INT64_MAX = NO_GRAM
+NO_GRAM = torch.iinfo(torch.int64).max  # the code of a window that is no n-gram: above every real code, sorts last
 
 
 def _windows(batch: TokenBatch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,74 +173,28 @@ def _windows(batch: TokenBatch, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return windows, grams
 
 
-def _id_range(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
-    """(min, max) over the tensors' values; None when they hold none."""
-    ranges = [torch.aminmax(t) for t in tensors if t.numel()]
-    if not ranges:
-        return None
-    return min(int(lo) for lo, _ in ranges), max(int(hi) for _, hi in ranges)
-
-
 @functools.lru_cache(maxsize=64)
 def _powers(base: int, k: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([base ** (k - 1 - j) for j in range(k)], dtype=torch.long, device=device)
 
 
-def _pack(digits: torch.Tensor, base: int) -> torch.Tensor:
-    """(..., k) digits in [0, base) -> (...,) their base-``base`` numbers (the caller checks base**k < 2**63)."""
-    return (digits * _powers(base, digits.shape[-1], digits.device)).sum(dim=-1)
-
-
-def id_span(batches: Sequence[TokenBatch]) -> tuple[int, int] | None:
-    """(min, max) over the whole id tensors of ``batches``, padding included; None when they hold no ids. Computed
-    once, it serves ``ngram_codes`` for several n over these batches or a subset of them."""
-    return _id_range([b.ids for b in batches])
-
-
-def ngram_codes(
-    batches: Sequence[TokenBatch], n: int, span: tuple[int, int] | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def ngram_codes(batches: Sequence[TokenBatch], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every n-gram of every row as one int64, in one code space for all ``batches``: equal codes <=> equal n-grams.
 
     Returns per batch (codes, grams), both (B, L) with L = max(T - n + 1, 0): window j of row b is
     ``ids[b, j : j + n]``, an n-gram where ``grams`` (j + n <= lengths[b]); ``codes`` is ``NO_GRAM`` elsewhere.
-
-    Exact, no hashing. With the ids shifted to [0, base) (base = max - min + 1 of the ids), an n-gram is the
-    base-``base`` number of its n ids when base**n < 2**63: up to 55108 distinct ids for n = 4, 2097151 for n = 3.
-    The range is first taken over the whole tensors (padding included: one reduction, and a wider range is still
-    exact), then, if that does not fit, over the rows' ids only. When even that does not fit, each n-gram packs into
-    several such words (one id per word when the ids span more than 2**63) and the codes are the dense ranks of the
-    word tuples over all n-grams of the call (``torch.unique(dim=0)``: exact lexicographic comparison; slower).
-
-    ``span``: ``id_span`` of these batches or of more (a wider range is still exact), taken once for several calls;
-    by default it is taken here.
+    Exact, no hashing: the base-``base`` number of the n ids shifted to [0, base) (base: the range of the whole id
+    tensors, padding included) when base**n < 2**63, else the dense ranks of the n-grams (``torch.unique(dim=0)``).
     """
     parts = [_windows(b, n) for b in batches]
-    span, outside = (span if span is not None else id_span(batches)), False
-    if span is not None and (span[1] - span[0] + 1) ** n > _INT64_MAX:
-        span, outside = _id_range([b.ids[b.valid()] for b in batches]), True  # padding may widen the range
-    if span is None:  # no ids at all, so no n-grams
+    ranges = [torch.aminmax(b.ids) for b in batches if b.ids.numel()]
+    if not ranges:  # no ids at all, so no n-grams
         return [(torch.full(g.shape, NO_GRAM, dtype=torch.long, device=g.device), g) for _, g in parts]
-    lo, base = span[0], span[1] - span[0] + 1
-    if lo > 0 and (span[1] + 1) ** n <= _INT64_MAX:  # token ids: base max + 1 fits, and no shift is needed
-        lo, base = 0, span[1] + 1
-    if base**n <= _INT64_MAX:
-        out = []
-        for windows, grams in parts:
-            digits = windows.clamp(*span) if outside else windows  # padding outside the range: masked below
-            code = _pack(digits - lo if lo else digits, base)
-            out.append((torch.where(grams, code, NO_GRAM), grams))
-        return out
-    per_word = 0
-    while base ** (per_word + 1) <= _INT64_MAX:
-        per_word += 1
-    grams_flat = torch.cat([w[g] for w, g in parts])  # (M, n): every n-gram of the call
-    if per_word == 0:
-        words = grams_flat  # ids spanning more than 2**63: compare the ids themselves
-    else:
-        digits = grams_flat - lo
-        words = torch.stack([_pack(digits[:, s : s + per_word], base) for s in range(0, n, per_word)], dim=1)
-    _, ranks = torch.unique(words, dim=0, return_inverse=True)
+    lo, hi = min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)
+    if (hi - lo + 1) ** n <= NO_GRAM:
+        powers = _powers(hi - lo + 1, n, parts[0][0].device)
+        return [(torch.where(grams, ((windows - lo) * powers).sum(dim=-1), NO_GRAM), grams) for windows, grams in parts]
+    _, ranks = torch.unique(torch.cat([w[g] for w, g in parts]), dim=0, return_inverse=True)
     out, start = [], 0
     for _, grams in parts:
         codes = torch.full(grams.shape, NO_GRAM, dtype=torch.long, device=grams.device)
@@ -293,36 +205,23 @@ def ngram_codes(
     return out
 
 
-def _distinct(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, L) codes -> each row sorted (``NO_GRAM`` last) and (B, L) bool: the first of each distinct n-gram."""
+def repeat_shares(completions: TokenBatch, n: int) -> torch.Tensor:
+    """(B,) float64 share of each row's n-grams that repeat an earlier one: 1 - distinct / total; 0 without
+    n-grams."""
+    ((codes, grams),) = ngram_codes([completions], n)
     ordered = codes.sort(dim=1).values
-    first = ordered != NO_GRAM
+    first = ordered != NO_GRAM  # the first of each distinct n-gram
     first[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
-    return ordered, first
-
-
-def _share(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """count / total in float64 (the correctly rounded quotient, as Python's int / int); 0 where total is 0."""
-    return (count.double() / total).nan_to_num_(nan=0.0)
-
-
-def repeat_shares(completions: TokenBatch, n: int, span: tuple[int, int] | None = None) -> torch.Tensor:
-    """(B,) float64 ``repeat_share`` of every row: 1 - distinct / total n-grams; 0 without n-grams. ``span``: see
-    ``ngram_codes``."""
-    ((codes, grams),) = ngram_codes([completions], n, span)
-    distinct = _distinct(codes)[1].sum(dim=1)
     # 1 - distinct / total, rounded as the reference rounds it (repeated / total can differ in the last bit)
-    return (1.0 - distinct.double() / grams.sum(dim=1)).nan_to_num_(nan=0.0)
+    return (1.0 - first.sum(dim=1).double() / grams.sum(dim=1)).nan_to_num_(nan=0.0)
 
 
-def parrot_shares(
-    prompts: TokenBatch, completions: TokenBatch, n: int, span: tuple[int, int] | None = None
-) -> torch.Tensor:
-    """(B,) float64 ``parrot_share`` of every row: the share of the completion's n-gram positions whose n-gram
-    occurs in the prompt of the same row; 0 without completion n-grams. ``span``: see ``ngram_codes``."""
+def parrot_shares(prompts: TokenBatch, completions: TokenBatch, n: int) -> torch.Tensor:
+    """(B,) float64 share of the completion's n-gram positions whose n-gram occurs in the prompt of the same row; 0
+    without completion n-grams."""
     if prompts.rows != completions.rows:
         raise ValueError(f"got {prompts.rows} prompts for {completions.rows} completions")
-    (prompt_codes, _), (codes, grams) = ngram_codes([prompts, completions], n, span)
+    (prompt_codes, _), (codes, grams) = ngram_codes([prompts, completions], n)
     if prompt_codes.shape[1] * codes.shape[1] <= BROADCAST_PAIRS:  # short rows: compare every pair at once
         hits = ((codes[:, :, None] == prompt_codes[:, None, :]).any(dim=2) & grams).sum(dim=1)
     elif codes.shape[0] and prompt_codes.shape[1]:  # sorted prompt n-grams, one binary search per completion n-gram
@@ -331,7 +230,7 @@ def parrot_shares(
         hits = ((ordered.gather(1, at) == codes) & grams).sum(dim=1)
     else:
         hits = torch.zeros(completions.rows, dtype=torch.long, device=completions.ids.device)
-    return _share(hits, grams.sum(dim=1))
+    return (hits.double() / grams.sum(dim=1)).nan_to_num_(nan=0.0)  # as Python's int / int; 0 where no n-grams
 
 
 def no_signal_groups(rewards: torch.Tensor, kept: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -345,56 +244,35 @@ def no_signal_groups(rewards: torch.Tensor, kept: torch.Tensor, num_generations:
 
 
 class LengthHistory:
-    """The last ``capacity`` completion lengths, oldest first, in an int64 ring buffer: a batch of lengths goes in
-    with two slice copies, and ``quantiles`` reads order statistics from their histogram, without a sort."""
+    """The last ``capacity`` completion lengths, oldest first, in an int64 tensor of ``capacity`` entries."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._buffer = torch.zeros(capacity, dtype=torch.long)
+        self._buffer = torch.zeros(capacity, dtype=torch.long)  # the remembered lengths are its last _count entries
         self._count = 0
-        self._next = 0  # where the next length goes; the oldest one sits here once the buffer is full
 
     def __len__(self) -> int:
         return self._count
 
     def extend(self, lengths: torch.Tensor) -> None:
         """Append (k,) non-negative lengths; the oldest ones fall out past ``capacity``."""
-        lengths = lengths.reshape(-1)[-self.capacity :].long()
-        k = lengths.numel()
-        head = min(k, self.capacity - self._next)
-        self._buffer[self._next : self._next + head] = lengths[:head]
-        self._buffer[: k - head] = lengths[head:]
-        self._next = (self._next + k) % self.capacity
-        self._count = min(self._count + k, self.capacity)
+        lengths = lengths.reshape(-1).long()
+        self._buffer = torch.cat([self._buffer, lengths])[-self.capacity :].clone()
+        self._count = min(self._count + lengths.numel(), self.capacity)
 
     def values(self) -> torch.Tensor:
-        """The remembered lengths in buffer order (not oldest first: for order-free statistics)."""
-        return self._buffer[: self._count]
+        """The remembered lengths, oldest first."""
+        return self._buffer[self.capacity - self._count :]
 
     def quantiles(self, qs: Sequence[float]) -> list[float]:
-        """``torch.quantile(values().double(), qs, interpolation="linear")``, bit for bit, the way it computes it:
-        the float64 rank ``q * (count - 1)``, the order statistics at its truncation and its ceiling, and
-        ``torch.lerp`` between them (tested against torch.quantile in tests/unit/test_rollout_filters_vectorised.py).
-        The order statistics come from the histogram of the lengths: the k-th smallest (from 0) is the first length
-        whose cumulative count exceeds k. A handful of ops on (max length + 1,) tensors, where a sort of the whole
-        history and torch.quantile's checks and copies cost several times more, once per generation batch."""
+        """``torch.quantile`` (linear interpolation) of the remembered lengths at each of ``qs``, as floats."""
         if not self._count:
             raise ValueError("no lengths remembered")
-        cumulative = torch.bincount(self.values()).cumsum(0)
-        ranks = [q * (self._count - 1) for q in qs]  # float64, as torch multiplies them
-        below = [int(r) for r in ranks]
-        positions = torch.tensor(below + [math.ceil(r) for r in ranks], dtype=torch.long)
-        picked = torch.searchsorted(cumulative, positions, right=True).double()
-        weights = torch.tensor([r - b for r, b in zip(ranks, below, strict=True)], dtype=torch.float64)
-        return torch.lerp(picked[: len(qs)], picked[len(qs) :], weights).tolist()
+        q = torch.tensor(qs, dtype=torch.float64)
+        return torch.quantile(self.values().double(), q, interpolation="linear").tolist()
 
     def tolist(self) -> list[int]:
-        """The remembered lengths, oldest first."""
-        if self._count < self.capacity:
-            ordered = self._buffer[: self._count]
-        else:
-            ordered = torch.cat([self._buffer[self._next :], self._buffer[: self._next]])
-        return [int(v) for v in ordered.tolist()]
+        return self.values().tolist()
 
 
 @dataclass
@@ -415,29 +293,22 @@ class FilterResult:
 class RolloutFilter:
     """Rollout quality filters: ``filt(rewards, prompt_ids, completion_ids, num_generations) -> FilterResult``.
 
-    Inputs cover the whole generation batch, gathered over ranks: rewards (N,) with NaN = unscorable, and the token
-    ids of N prompts and N completions, each a ``TokenBatch`` (padded (N, T) ids with lengths) or N unpadded id
-    lists; groups are consecutive runs of ``num_generations`` rows. The work is tensor code over the whole batch on
-    the CPU (``repeat_shares``, ``parrot_shares``, ...);
-    ``tests/unit/reference_rollout_filters.py`` keeps the per-row Python version it is tested against. The filters
-    run in the order of ``FILTER_REASONS``; the first four judge each row on its own, the last looks at the rows
-    still kept:
+    Inputs cover the whole generation batch: rewards (N,) with NaN = unscorable, N prompts and N completions (each
+    a ``TokenBatch`` or N unpadded id lists); groups are consecutive runs of ``num_generations`` rows. The filters
+    run in the order of ``FILTER_REASONS``; the first four judge each row on its own, the last the rows still kept:
 
     - zscore: |r - mean| / std > ``max_abs_z`` over the finite rewards of the batch (unbiased std; skipped when
-      std == 0, fewer than 2 or fewer than ``MIN_DISTINCT`` distinct finite values). NaN rewards never drop.
-    - length: fewer than ``min_tokens`` or more than ``max_tokens`` tokens, or (``rolling``, once the history holds
-      ``LENGTH_MIN_HISTORY`` lengths) outside ``LENGTH_PERCENTILES`` of the last ``LENGTH_HISTORY`` lengths, computed
-      from the history before this batch (linear interpolation), so a batch never sets its own range. Every row's
-      length then enters the history, dropped or not.
-    - parrot: ``parrot_share(prompt, completion, PARROT_N) > max_overlap``.
-    - repetition: ``repeat_share(completion, n) > max_repeat_share``.
-    - zero_variance: a group whose kept rows have fewer than 2 finite rewards, or all-equal ones, has no learning
-      signal (zero advantage for every row); its kept rows are dropped so they leave the loss normaliser too (DAPO
-      dynamic sampling). ``zero_variance_groups`` flags these groups even when this filter is off.
+      std == 0 or with fewer than ``MIN_DISTINCT`` distinct finite values). NaN rewards never drop.
+    - length: outside [``min_tokens``, ``max_tokens``], or (``rolling``) outside ``length_range()`` of the lengths
+      before this batch; every row's length then enters the history.
+    - parrot: ``parrot_shares(prompt, completion, PARROT_N) > max_overlap``.
+    - repetition: ``repeat_shares(completion, n) > max_repeat_share``.
+    - zero_variance: a group whose kept rows have fewer than 2 finite rewards, or all-equal ones (no learning
+      signal); its kept rows are dropped. ``zero_variance_groups`` flags these groups even when this filter is off.
 
     Dropping more than ``max_drop_share`` of the batch still drops, with ``warning`` set. The share counts the rows
-    the first four filters drop; zero-variance rows count only with ``dropped_rows: exclude``, since with the
-    default (advantage 0) they train exactly as in plain GRPO, where a group without reward variance has advantage 0.
+    the first four filters drop, and zero-variance rows only with ``dropped_rows: exclude`` (else they train as in
+    plain GRPO, with advantage 0).
     """
 
     def __init__(self, config: FilterConfig | None = None) -> None:
@@ -481,23 +352,18 @@ class RolloutFilter:
         lengths = completions.lengths
         if cfg.length.enabled:
             own.append(("length", self._length_hits(lengths)))
-        # one id range for both n-gram filters (the completions' range lies inside the prompts' and theirs)
-        span = id_span([prompts, completions]) if cfg.parrot.enabled and cfg.repetition.enabled else None
         if cfg.parrot.enabled:
-            shares = parrot_shares(prompts, completions, PARROT_N, span)
+            shares = parrot_shares(prompts, completions, PARROT_N)
             own.append(("parrot", shares > cfg.parrot.max_overlap))
         if cfg.repetition.enabled and _can_repeat_over(lengths, cfg.repetition.n, cfg.repetition.max_repeat_share):
-            repeats = repeat_shares(completions, cfg.repetition.n, span) > cfg.repetition.max_repeat_share
+            repeats = repeat_shares(completions, cfg.repetition.n) > cfg.repetition.max_repeat_share
             own.append(("repetition", repeats))
         for name, hits in reversed(own):  # the last write wins: the earliest filter's
             reason.masked_fill_(hits, FILTER_REASONS.index(name) + 1)
-
-        def mark(hits: torch.Tensor, name: str) -> None:
-            reason.masked_fill_((reason == 0) & hits, FILTER_REASONS.index(name) + 1)
-
         no_signal = no_signal_groups(r, reason == 0, num_generations)
         if cfg.zero_variance.enabled:
-            mark(no_signal.repeat_interleave(num_generations), "zero_variance")
+            hits = (reason == 0) & no_signal.repeat_interleave(num_generations)
+            reason.masked_fill_(hits, FILTER_REASONS.index("zero_variance") + 1)
 
         self._lengths.extend(lengths)
         self.calls += 1
@@ -505,8 +371,7 @@ class RolloutFilter:
         counts = dict(zip(FILTER_REASONS, per_reason, strict=True))
         for name, count in counts.items():
             self.dropped[name] += count
-        # the share that changes training: zero-variance rows have advantage 0 in plain GRPO too, so they count
-        # only when dropping them shrinks the loss normaliser (dropped_rows: exclude)
+        # zero-variance rows have advantage 0 in plain GRPO too: they count only when they leave the loss normaliser
         counted = {k: v for k, v in counts.items() if k != "zero_variance" or cfg.dropped_rows == "exclude"}
         n_dropped = sum(counted.values())
         warning = None
@@ -556,10 +421,9 @@ class RolloutFilter:
 
 
 def _can_repeat_over(lengths: torch.Tensor, n: int, share: float) -> bool:
-    """Whether any row could have a ``repeat_share`` above ``share``: a row of t n-grams has at least one distinct
-    one, so its share is at most 1 - 1 / t, computed as ``repeat_shares`` computes 1 - distinct / t (monotone in t
-    and in distinct under rounding, so the longest row bounds them all, bit for bit). When no row can, the filter
-    would drop nothing and its n-gram pass is skipped (short completions: answers of a few tokens)."""
+    """Whether any row could have a ``repeat_shares`` value above ``share``: a row of t n-grams has at most
+    1 - 1 / t, rounded as ``repeat_shares`` rounds it (monotone in t, so the longest row bounds them all). When no
+    row can, the n-gram pass is skipped."""
     grams = int(lengths.max()) - n + 1 if lengths.numel() else 0
     return grams > 0 and 1.0 - 1.0 / grams > share
 
@@ -575,11 +439,8 @@ def masked_group_advantages(
     advantage_fn: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Group advantages without the dropped rows. rewards, keep: (N,) -> advantages (N,), rewards' float dtype.
-
-    Dropped rows are set to NaN before ``advantage_fn`` ((num_prompts, G) -> same shape, NaN = unscorable), so they
-    leave their group's statistics; they get exactly 0. A group with fewer than 2 kept rows with a finite reward
-    gets 0 on every row.
-    """
+    Dropped rows are NaN for ``advantage_fn`` ((num_prompts, G) -> same shape) and get exactly 0, as does every row
+    of a group with fewer than 2 kept rows with a finite reward."""
     if rewards.ndim != 1 or keep.shape != rewards.shape:
         raise ValueError(f"rewards and keep must both have shape (N,), got {tuple(rewards.shape)}, {tuple(keep.shape)}")
     n_rows = rewards.shape[0]

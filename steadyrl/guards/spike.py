@@ -1,15 +1,11 @@
 """GEPO's gradient-spike detector: veto an optimizer step whose gradient is poisoned (docs/DESIGN.md, "GEPO: spike
 skip").
 
-An EMA of the global pre-clip gradient norm tracks what "normal" looks like. After ``warmup_steps`` accepted
-steps, a step is skipped when its norm exceeds ``spike_factor`` x EMA *and* ``abs_threshold``, or at once when the
-norm is not finite. Skipped norms never enter the EMA; ``max_consecutive_skips`` skipped steps in a row stop the run.
-A step whose norm is at most ``ZERO_NORM`` (no learning signal) proceeds but stays out of the EMA and the warm-up
-count (``gepo/zero_grad_steps``); ``rebase_after`` spike decisions in a row are a level shift: the EMA is
-re-anchored to the median norm of that streak and the step proceeds (``gepo/spike_rebases``; ``0``: never).
-
-Left to the trainer: zeroing the gradients (``SteadyGRPOTrainer`` drops them so ``optimizer.step()`` is a
-no-op) and, with the OPEFO layer, keeping the skipped gradient for error feedback (``on_skip`` receives it).
+After ``warmup_steps`` accepted steps, a step is skipped when its global pre-clip gradient norm exceeds
+``spike_factor`` x the EMA of accepted norms *and* ``abs_threshold``, or at once when it is not finite;
+``max_consecutive_skips`` skips in a row stop the run. A norm of at most ``ZERO_NORM`` (no learning signal) proceeds
+but stays out of the EMA; ``rebase_after`` spikes in a row are a level shift: the EMA is re-anchored to their median
+and the step proceeds. Zeroing a skipped step's gradients is left to the trainer.
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ from steadyrl.guards.base import StepDecision
 from steadyrl.metrics import GEPO_SPIKE_EMA, GEPO_SPIKE_REBASES, GEPO_ZERO_GRAD_STEPS
 
 logger = logging.getLogger(__name__)
-
-
 GRANULARITIES = ("step", "micro_batch")  # SpikeConfig.granularity
 ZERO_NORM = 1e-10  # a finite norm at most this is a no-signal step (every group zero-variance): kept out of the EMA
 
@@ -78,29 +72,26 @@ class SpikeGuard:
             self.consecutive = 0
             self._spike_norms = []
             return StepDecision.proceed()
-        if self.ema is not None and self.accepted >= c.warmup_steps:
-            if norm > c.spike_factor * self.ema and norm > c.abs_threshold:
-                self._spike_norms.append(norm)
-                if not (c.rebase_after and len(self._spike_norms) >= c.rebase_after):
-                    return self._skip("spike", norm, step)
-                old, self.ema = self.ema, statistics.median(self._spike_norms)
-                self.rebases += 1
-                logger.warning(
-                    "step %d: %d gradient-norm spikes in a row (EMA %.4g, median %.4g) are a level shift, not a "
-                    "spike: the spike guard re-anchors its baseline and takes the step (guards.gepo.spike."
-                    "rebase_after=%d)",
-                    step + 1,
-                    len(self._spike_norms),
-                    old,
-                    self.ema,
-                    c.rebase_after,
-                )
-                self._spike_norms = []
-                self.accepted += 1
-                self.consecutive = 0
-                return StepDecision.proceed()
+        warm = self.ema is not None and self.accepted >= c.warmup_steps
+        if warm and norm > c.spike_factor * self.ema and norm > c.abs_threshold:
+            self._spike_norms.append(norm)
+            if not (c.rebase_after and len(self._spike_norms) >= c.rebase_after):
+                return self._skip("spike", norm, step)
+            old, self.ema = self.ema, statistics.median(self._spike_norms)
+            self.rebases += 1
+            logger.warning(
+                "step %d: %d gradient-norm spikes in a row (EMA %.4g, median %.4g) are a level shift, not a "
+                "spike: the spike guard re-anchors its baseline and takes the step (guards.gepo.spike."
+                "rebase_after=%d)",
+                step + 1,
+                len(self._spike_norms),
+                old,
+                self.ema,
+                c.rebase_after,
+            )
+        else:
+            self.ema = norm if self.ema is None else c.ema_decay * self.ema + (1.0 - c.ema_decay) * norm
         self._spike_norms = []
-        self.ema = norm if self.ema is None else c.ema_decay * self.ema + (1.0 - c.ema_decay) * norm
         self.accepted += 1
         self.consecutive = 0
         return StepDecision.proceed()
@@ -134,10 +125,7 @@ class SpikeGuard:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "ema": self.ema,
-            "accepted": self.accepted,
-            "consecutive": self.consecutive,
-            "skipped": self.skipped,
+            **{key: getattr(self, key) for key in ("ema", "accepted", "consecutive", "skipped")},
             "reasons": dict(self.reasons),
             "zero_steps": self.zero_steps,
             "rebases": self.rebases,
@@ -145,10 +133,8 @@ class SpikeGuard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema = state["ema"]
-        self.accepted = state["accepted"]
-        self.consecutive = state["consecutive"]
-        self.skipped = state["skipped"]
+        for key in ("ema", "accepted", "consecutive", "skipped"):
+            setattr(self, key, state[key])
         self.reasons = dict(state["reasons"])
         self.zero_steps = int(state.get("zero_steps", 0))
         self.rebases = int(state.get("rebases", 0))

@@ -23,12 +23,12 @@ from steadyrl.guards.rollout_filters import (
     RepetitionConfig,
     ZeroVarianceConfig,
     ZScoreConfig,
-    repeat_share,
 )
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.grpo import load_steady_state
 from steadyrl.trainers.layers import GuardParts
 from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args, per_step, small_dataset, weights
+from tests.unit.reference_rollout_filters import repeat_share
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 against (tests/unit/test_rollout_filters_vectorised.py). Trainers do not use this module.
 
 ``ReferenceRolloutFilter`` is ``RolloutFilter`` with the old ``__call__``: token ids as Python lists, the n-gram
-measures of ``rollout_filters`` (``ngrams``, ``parrot_share``, ``repeat_share``) row by row. It shares the config,
+measures below (``ngrams``, ``parrot_share``, ``repeat_share``) row by row. It shares the config,
 the module constants (read at call time, so a test may patch them), the length history and the state of
 ``RolloutFilter``, so two filters fed the same batches stay in step.
 """
@@ -23,9 +23,27 @@ from steadyrl.guards.rollout_filters import (
     FilterResult,
     RolloutFilter,
     TokenBatch,
-    parrot_share,
-    repeat_share,
 )
+
+
+def ngrams(ids: Sequence[int], n: int) -> list[tuple[int, ...]]:
+    """The n-grams of ``ids`` at every position (len(ids) - n + 1 of them; none when shorter than n)."""
+    return [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+
+
+def parrot_share(prompt: Sequence[int], completion: Sequence[int], n: int) -> float:
+    """Share of the completion's n-gram positions whose n-gram also occurs in the prompt; 0 without n-grams."""
+    grams = ngrams(completion, n)
+    if not grams:
+        return 0.0
+    seen = set(ngrams(prompt, n))
+    return sum(g in seen for g in grams) / len(grams)
+
+
+def repeat_share(completion: Sequence[int], n: int) -> float:
+    """1 - distinct / total n-grams of the completion: the share of n-grams that repeat an earlier one."""
+    grams = ngrams(completion, n)
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def _as_lists(ids: Sequence[Sequence[int]] | TokenBatch) -> list[list[int]]:

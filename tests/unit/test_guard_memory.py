@@ -12,7 +12,7 @@ from steadyrl.trainers.guard_memory import held_tensor_bytes, run_storages
 
 
 def test_counts_each_storage_once_and_skips_what_belongs_to_the_run() -> None:
-    history = LengthHistory(100)  # a steadyrl object: a float64 ring buffer of 100 -> 800 bytes
+    history = LengthHistory(100)  # a steadyrl object: an int64 buffer of 100 -> 800 bytes
     shared = torch.zeros(50, dtype=torch.float32)  # 200 bytes, reached from two parts
     model = torch.nn.Linear(10, 10)  # the run's: neither its parameters nor its buffers count
     optimizer = torch.optim.Adam(model.parameters())

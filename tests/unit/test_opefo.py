@@ -338,7 +338,7 @@ def test_nonfinite_residual_is_rejected_and_a_pending_one_is_kept(bad):
     ef.store([torch.tensor([3.0, 4.0])])
     ef.apply([torch.tensor([1.0, 0.0])])
     assert not ef.store([torch.tensor([bad, 0.0])])
-    assert ef.position == 1 and ef.rejected_nonfinite == 2 and ef.stored == 1
+    assert ef._position == 1 and ef.rejected_nonfinite == 2 and ef.stored == 1
     g = [torch.tensor([0.0, 10.0])]
     assert ef.apply(g)["opefo/ef_weight"] == 0.3  # the second weight, on the old residual
     assert torch.allclose(g[0], torch.tensor([1.8, 12.4]))  # + 0.3 * 10 * [0.6, 0.8]
@@ -351,8 +351,8 @@ def test_zero_residual_is_rejected_and_zero_gradient_defers_the_schedule():
     g = [torch.zeros(3), None]
     m = ef.apply(g)
     assert m == {"opefo/ef_pending": 1.0, "opefo/ef_weight": 0.0, "opefo/ef_injected_norm": 0.0}
-    assert torch.equal(g[0], torch.zeros(3)) and ef.position == 0 and ef.deferred == 1
-    assert ef.apply([torch.tensor([NAN, 0.0, 0.0]), None])["opefo/ef_weight"] == 0.0 and ef.position == 0
+    assert torch.equal(g[0], torch.zeros(3)) and ef._position == 0 and ef.deferred == 1
+    assert ef.apply([torch.tensor([NAN, 0.0, 0.0]), None])["opefo/ef_weight"] == 0.0 and ef._position == 0
     assert ef.apply([torch.tensor([1.0, 0.0, 0.0]), None])["opefo/ef_weight"] == 0.3  # schedule resumes intact
 
 
@@ -365,7 +365,7 @@ def test_second_skip_merges_the_remaining_fraction_into_one_buffer():
     assert ef.store([torch.tensor([0.0, -10.0])])  # direction [0, -1]
     # merged: 0.4 * [0.6, 0.8] + [0, -1] = [0.24, -0.68], in the same buffer; schedule restarts
     assert ef._residual[0] is buffer and torch.allclose(buffer, torch.tensor([0.24, -0.68]))
-    assert (ef.position, ef.merged, ef.stored) == (0, 1, 2)
+    assert (ef._position, ef.merged, ef.stored) == (0, 1, 2)
     g = [torch.tensor([2.0, 0.0])]
     ef.apply(g)
     n = math.hypot(0.24, 0.68)
@@ -409,7 +409,7 @@ def test_state_round_trip_mid_schedule_gives_identical_gradients():
     buf.seek(0)
     b = ErrorFeedback()
     b.load_state_dict(torch.load(buf, weights_only=True))
-    assert b.position == 1 and b.stored == 1 and all(r.device.type == "cpu" for r in b._residual)
+    assert b._position == 1 and b.stored == 1 and all(r.device.type == "cpu" for r in b._residual)
     for grads in steps[1:]:
         ga, gb = lists(*grads), lists(*grads)
         assert a.apply(ga) == b.apply(gb)
@@ -510,7 +510,6 @@ def payload() -> dict[str, Any]:
 
 def test_memory_snapshot_is_a_deep_copy_both_ways():
     store = SnapshotStore()
-    assert store.latest_step is None
     with pytest.raises(LookupError, match="no snapshot"):
         store.load()
     p = payload()
@@ -518,12 +517,13 @@ def test_memory_snapshot_is_a_deep_copy_both_ways():
     p["weights"]["w"].add_(100.0)  # training goes on: the snapshot must not move
     p["rng"].append(3)
     step, loaded = store.load()
-    assert step == 500 and store.latest_step == 500
+    assert step == 500
     assert torch.equal(loaded["weights"]["w"], torch.arange(4.0)) and loaded["rng"] == [1, 2]
     loaded["optimizer"]["state"][0]["exp_avg"].mul_(0)  # restored state trained on: the snapshot must not move
     assert torch.equal(store.load()[1]["optimizer"]["state"][0]["exp_avg"], torch.ones(2))
     store.clear()
-    assert store.latest_step is None
+    with pytest.raises(LookupError, match="no snapshot"):
+        store.load()
 
 
 def test_disk_snapshot_is_atomic_and_keeps_only_the_latest(tmp_path, monkeypatch):
@@ -532,11 +532,12 @@ def test_disk_snapshot_is_atomic_and_keeps_only_the_latest(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="must be one of memory, disk"):
         SnapshotStore("tape")
     store = SnapshotStore("disk", tmp_path / "rank0")
-    assert store.latest_step is None
+    with pytest.raises(LookupError, match="no snapshot"):
+        store.load()
     store.save(500, payload())
     store.save(1000, payload() | {"rng": [9]})
     assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["snapshot-000000001000.pt"]
-    assert SnapshotStore("disk", tmp_path / "rank0").latest_step == 1000  # seen by a new store too
+    assert SnapshotStore("disk", tmp_path / "rank0").load()[0] == 1000  # seen by a new store too
     step, loaded = store.load()
     assert step == 1000 and loaded["rng"] == [9] and torch.equal(loaded["weights"]["w"], torch.arange(4.0))
 
@@ -549,7 +550,7 @@ def test_disk_snapshot_is_atomic_and_keeps_only_the_latest(tmp_path, monkeypatch
     assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["snapshot-000000001000.pt"]  # no temp left
     assert store.load()[0] == 1000
     store.clear()
-    assert store.latest_step is None and list((tmp_path / "rank0").iterdir()) == []
+    assert list((tmp_path / "rank0").iterdir()) == []
 
 
 def test_rollback_policy_recovery_and_limit():

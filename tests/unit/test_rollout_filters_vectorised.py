@@ -196,7 +196,7 @@ def test_tensor_filters_match_the_reference_when_ngrams_do_not_fit_one_int64(
     vocab: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ids spread over a range whose n-th power passes 2**63 (and one whose range passes 2**63 itself): the codes
-    are dense ranks of packed words, still exact."""
+    are dense ranks of the n-grams, still exact."""
     rng = random.Random(vocab)
     monkeypatch.setattr(rollout_filters, "MIN_DISTINCT", 1)
     for n in (2, 3, 4, 5):
@@ -209,7 +209,7 @@ def test_tensor_filters_match_the_reference_when_ngrams_do_not_fit_one_int64(
         # a few "tokens" far apart, plus their neighbours: a lossy packing would confuse them
         alphabet = [0, 1, vocab - 1, vocab - 2, vocab // 2, vocab // 2 + 1]
         if vocab == 2**62:
-            alphabet += [-(2**62), -(2**62) + 1]  # the ids span more than 2**63: one id per word
+            alphabet += [-(2**62), -(2**62) + 1]  # the ids span more than 2**63
         rewards, prompts, completions = random_batch(rng, 6, 4, len(alphabet))
         prompts = [[alphabet[i] for i in row] for row in prompts]
         completions = [[alphabet[i] for i in row] for row in completions]
@@ -254,13 +254,13 @@ def test_ngram_codes_pack_exactly_or_rank() -> None:
     assert codes.tolist() == [[102, 203, NO_GRAM], [301, NO_GRAM, NO_GRAM]]
     batch = TokenBatch(torch.tensor([[1, 2, 3, 2**62], [3, 1, -(2**62), 0]]), torch.tensor([3, 2]))
     ((codes, grams),) = ngram_codes([batch], 2)
-    # the padding's range does not fit, the ids' does: ids 1..3, non-negative, so base 3 + 1 and the ids are the
-    # digits; (1 2) -> 1*4+2, (2 3) -> 11, (3 1) -> 13
-    assert codes.tolist() == [[6, 11, NO_GRAM], [13, NO_GRAM, NO_GRAM]]
+    # the range of the whole tensor, padding included, does not fit: the codes are the ranks of the n-grams,
+    # (1 2) -> 0, (2 3) -> 1, (3 1) -> 2
+    assert codes.tolist() == [[0, 1, NO_GRAM], [2, NO_GRAM, NO_GRAM]]
     batch = TokenBatch(torch.tensor([[-1, 0, 1], [1, -1, 5]]), torch.tensor([3, 2]))
     ((codes, grams),) = ngram_codes([batch], 2)  # a negative id: shifted, base 5 - (-1) + 1 = 7, digits id + 1
     assert codes.tolist() == [[0 * 7 + 1, 1 * 7 + 2], [2 * 7 + 0, NO_GRAM]]
-    big = 2**40  # base 2**40 + 1: two ids do not fit one int64, so the codes are ranks of packed words
+    big = 2**40  # base 2**40 + 1: two ids do not fit one int64, so the codes are ranks of the n-grams
     batch = TokenBatch(torch.tensor([[big, 1, big, 1, 7]]), torch.tensor([4]))
     ((codes, grams),) = ngram_codes([batch], 2)
     a, b, c = codes[0].tolist()[:3]
