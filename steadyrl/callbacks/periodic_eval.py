@@ -2,16 +2,10 @@
 
 After optimizer step k (a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval set and
 scores it with the run's reward functions; sums and counts are all-reduced, so every rank logs the same row
-(docs/DESIGN.md "Periodic eval"):
-
-    {"eval/reward": 0.31, "eval/accuracy": 0.31, "eval/reward/exact_match": 0.31,
-     "eval/mean_length": 3.0, "eval/num_samples": 200, "step": 10}
-
-It runs at the start of step k+1 (``global_step`` still k) or at the end of training, so the row follows step k's
-training row, checkpoint and rollback. A run resumed from checkpoint-k evaluates step k again. The torch, CUDA, numpy
-and Python RNG states are restored afterwards, so eval never moves the training RNG stream.
-
-Left out: sampled (pass@k) eval; ZeRO-3 and FSDP (sharded parameters need lockstep generation): these raise.
+(``eval/reward``, ``eval/accuracy``, ``eval/reward/<name>``, ``eval/mean_length``, ``eval/num_samples``;
+docs/DESIGN.md "Periodic eval"). It runs at the start of step k+1 or at the end of training, so the row follows step
+k's training row, checkpoint and rollback; a run resumed from checkpoint-k evaluates step k again. The RNG states are
+restored afterwards. Left out: sampled (pass@k) eval; ZeRO-3 and FSDP (sharded parameters) raise.
 """
 
 from __future__ import annotations
@@ -39,12 +33,8 @@ LogFn = Callable[[dict[str, float]], None]
 
 
 def trainer_log_fn(trainer: Trainer) -> LogFn:
-    """The ``log_fn`` to give PeriodicEval: ``transformers.Trainer.log`` bound to ``trainer``.
-
-    It appends the row to ``state.log_history`` and fires ``on_log`` (report_to, ``MetricsLog``). Not
-    ``trainer.log``: TRL's ``GRPOTrainer.log`` and ``SFTTrainer.log`` merge and clear their ``_metrics`` buffers, so
-    an eval row would take the training metrics of the steps before it.
-    """
+    """The ``log_fn`` to give PeriodicEval: ``transformers.Trainer.log`` bound to ``trainer`` (it appends to
+    ``log_history`` and fires ``on_log``). Not ``trainer.log``: TRL's merges and clears its ``_metrics`` buffers."""
     return functools.partial(Trainer.log, trainer)
 
 
@@ -83,11 +73,8 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def contiguous_shard(n: int, rank: int, world: int) -> tuple[int, int]:
-    """``(start, stop)`` of ``rank``'s rows: ``Dataset.shard(world, rank, contiguous=True)``'s split of ``n`` rows.
-
-    The first ``n % world`` ranks get one row more; a rank past the end gets an empty range (``Dataset.shard``
-    raises IndexError there instead).
-    """
+    """``(start, stop)`` of ``rank``'s rows: ``Dataset.shard(world, rank, contiguous=True)``'s split of ``n`` rows,
+    but a rank past the end gets an empty range (``Dataset.shard`` raises IndexError there)."""
     size, extra = divmod(n, world)
     start = rank * size + min(rank, extra)
     return start, start + size + (rank < extra)
@@ -183,14 +170,8 @@ class PeriodicEval(TrainerCallback):
             shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
             logger.info("eval at step %d: %s", state.global_step, shown)
             for prompt, completion, score in samples:
-                logger.info(
-                    "eval sample at step %d: %r -> %r (%s=%.4g)",
-                    state.global_step,
-                    prompt,
-                    completion,
-                    self.metric,
-                    score,
-                )
+                what = "eval sample at step %d: %r -> %r (%s=%.4g)"
+                logger.info(what, state.global_step, prompt, completion, self.metric, score)
         if self.log_fn is not None:
             self.log_fn(dict(metrics))
         else:
@@ -200,11 +181,8 @@ class PeriodicEval(TrainerCallback):
     def evaluate(
         self, model: torch.nn.Module, trainer_state: Any = None
     ) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
-        """Score this rank's shard and all-reduce: (the ``eval/...`` row, this rank's first sample triples).
-
-        Means leave out ``None`` and NaN scores, as ``evaluate_rewards`` does; a reward with no countable score
-        on any rank gives NaN. Does not restore the RNG (``run`` does).
-        """
+        """Score this rank's shard and all-reduce: (the ``eval/...`` row, this rank's first sample triples). Means
+        leave out ``None`` and NaN scores (none on any rank: NaN). Does not restore the RNG (``run`` does)."""
         model = _bare_model(model)
         rank, world = _rank_and_world()
         start, stop = contiguous_shard(len(self.eval_dataset), rank, world)

@@ -7,9 +7,8 @@ Failure modes (docs/DESIGN.md, "Why GRPO runs die" and "Early warnings and the d
 - ``reward_hacking``: training reward rises while eval accuracy falls or completion length/truncation drifts;
 - ``off_policy_rollouts``: vLLM's log-probs of its own samples drift from the policy's (a weight sync that fails);
 - ``saturated_controller``: a guard held at its bound (``steadyrl.evidence.saturation``).
-
-Each diagnosis is one row of ``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode.
-Trends compare an early window of logged rows with a late one; only large, sustained changes count.
+Each diagnosis is one row of ``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode. Trends
+compare an early window of logged rows with a late one; only large, sustained changes count.
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ class DoctorConfig:
     logp_gap_max: float = 0.1  # vLLM-policy log-prob gap (nats/token): late-window median above this: off-policy
     logp_gap_rise_ratio: float = 5.0  # ... or this x the early window's median (a warning; a stale sync at low lr)
     logp_gap_floor: float = 0.005  # ... when the late median is above this (below it is float noise)
-    # what the run's sampling settings alone add to the gap (guards.monitor.logp_gap_allowance; None: no gap check);
-    # doctor_config_for(run_dir) reads it from resolved_config.yaml
+    # what the run's sampling settings alone add to the gap (None: no gap check); see doctor_config_for
     logp_gap_allowance: float | None = 0.0
 
 
@@ -91,9 +89,8 @@ class Evidence:
     detail: str
 
     def __str__(self) -> str:
-        one = self.first_step == self.last_step
-        steps = f"step {self.first_step}" if one else f"steps {self.first_step}-{self.last_step}"
-        return f"{self.metric}, {steps}: {self.detail}"
+        a, b = self.first_step, self.last_step
+        return f"{self.metric}, {f'step {a}' if a == b else f'steps {a}-{b}'}: {self.detail}"
 
 
 @dataclass
@@ -146,12 +143,6 @@ class Rule:
 # ----------------------------------------------------------------------------------------------- trends
 
 
-def _finite(history: History, name: str) -> tuple[np.ndarray, np.ndarray]:
-    steps, values = history.series(name)
-    ok = np.isfinite(values)
-    return steps[ok], values[ok]
-
-
 @dataclass
 class _Trend:
     """Early vs late window (``w`` values each) of one metric's finite values."""
@@ -177,7 +168,7 @@ class _Trend:
 def _trend(history: History, name: str | None, config: DoctorConfig) -> _Trend | None:
     if not name:
         return None
-    steps, values = _finite(history, name)
+    steps, values = history.finite(name)
     if len(values) < config.min_points:
         return None
     return _Trend(steps, values, max(2, min(config.window, len(values) // 3)))
@@ -250,7 +241,7 @@ def _last_row_nonfinite(history: History, config: DoctorConfig) -> Iterator[Hit]
 
 def _spike(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """grad norm >= ``spike_ratio`` x the median of up to ``spike_median_window`` values before it."""
-    steps, values = _finite(history, M.GRAD_NORM)
+    steps, values = history.finite(M.GRAD_NORM)
     jumps = []
     for i in range(config.spike_min_history, len(values)):
         median = float(np.median(values[max(0, i - config.spike_median_window) : i]))
@@ -283,7 +274,7 @@ def _rising_count(name: str) -> Condition:
 
 def _adv_std_rising(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """Means of 4 chunks of the last 4 windows rise, the last ``adv_std_rise_ratio`` x the first."""
-    steps, adv = _finite(history, M.GEPO_ADV_STD)
+    steps, adv = history.finite(M.GEPO_ADV_STD)
     if len(adv) < max(config.min_points, 8):
         return
     tail = slice(-min(len(adv), 4 * config.window), None)
@@ -336,16 +327,16 @@ def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
     if reward is not None and reward.z < config.flat_z:
         signs.append("reward flat" if reward.z > -config.flat_z else "reward falling")
         evidence.append(reward.evidence(M.REWARD, f" (change {reward.z:+.1f} pooled std)"))
-    steps, floor = _finite(history, M.QUATRO_FLOOR_ACTIVE)
+    steps, floor = history.finite(M.QUATRO_FLOOR_ACTIVE)
     if floor_on := bool(np.count_nonzero(floor)):
         detail = f"floor active at {np.count_nonzero(floor > 0)} logged step(s) and entropy still fell"
         evidence.append(Evidence(M.QUATRO_FLOOR_ACTIVE, *_span(steps[floor > 0], 0), detail))
-    steps, held = _finite(history, M.QUATRO_FLOOR_HELD_OFF)
+    steps, held = history.finite(M.QUATRO_FLOOR_HELD_OFF)
     if gate := bool(np.count_nonzero(held)):
         detail = f"the learning gate held the floor off at {np.count_nonzero(held > 0)} logged step(s): the training "
         evidence.append(Evidence(M.QUATRO_FLOOR_HELD_OFF, *_span(steps[held > 0], 0), detail + "reward rose"))
     followed = False
-    steps, floors = _finite(history, M.QUATRO_ENTROPY_FLOOR)
+    steps, floors = history.finite(M.QUATRO_ENTROPY_FLOOR)
     if len(floors) >= 2 and floors[-1] < floors[0]:  # the floor is fixed once set; only follow_learning lowers it
         detail = f"the floor followed entropy down {floors[0]:.4g} -> {floors[-1]:.4g} (follow_learning: the learning "
         lowered = steps[1:][np.diff(floors) < 0]
@@ -365,8 +356,8 @@ def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
 
 def _eval_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """Eval accuracy ``eval_drop`` below its best over ``eval_after_points`` evals, while reward rose after the best."""
-    e_steps, acc = _finite(history, M.EVAL_ACCURACY)
-    r_steps, reward = _finite(history, M.REWARD)
+    e_steps, acc = history.finite(M.EVAL_ACCURACY)
+    r_steps, reward = history.finite(M.REWARD)
     if len(acc) < config.min_eval_points:
         return
     best = int(np.argmax(acc))
@@ -400,7 +391,7 @@ def _while_reward_rises(drifted: Callable[[_Trend, DoctorConfig], bool], name: s
 
 def _logp_gap(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """The vLLM-policy log-prob gap rules (``early_warnings.logp_gap_verdict``) over the whole run."""
-    steps, values = _finite(history, LOGP_GAP)
+    steps, values = history.finite(LOGP_GAP)
     c, w = config, max(3, min(config.window, len(values) // 3))
     points = list(zip(steps.tolist(), values.tolist(), strict=True))
     verdict = logp_gap_verdict(points, w, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, c.logp_gap_allowance)
@@ -568,11 +559,6 @@ def format_findings(findings: list[Finding], history: History) -> str:
         return f"healthy: no failure mode found ({history.last_step} steps, metrics checked: {checked})\n{source}\n"
     lines = [source, ""]
     for f in findings:
-        lines.append(f.headline)
-        lines.append(f"  {f.summary}")
-        lines.append("  evidence:")
-        lines.extend(f"    - {e}" for e in f.evidence)
-        lines.append("  what to change:")
-        lines.extend(f"    - {c}" for c in f.changes)
-        lines.append("")
+        lines += [f.headline, f"  {f.summary}", "  evidence:", *(f"    - {e}" for e in f.evidence)]
+        lines += ["  what to change:", *(f"    - {c}" for c in f.changes), ""]
     return "\n".join(lines)
