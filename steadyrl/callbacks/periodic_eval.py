@@ -33,8 +33,7 @@ LogFn = Callable[[dict[str, float]], None]
 
 
 def trainer_log_fn(trainer: Trainer) -> LogFn:
-    """The ``log_fn`` to give PeriodicEval: ``transformers.Trainer.log`` bound to ``trainer`` (it appends to
-    ``log_history`` and fires ``on_log``). Not ``trainer.log``: TRL's merges and clears its ``_metrics`` buffers."""
+    """``transformers.Trainer.log`` bound to ``trainer`` (not ``trainer.log``: TRL's clears its ``_metrics``)."""
     return functools.partial(Trainer.log, trainer)
 
 
@@ -66,15 +65,8 @@ def _bare_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def contiguous_shard(n: int, rank: int, world: int) -> tuple[int, int]:
-    """``(start, stop)`` of ``rank``'s rows: ``Dataset.shard(world, rank, contiguous=True)``'s split of ``n`` rows,
-    but a rank past the end gets an empty range (``Dataset.shard`` raises IndexError there)."""
+    """``(start, stop)`` of ``rank``'s rows as ``Dataset.shard(world, rank, contiguous=True)``, or an empty range."""
     size, extra = divmod(n, world)
     start = rank * size + min(rank, extra)
     return start, start + size + (rank < extra)
@@ -184,18 +176,13 @@ class PeriodicEval(TrainerCallback):
         """Score this rank's shard and all-reduce: (the ``eval/...`` row, this rank's first sample triples). Means
         leave out ``None`` and NaN scores (none on any rank: NaN). Does not restore the RNG (``run`` does)."""
         model = _bare_model(model)
-        rank, world = _rank_and_world()
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         start, stop = contiguous_shard(len(self.eval_dataset), rank, world)
         shard = self.eval_dataset.select(range(start, stop) if stop > start else [])  # range(1, 1) raises
-        out = greedy_scores(
-            model,
-            self.tokenizer,
-            shard,
-            self.reward_fns,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            reward_kwargs={"trainer_state": trainer_state, "log_extra": _noop, "log_metric": _noop},
-        )
+        sizes = {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size}
+        noops = {"trainer_state": trainer_state, "log_extra": _noop, "log_metric": _noop}
+        out = greedy_scores(model, self.tokenizer, shard, self.reward_fns, **sizes, reward_kwargs=noops)
         totals: list[float] = []
         for name in self.reward_fns:  # same order on every rank: dicts keep insertion order
             finite = finite_scores(out["scores"][name])
@@ -214,16 +201,9 @@ class PeriodicEval(TrainerCallback):
             reward = means[self.metric]
         else:  # nan-skipping like TRL's nansum over reward functions
             reward = sum(self.reward_weights[n] * m for n, m in means.items() if not math.isnan(m))
-        metrics = {
-            EVAL_REWARD: reward,
-            EVAL_ACCURACY: means[self.metric],
-            **{eval_reward(name): mean for name, mean in means.items()},
-            EVAL_MEAN_LENGTH: length_sum / rows if rows else math.nan,
-            EVAL_NUM_SAMPLES: int(rows),
-        }
-        metric_scores = out["scores"][self.metric]
-        samples = [
-            (p, c, math.nan if s is None else float(s))
-            for p, c, s in zip(out["prompts"], out["completions"], metric_scores, strict=True)
-        ][: self.num_samples_to_log]
+        metrics = {EVAL_REWARD: reward, EVAL_ACCURACY: means[self.metric]}
+        metrics |= {eval_reward(name): mean for name, mean in means.items()}
+        metrics |= {EVAL_MEAN_LENGTH: length_sum / rows if rows else math.nan, EVAL_NUM_SAMPLES: int(rows)}
+        triples = zip(out["prompts"], out["completions"], out["scores"][self.metric], strict=True)
+        samples = [(p, c, math.nan if s is None else float(s)) for p, c, s in triples][: self.num_samples_to_log]
         return metrics, samples

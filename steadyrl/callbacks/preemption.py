@@ -96,10 +96,6 @@ class PreemptionCallback(TrainerCallback):
             logger.warning("preemption: stopping after step %d with a checkpoint", state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.restore()
-
-    def restore(self) -> None:
-        """Put the handlers that were there before ``train()`` back."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

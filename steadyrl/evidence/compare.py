@@ -55,15 +55,12 @@ def _draw(metric: str, title: str, histories: dict[str, History], path: Path) ->
             continue
         finite = np.isfinite(values)
         ax.plot(steps[finite], values[finite], label=label, color=f"C{i}", marker="." if finite.sum() <= 50 else None)
-        if (~finite).any():
+        if len(bad := steps[~finite]):
             label = "_nolegend_" if crosses else "non-finite (NaN/inf)"
-            bad = steps[~finite]
             ax.scatter(bad, np.full(len(bad), 0.97), marker="x", color="red", clip_on=False,
                        transform=ax.get_xaxis_transform(), label=label)  # fmt: skip
             crosses = True
-    ax.set_title(title)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
+    ax.set(title=title, xlabel="optimizer step", ylabel=metric)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")

@@ -34,8 +34,7 @@ class MonitorConfig(Checked):
 
 
 def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tuple[int, float]]:
-    """The last ``window`` (step, value) pairs of ``key`` in a Trainer log history (None values skipped), oldest
-    first; reads from the end, so asking every few steps does not cost the whole run each time."""
+    """The last ``window`` (step, value) pairs of ``key`` in a log history (None skipped), oldest first."""
     rows: list[tuple[int, float]] = []
     for i in reversed(range(len(history))):
         if len(rows) >= window:
@@ -155,7 +154,5 @@ def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig,
     if verdict.severity == "problem":
         return [f"vLLM and the policy disagree: {where} > {verdict.limit:.4g}. {cause}"]
     assert verdict.early is not None
-    return [
-        f"vLLM and the policy drift apart: {where}, {verdict.growth()} of steps {verdict.early[0]}-{verdict.early[1]}. "
-        f"{cause}"
-    ]
+    early = f"{verdict.growth()} of steps {verdict.early[0]}-{verdict.early[1]}"
+    return [f"vLLM and the policy drift apart: {where}, {early}. {cause}"]

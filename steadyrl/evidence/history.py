@@ -97,8 +97,7 @@ class History:
 
     @property
     def final_row(self) -> dict[str, Any] | None:
-        """The Trainer's end-of-training summary (``train_runtime``, ``train_loss``); None if it never ended, or if
-        rows at later steps follow it (the run was resumed to train further)."""
+        """The Trainer's end-of-training summary; None if it never ended or later rows follow it (a resumed run)."""
         for i in range(len(self.rows) - 1, -1, -1):
             if FINAL_ROW_KEY in self.rows[i]:
                 later = any(r["step"] > self.rows[i]["step"] for r in self.rows[i + 1 :])
@@ -114,8 +113,7 @@ class History:
         return ("finished" if self.finished else "no final row: still running or died") + f" at step {self.last_step}"
 
     def marked_steps(self, counter: str, event_kind: str) -> np.ndarray:
-        """Steps where a cumulative ``counter`` went up (the logged step ending the interval, with ``logging_steps >
-        1``), or an ``event_kind`` event was logged (sorted, unique)."""
+        """Sorted steps where a cumulative ``counter`` went up, or an ``event_kind`` event was logged."""
         steps, values = self.finite(counter)
         marked = set(steps[1:][np.diff(values) > 0].tolist())
         if len(values) and values[0] > 0:

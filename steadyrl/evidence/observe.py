@@ -31,8 +31,7 @@ READ_PREFIXES = (M.GEPO_WOULD_SKIP_PREFIX, M.QUATRO_WOULD_FILTER_PREFIX)
 
 
 def observing_layers(run_dir: str | Path) -> tuple[list[str] | None, float | None]:
-    """(layers with ``enabled`` and ``mode: observe``, ``trainer.beta``) from ``resolved_config.yaml``; (None,
-    None) without the file."""
+    """(observing layers, ``trainer.beta``) from ``resolved_config.yaml``; (None, None) without the file."""
     resolved = Path(run_dir) / "resolved_config.yaml"
     if not resolved.is_file():
         return None, None
@@ -41,11 +40,6 @@ def observing_layers(run_dir: str | Path) -> tuple[list[str] | None, float | Non
     layers = [n for n in LAYERS if (g := guards.get(n) or {}).get("enabled") and g.get("mode") == "observe"]
     beta = (tree.get("trainer") or {}).get("beta")
     return layers, float(beta) if isinstance(beta, int | float) else None
-
-
-def inferred_layers(history: History) -> list[str]:
-    """Layers whose observe-only metrics the history holds."""
-    return [n for n, names in MARKERS.items() if any(history.has(m) for m in names)]
 
 
 def _last(history: History, name: str) -> float | None:
@@ -62,12 +56,9 @@ Summary = tuple[list[str], bool]  # what a layer would have done, and whether an
 def _gepo(history: History, beta: float | None) -> Summary:
     facts = []
     skips = round(_last(history, M.GEPO_WOULD_SKIP) or 0)
-    reasons = {
-        name.removeprefix(M.GEPO_WOULD_SKIP_PREFIX): round(_last(history, name) or 0)
-        for name in history.matching(M.GEPO_WOULD_SKIP_PREFIX)
-        if name != M.GEPO_WOULD_SKIP  # the total shares the per-reason prefix
-    }
-    detail = ", ".join(f"{r} {n}" for r, n in reasons.items() if n)
+    names = [n for n in history.matching(M.GEPO_WOULD_SKIP_PREFIX) if n != M.GEPO_WOULD_SKIP]  # (total: same prefix)
+    counts = [(n.removeprefix(M.GEPO_WOULD_SKIP_PREFIX), round(_last(history, n) or 0)) for n in names]
+    detail = ", ".join(f"{r} {k}" for r, k in counts if k)
     if history.has(M.GEPO_WOULD_SKIP):
         detail = f" ({detail})" if detail else ""
         facts.append(f"spike guard: would have skipped {skips} of {history.last_step} optimizer steps{detail}")
@@ -113,16 +104,13 @@ def _quatro(history: History, beta: float | None) -> Summary:
         extra = f", clip scale down to {clip:g} while active" if clip is not None and n_active else ""
         if len(braked := history.finite(M.QUATRO_PG_SCALE_WOULD)[1]) and n_active:
             extra += f", policy gradient scaled down to {float(braked.min()):.3g}x by the brake"
-        facts.append(
-            f"entropy floor: would be active at {n_active} logged step(s), bonus up to {np.nanmax(bonus):.4g}{extra}"
-        )
+        what = f"entropy floor: would be active at {n_active} logged step(s), bonus up to {np.nanmax(bonus):.4g}"
+        facts.append(what + extra)
         intervene |= n_active > 0
     share = _mean(history, M.QUATRO_WOULD_FILTER_SHARE)
     if share is not None:
-        reasons = {
-            name.removeprefix(M.QUATRO_WOULD_FILTER_PREFIX): _mean(history, name) or 0.0
-            for name in history.matching(M.QUATRO_WOULD_FILTER_PREFIX)
-        }
+        prefix = M.QUATRO_WOULD_FILTER_PREFIX
+        reasons = {name.removeprefix(prefix): _mean(history, name) or 0.0 for name in history.matching(prefix)}
         detail = ", ".join(f"{r} {v:.3g}" for r, v in reasons.items() if v)
         detail = f" (rows per batch: {detail})" if detail else ""
         facts.append(f"rollout filters: would drop {share:.1%} of rows on average{detail}")
@@ -148,8 +136,8 @@ def _grade(history: History, beta: float | None) -> Summary:
 def format_observe_summary(history: History, run_dir: str | Path | None = None) -> str:
     """The doctor's observe-mode block, one part per observing layer in the order data meets them; "" when none."""
     layers, beta = observing_layers(run_dir) if run_dir is not None else (None, None)
-    if layers is None:
-        layers = inferred_layers(history)
+    if layers is None:  # the layers whose observe-only metrics the history holds
+        layers = [n for n, names in MARKERS.items() if any(history.has(m) for m in names)]
     if not layers:
         return ""
     lines = ["observe mode: what the observing layers would have done (none of it was applied)"]

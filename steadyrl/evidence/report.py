@@ -39,8 +39,7 @@ def _marks(ax: Axes, steps: np.ndarray, y: float, label: str, **kw) -> None:
 
 
 def _line(ax: Axes, history: History, name: str, label: str | None = None, positive: bool = False, **kw) -> None:
-    """Plot one metric's finite values (only > 0 ones when ``positive``, for log axes); red crosses at the top edge
-    mark the non-finite ones."""
+    """One metric's finite values (> 0 only when ``positive``: log axes); red crosses mark the non-finite ones."""
     steps, values = history.series(name)
     if not len(steps):
         return
@@ -56,11 +55,8 @@ def _finish(ax: Axes, history: History, title: str, ylabel: str, twin: Axes | No
     """Title, labels, grid, one legend for ``ax`` and its twin (below the plot then); x spans every logged step."""
     first, last = int(history.steps[0]), int(history.steps[-1])
     pad = max(0.5, 0.02 * (last - first))
-    ax.set_xlim(first - pad, last + pad)
-    ax.set_title(title)
-    ax.set_xlabel(STEP)
+    ax.set(xlim=(first - pad, last + pad), title=title, xlabel=STEP, ylabel=ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     axes = [ax, *([twin] if twin is not None and twin.get_legend_handles_labels()[0] else [])]
     unique = {lab: h for a in axes for h, lab in zip(*a.get_legend_handles_labels(), strict=True)}
@@ -74,8 +70,7 @@ def _finish(ax: Axes, history: History, title: str, ylabel: str, twin: Axes | No
 
 
 def _axis(ax: Axes, history: History, title: str, ylabel: str, lines=(), twin=None, **twin_kw) -> None:
-    """``lines`` ((metric, label, keywords) each) on ``ax``; ``twin`` (metric, label, axis label) on a right axis
-    when logged; then ``_finish``."""
+    """``lines`` (metric, label, keywords) on ``ax``, ``twin`` (metric, label, axis label) on a right axis."""
     for name, label, kw in lines:
         _line(ax, history, name, label, **kw)
     right = None
@@ -184,9 +179,6 @@ class Panel:
     draw: Callable[[History, Figure], None]
     size: tuple[float, float] = (8.0, 4.5)
 
-    def available(self, history: History) -> bool:
-        return any(history.matching(n) if n.endswith("/") else history.has(n) for n in self.needs)
-
 
 GRADE = (M.GRADE_RAW_STD, M.GRADE_SCALED_STD, M.GRADE_CLIP_FRAC_HIGH)
 PANELS = (
@@ -210,9 +202,8 @@ def _fmt(value: float) -> str:
 
 def _summary_rows(history: History) -> list[str]:
     rows = ["| metric | first | last | min | max | best (step) | non-finite |", "|---|---|---|---|---|---|---|"]
-    names = [n for n in SUMMARY if history.has(n)] + [
-        n for n in history.matching(M.REWARDS_PREFIX) if n[-5:] == "/mean"
-    ]
+    names = [n for n in SUMMARY if history.has(n)]
+    names += [n for n in history.matching(M.REWARDS_PREFIX) if n.endswith("/mean")]
     for name in names:
         steps, values = history.series(name)
         finite = np.isfinite(values)
@@ -222,10 +213,8 @@ def _summary_rows(history: History) -> list[str]:
         fs, fv = steps[finite], values[finite]
         i = int(np.argmax(fv))
         best = f"{_fmt(fv[i])} ({fs[i]})" if name in MAXIMISE or name.startswith(M.REWARDS_PREFIX) else "—"
-        rows.append(
-            f"| {name} | {_fmt(values[0])} | {_fmt(values[-1])} | {_fmt(fv.min())} | {_fmt(fv.max())} | {best} "
-            f"| {int((~finite).sum())} |"
-        )
+        cells = [name, *map(_fmt, (values[0], values[-1], fv.min(), fv.max())), best, str(int((~finite).sum()))]
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
@@ -261,13 +250,9 @@ def _markdown(run_dir: Path, history: History, drawn: dict[str, str | None]) -> 
         "```",
     ]
     for panel in PANELS:
-        lines += ["", f"## {panel.title}", ""]
-        image = drawn[panel.name]
-        if image:
-            lines.append(f"![{panel.title}]({image})")
-        else:
-            wanted = " or ".join(f"`{n}*`" if n.endswith("/") else f"`{n}`" for n in panel.needs)
-            lines.append(f"_Skipped: none of {wanted} was logged._")
+        wanted = " or ".join(f"`{n}*`" if n.endswith("/") else f"`{n}`" for n in panel.needs)
+        image = f"![{panel.title}]({drawn[panel.name]})" if drawn[panel.name] else None
+        lines += ["", f"## {panel.title}", "", image or f"_Skipped: none of {wanted} was logged._"]
     return "\n".join(lines) + "\n"
 
 
@@ -281,15 +266,15 @@ def write_report(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     drawn: dict[str, str | None] = {}
     for panel in PANELS:
         path = out / f"{panel.name}.png"
-        if not panel.available(history):
+        logged = (history.matching(n) if n.endswith("/") else history.has(n) for n in panel.needs)
+        drawn[panel.name] = path.name if any(logged) else None
+        if drawn[panel.name] is None:
             path.unlink(missing_ok=True)  # a stale plot from an earlier report would contradict the note
-            drawn[panel.name] = None
             continue
         fig = Figure(figsize=panel.size, layout="constrained")
         FigureCanvasAgg(fig)
         panel.draw(history, fig)
         fig.savefig(path, dpi=100)
-        drawn[panel.name] = path.name
     report = out / "report.md"
     report.write_text(_markdown(run_dir, history, drawn), encoding="utf-8")
     return report

@@ -90,12 +90,10 @@ def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | N
     what = "control" if name == M.QUATRO_ENTROPY_CONTROL else "bonus"
     detail = f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps"
     change = (
-        "guards.quatro.entropy.coef_max: raise it (at the cap the floor's levers do not hold entropy), "
-        "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; pg_brake (1 "
-        "by default) takes the reward's policy gradient away in proportion to the control, so while the control "
-        "sits at 1 the run learns nothing from its reward; brake_moments (0.01 by default) scales Adam's moments "
-        "with the brake so the bonus and the KL term move the weights at full speed (0 for both: the floor's "
-        "bonus and clip only, as up to d25b1e6)"
+        "guards.quatro.entropy.coef_max: raise it (at the cap the floor's levers do not hold entropy), or lower "
+        "guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; while the control sits at "
+        "1, pg_brake (1) leaves no reward gradient and brake_moments (0.01) lets the bonus and the KL term act at full "
+        "speed (0 for both: the floor's bonus and clip only)"
     )
     summary = f"entropy floor's {what} held at its cap"
     return SaturationCheck(summary, name, int(steps[0]), int(steps[-1]), detail, change)
@@ -114,12 +112,11 @@ def _filter_check(history: History, c: SaturationConfig) -> SaturationCheck | No
         return None
     worst = max(quality, key=quality.__getitem__)
     detail = f"quality filters dropped {quality_share:.0%} of rows over the last {len(share)} steps, most by {worst} "
+    detail += f"({quality[worst]:.0f} rows)"
     change = f"guards.quatro.filters.{worst}: loosen its threshold or set guards.quatro.filters.{worst}.enabled=false "
     change += "(a filter that drops this much shapes the task rather than cleaning it)"
     summary, first, last = "rollout filters drop a large share of rows", int(steps[0]), int(steps[-1])
-    return SaturationCheck(
-        summary, M.QUATRO_FILTERED_SHARE, first, last, f"{detail}({quality[worst]:.0f} rows)", change
-    )
+    return SaturationCheck(summary, M.QUATRO_FILTERED_SHARE, first, last, detail, change)
 
 
 def _grade_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
