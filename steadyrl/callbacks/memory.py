@@ -1,9 +1,7 @@
 """PeakMemory: peak memory per rank, written to ``<output_dir>/peak_memory_rank{N}.json``.
 
-It writes a file rather than adding a metric to the logs: the Trainer appends a copy of each log dict to
-``log_history`` before callbacks see it, so a metric added in ``on_log`` would miss the history and most
-reporters. Always records the process's peak resident set size (host RAM, Linux ``ru_maxrss``); with CUDA
-also the peak allocated / reserved accelerator memory.
+A file, not a metric: a metric added in ``on_log`` would miss ``log_history`` and most reporters. Records the peak
+resident set size (Linux ``ru_maxrss``), and with CUDA the peak allocated / reserved accelerator memory.
 """
 
 from __future__ import annotations

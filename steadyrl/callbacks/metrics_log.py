@@ -1,15 +1,14 @@
 """MetricsLog: every logged row and guard event, one JSON line each, in ``<output_dir>/metrics.jsonl``.
 
-The Trainer writes ``log_history`` only with a checkpoint, so a run that dies between checkpoints would lose the rows
-that explain why. This callback appends each row as it is logged, flushed and fsync'd, on the main process only:
+The Trainer writes ``log_history`` only with a checkpoint; this appends each row as it is logged (fsync'd, main
+process only), so a run that dies between checkpoints keeps the rows that explain why:
 
     {"step": 12, "loss": 0.031, "grad_norm": "nan", "reward": 0.42, ...}
     {"step": 13, "event": "skip", "reason": "nonfinite"}
 
-Non-finite floats are written as ``"nan"``, ``"inf"``, ``"-inf"`` (``steadyrl.evidence.history`` reads them back).
-A line cut short by a crash is started afresh by the next write. A row that cannot be written (``OSError``: a full
-disk) is counted and warned about and the run goes on (docs/DESIGN.md, "Crash-safe checkpoints"); once writing works
-again, a ``{"event": "metrics_rows_lost", "rows": n}`` row marks the gap.
+Non-finite floats are written as ``"nan"``, ``"inf"``, ``"-inf"``; a line cut short by a crash is started afresh by
+the next write. A row that cannot be written (``OSError``: a full disk) is counted and warned about and the run goes
+on; once writing works again, a ``{"event": "metrics_rows_lost", "rows": n}`` row marks the gap.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ logger = logging.getLogger(__name__)
 
 def encode_value(value: Any) -> Any:
     """A log value as strict JSON: floats stay numbers unless non-finite ("nan", "inf", "-inf")."""
-    if isinstance(value, bool | str) or value is None:
-        return value
-    if isinstance(value, int):
+    if isinstance(value, int | str) or value is None:  # bool included
         return value
     if isinstance(value, dict):
         return {str(k): encode_value(v) for k, v in value.items()}
@@ -42,20 +39,14 @@ def encode_value(value: Any) -> Any:
         number = float(value)  # float, numpy scalar, 0-d tensor
     except (TypeError, ValueError):
         return str(value)
-    if math.isnan(number):
-        return "nan"
-    if math.isinf(number):
-        return "inf" if number > 0 else "-inf"
+    if not math.isfinite(number):
+        return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
     return number
 
 
 class MetricsLog(TrainerCallback):
-    """Append-only JSON-lines log of the Trainer's rows (``on_log``) and of guard events (``event``).
-
-    output_dir: the folder for ``metrics.jsonl``; None takes ``args.output_dir`` when training starts.
-    Other code records events with ``event(step, "skip", reason="spike")`` or ``event(step, "rollback",
-    cause="nonfinite loss")``; on any process but the main one these calls write nothing.
-    """
+    """Append-only JSON-lines log of the Trainer's rows (``on_log``) and of guard events (``event(step, "skip",
+    reason="spike")``; written on the main process only). output_dir: None takes ``args.output_dir`` at train start."""
 
     def __init__(self, output_dir: str | os.PathLike[str] | None = None, filename: str = METRICS_FILE) -> None:
         self.filename = filename
@@ -81,8 +72,7 @@ class MetricsLog(TrainerCallback):
         self.write({"step": int(step), "event": kind, **fields})
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append one row as a JSON line and fsync it (main process only; no-op before the path is known). A row that
-        cannot be written is counted in ``lost_rows`` and warned about; the run goes on (module docstring)."""
+        """Append one row as a JSON line and fsync it (main process only; no-op before the path is known)."""
         if not self.is_main or self.path is None:
             return
         line = json.dumps(encode_value(row), allow_nan=False) + "\n"

@@ -1,8 +1,5 @@
-"""SignalMonitor: every ``monitor.every`` optimizer steps, a one-line health summary and early warnings.
-
-The warnings themselves are computed by the pure ``steadyrl.evidence.early_warnings.early_warnings``; this callback
-feeds it the Trainer's log history and writes what it finds to the log (main process only).
-"""
+"""SignalMonitor: every ``monitor.every`` optimizer steps, a one-line health summary and the warnings of
+``steadyrl.evidence.early_warnings`` over the Trainer's log history, in the log (main process only)."""
 
 from __future__ import annotations
 
@@ -11,32 +8,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from steadyrl import metrics as M
 from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, logp_gap_allowance
-from steadyrl.metrics import (
-    ENTROPY,
-    GEPO_ADV_MAX_ABS,
-    GEPO_ADV_STD,
-    GEPO_NONFINITE_REWARDS,
-    GEPO_SKIPPED_STEPS,
-    GRAD_NORM,
-    KL,
-    REWARD,
-    REWARD_STD,
-)
 
 logger = logging.getLogger("steadyrl.monitor")
 
-SUMMARY_KEYS = (
-    GRAD_NORM,
-    REWARD,
-    REWARD_STD,
-    GEPO_ADV_STD,
-    GEPO_ADV_MAX_ABS,
-    ENTROPY,
-    KL,
-    GEPO_SKIPPED_STEPS,
-    GEPO_NONFINITE_REWARDS,
-)
+SUMMARY_KEYS = (M.GRAD_NORM, M.REWARD, M.REWARD_STD, M.GEPO_ADV_STD, M.GEPO_ADV_MAX_ABS, M.ENTROPY, M.KL)
+SUMMARY_KEYS += (M.GEPO_SKIPPED_STEPS, M.GEPO_NONFINITE_REWARDS)
 
 
 class SignalMonitor(TrainerCallback):
@@ -62,12 +40,8 @@ class SignalMonitor(TrainerCallback):
         latest = self._latest
         summary = ", ".join(f"{k}={latest[k]:.4g}" for k in SUMMARY_KEYS if isinstance(latest.get(k), (int, float)))
         logger.info("step %d: %s", state.global_step, summary)
-        allowance = logp_gap_allowance(
-            getattr(args, "top_p", 1.0),
-            getattr(args, "top_k", 0),
-            getattr(args, "min_p", 0.0),
-            getattr(args, "repetition_penalty", 1.0),
-        )
+        sampling = (getattr(args, k, d) for k, d in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)))
+        allowance = logp_gap_allowance(*sampling, getattr(args, "repetition_penalty", 1.0))
         for warning in early_warnings(state.log_history, self.config, allowance):
             self.warnings.append((state.global_step, warning))
             logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)

@@ -2,16 +2,10 @@
 
 After optimizer step k (a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval set and
 scores it with the run's reward functions; sums and counts are all-reduced, so every rank logs the same row
-(docs/DESIGN.md "Periodic eval"):
-
-    {"eval/reward": 0.31, "eval/accuracy": 0.31, "eval/reward/exact_match": 0.31,
-     "eval/mean_length": 3.0, "eval/num_samples": 200, "step": 10}
-
-It runs at the start of step k+1 (``global_step`` still k) or at the end of training, so the row follows step k's
-training row, checkpoint and rollback. A run resumed from checkpoint-k evaluates step k again. The torch, CUDA, numpy
-and Python RNG states are restored afterwards, so eval never moves the training RNG stream.
-
-Left out: sampled (pass@k) eval; ZeRO-3 and FSDP (sharded parameters need lockstep generation): these raise.
+(``eval/reward``, ``eval/accuracy``, ``eval/reward/<name>``, ``eval/mean_length``, ``eval/num_samples``;
+docs/DESIGN.md "Periodic eval"). It runs at the start of step k+1 or at the end of training, so the row follows step
+k's training row, checkpoint and rollback; a run resumed from checkpoint-k evaluates step k again. The RNG states are
+restored afterwards. Left out: sampled (pass@k) eval; ZeRO-3 and FSDP (sharded parameters) raise.
 """
 
 from __future__ import annotations
@@ -39,12 +33,7 @@ LogFn = Callable[[dict[str, float]], None]
 
 
 def trainer_log_fn(trainer: Trainer) -> LogFn:
-    """The ``log_fn`` to give PeriodicEval: ``transformers.Trainer.log`` bound to ``trainer``.
-
-    It appends the row to ``state.log_history`` and fires ``on_log`` (report_to, ``MetricsLog``). Not
-    ``trainer.log``: TRL's ``GRPOTrainer.log`` and ``SFTTrainer.log`` merge and clear their ``_metrics`` buffers, so
-    an eval row would take the training metrics of the steps before it.
-    """
+    """``transformers.Trainer.log`` bound to ``trainer`` (not ``trainer.log``: TRL's clears its ``_metrics``)."""
     return functools.partial(Trainer.log, trainer)
 
 
@@ -76,18 +65,8 @@ def _bare_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def contiguous_shard(n: int, rank: int, world: int) -> tuple[int, int]:
-    """``(start, stop)`` of ``rank``'s rows: ``Dataset.shard(world, rank, contiguous=True)``'s split of ``n`` rows.
-
-    The first ``n % world`` ranks get one row more; a rank past the end gets an empty range (``Dataset.shard``
-    raises IndexError there instead).
-    """
+    """``(start, stop)`` of ``rank``'s rows as ``Dataset.shard(world, rank, contiguous=True)``, or an empty range."""
     size, extra = divmod(n, world)
     start = rank * size + min(rank, extra)
     return start, start + size + (rank < extra)
@@ -183,14 +162,8 @@ class PeriodicEval(TrainerCallback):
             shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
             logger.info("eval at step %d: %s", state.global_step, shown)
             for prompt, completion, score in samples:
-                logger.info(
-                    "eval sample at step %d: %r -> %r (%s=%.4g)",
-                    state.global_step,
-                    prompt,
-                    completion,
-                    self.metric,
-                    score,
-                )
+                what = "eval sample at step %d: %r -> %r (%s=%.4g)"
+                logger.info(what, state.global_step, prompt, completion, self.metric, score)
         if self.log_fn is not None:
             self.log_fn(dict(metrics))
         else:
@@ -200,24 +173,16 @@ class PeriodicEval(TrainerCallback):
     def evaluate(
         self, model: torch.nn.Module, trainer_state: Any = None
     ) -> tuple[dict[str, float], list[tuple[Any, str, float]]]:
-        """Score this rank's shard and all-reduce: (the ``eval/...`` row, this rank's first sample triples).
-
-        Means leave out ``None`` and NaN scores, as ``evaluate_rewards`` does; a reward with no countable score
-        on any rank gives NaN. Does not restore the RNG (``run`` does).
-        """
+        """Score this rank's shard and all-reduce: (the ``eval/...`` row, this rank's first sample triples). Means
+        leave out ``None`` and NaN scores (none on any rank: NaN). Does not restore the RNG (``run`` does)."""
         model = _bare_model(model)
-        rank, world = _rank_and_world()
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         start, stop = contiguous_shard(len(self.eval_dataset), rank, world)
         shard = self.eval_dataset.select(range(start, stop) if stop > start else [])  # range(1, 1) raises
-        out = greedy_scores(
-            model,
-            self.tokenizer,
-            shard,
-            self.reward_fns,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            reward_kwargs={"trainer_state": trainer_state, "log_extra": _noop, "log_metric": _noop},
-        )
+        sizes = {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size}
+        noops = {"trainer_state": trainer_state, "log_extra": _noop, "log_metric": _noop}
+        out = greedy_scores(model, self.tokenizer, shard, self.reward_fns, **sizes, reward_kwargs=noops)
         totals: list[float] = []
         for name in self.reward_fns:  # same order on every rank: dicts keep insertion order
             finite = finite_scores(out["scores"][name])
@@ -236,16 +201,9 @@ class PeriodicEval(TrainerCallback):
             reward = means[self.metric]
         else:  # nan-skipping like TRL's nansum over reward functions
             reward = sum(self.reward_weights[n] * m for n, m in means.items() if not math.isnan(m))
-        metrics = {
-            EVAL_REWARD: reward,
-            EVAL_ACCURACY: means[self.metric],
-            **{eval_reward(name): mean for name, mean in means.items()},
-            EVAL_MEAN_LENGTH: length_sum / rows if rows else math.nan,
-            EVAL_NUM_SAMPLES: int(rows),
-        }
-        metric_scores = out["scores"][self.metric]
-        samples = [
-            (p, c, math.nan if s is None else float(s))
-            for p, c, s in zip(out["prompts"], out["completions"], metric_scores, strict=True)
-        ][: self.num_samples_to_log]
+        metrics = {EVAL_REWARD: reward, EVAL_ACCURACY: means[self.metric]}
+        metrics |= {eval_reward(name): mean for name, mean in means.items()}
+        metrics |= {EVAL_MEAN_LENGTH: length_sum / rows if rows else math.nan, EVAL_NUM_SAMPLES: int(rows)}
+        triples = zip(out["prompts"], out["completions"], out["scores"][self.metric], strict=True)
+        samples = [(p, c, math.nan if s is None else float(s)) for p, c, s in triples][: self.num_samples_to_log]
         return metrics, samples

@@ -1,12 +1,9 @@
 """Preemption (config ``preemption``): a signal ends the run at the next optimizer-step boundary, with a checkpoint.
 
-On the first of ``preemption.signals`` (SIGTERM, SIGINT) the handler only records it, and the step under way runs to
-its end. At every step end one all-reduce (MAX) of a flag lets all ranks stop at the same step: the callback sets
-``should_save`` and ``should_training_stop``, the Trainer writes ``checkpoint-N`` through steadyrl's atomic path,
-``steadyrl.trainers.build.run`` skips the final save and eval and raises ``Preempted``, and the CLI prints how to
-resume and exits with ``preemption.exit_code`` (75). A second signal within ``relay_window_s`` (3 s) is a launcher's
-relayed copy and is ignored; a later one exits at once with 128 + the signal number, writing nothing. Why, and
-torchrun's time limit: docs/DESIGN.md, "Preemption".
+The first of ``preemption.signals`` is only recorded; at every step end one all-reduce (MAX) of a flag lets all
+ranks stop at the same step with ``should_save`` (``build.run`` then raises ``Preempted``, the CLI prints how to
+resume and exits with ``preemption.exit_code``). A second signal within ``relay_window_s`` is a launcher's relayed
+copy and is ignored; a later one exits at once with 128 + the signal number (docs/DESIGN.md, "Preemption").
 """
 
 from __future__ import annotations
@@ -99,10 +96,6 @@ class PreemptionCallback(TrainerCallback):
             logger.warning("preemption: stopping after step %d with a checkpoint", state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.restore()
-
-    def restore(self) -> None:
-        """Put the handlers that were there before ``train()`` back."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()

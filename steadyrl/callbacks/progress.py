@@ -2,11 +2,8 @@
 
     step 40/200 (20%) | 1.9 s/step | ETA 5m04s | reward 0.62 | eval acc 0.71 | skipped 1 | rollbacks 0 | filtered 38%
 
-The line carries the step, speed, time left, the training reward, the latest eval accuracy when one is known,
-and the guard events that matter while a run goes: GEPO skips, OPEFO rollbacks, QUATRO's filtered share of the
-last generation batch. A skip or a rollback since the previous line is flagged (``SKIPPED``/``ROLLED BACK``).
-Logs still go to files (``metrics.jsonl``, the Python log); this only adds the terminal view. Main process only.
-``STEADYRL_PROGRESS=1`` forces it on (e.g. under a scheduler that captures a pty-less log), ``0`` off.
+A skip, rollback or repair since the previous line is flagged (``SKIPPED``, ``ROLLED BACK``, ``REPAIRED``). Main
+process only; logs still go to files. ``STEADYRL_PROGRESS=1`` forces it on (a pty-less scheduler log), ``0`` off.
 """
 
 from __future__ import annotations
@@ -24,6 +21,9 @@ from steadyrl import metrics as M
 # cumulative counters: TRL averages them over the logging interval, so the interval's last count is the mean
 # rounded up (0.9 when the skip came at step 12 of steps 11-20)
 COUNTS = (M.GEPO_SKIPPED_STEPS, M.OPEFO_ROLLBACKS, M.OPEFO_REPAIRS)
+SHOWN = [(M.REWARD, "reward", "{:.3g}"), (M.EVAL_ACCURACY, "eval acc", "{:.3f}")]  # (metric, label, format)
+SHOWN += [(key, label, "{:.0f}") for key, label in zip(COUNTS, ("skipped", "rollbacks", "repairs"), strict=True)]
+SHOWN += [(M.QUATRO_FILTERED_SHARE, "filtered", "{:.0%}")]
 
 
 def progress_wanted(stream: TextIO | None = None) -> bool:
@@ -49,14 +49,7 @@ def status_line(step: int, max_steps: int, seconds_per_step: float | None, lates
         parts.append(f"{seconds_per_step:.1f} s/step")
         if max_steps > step:
             parts.append(f"ETA {_duration(seconds_per_step * (max_steps - step))}")
-    for key, label, fmt in (
-        (M.REWARD, "reward", "{:.3g}"),
-        (M.EVAL_ACCURACY, "eval acc", "{:.3f}"),
-        (M.GEPO_SKIPPED_STEPS, "skipped", "{:.0f}"),
-        (M.OPEFO_ROLLBACKS, "rollbacks", "{:.0f}"),
-        (M.OPEFO_REPAIRS, "repairs", "{:.0f}"),
-        (M.QUATRO_FILTERED_SHARE, "filtered", "{:.0%}"),
-    ):
+    for key, label, fmt in SHOWN:
         if key in latest:
             value = math.ceil(latest[key]) if key in COUNTS else latest[key]
             parts.append(f"{label} {fmt.format(value)}")
@@ -93,64 +86,7 @@ class ProgressLine(TrainerCallback):
         done = state.global_step - self._start_step  # a resumed run times the steps this process ran
         per_step = (time.monotonic() - self._start) / done if done > 0 else None
         line = status_line(state.global_step, state.max_steps, per_step, self.latest)
-        flags = ((M.GEPO_SKIPPED_STEPS, "SKIPPED"), (M.OPEFO_ROLLBACKS, "ROLLED BACK"), (M.OPEFO_REPAIRS, "REPAIRED"))
-        for key, flag in flags:
+        for key, flag in zip(COUNTS, ("SKIPPED", "ROLLED BACK", "REPAIRED"), strict=True):
             if math.ceil(self.latest.get(key, 0)) > math.ceil(before.get(key, 0)):
                 line += f" | {flag}"
         print(line, file=self.stream, flush=True)
-
-
-def run_with_progress(
-    cmd: list[str],
-    label: str,
-    *,
-    log: str | os.PathLike[str] | None = None,
-    env: dict[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    timeout: float | None = None,
-    stream: TextIO | None = None,
-) -> tuple[int | None, str]:
-    """Run a child (``steadyrl train ...``, a benchmark cell) and keep its whole output; show its progress.
-
-    Returns (exit status or None after ``timeout`` seconds, when the child is killed; everything it printed, stdout
-    and stderr together). ``log``: also written there as it comes. When ``progress_wanted(stream)`` (a terminal, or
-    ``STEADYRL_PROGRESS=1``), the child gets ``STEADYRL_PROGRESS=1`` and each of its status lines (``step N...``) goes
-    to ``stream`` as ``   <label>: step N/M ...``, so a benchmark of many runs shows where it is; otherwise the child
-    runs quietly, exactly as under ``subprocess.run(..., capture_output=True)``.
-    """
-    import subprocess
-    import threading
-
-    stream = stream or sys.stderr
-    show = progress_wanted(stream)
-    child_env = dict(os.environ if env is None else env)
-    if show:
-        child_env["STEADYRL_PROGRESS"] = "1"
-    chunks: list[str] = []
-    sink = open(log, "w") if log is not None else None
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            chunks.append(line)
-            if sink is not None:
-                sink.write(line)
-                sink.flush()
-            if show and line.startswith("step "):
-                print(f"   {label}: {line.rstrip()}", file=stream, flush=True)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        code: int | None = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        code = None
-    reader.join()
-    if sink is not None:
-        sink.close()
-    return code, "".join(chunks)

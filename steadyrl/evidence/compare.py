@@ -1,14 +1,10 @@
 """``steadyrl compare RUN_A RUN_B ...``: several runs' logs overlaid, one PNG per metric, and a table of final values.
 
-The comparison every ablation needs (plain TRL against steadyrl, one layer against all of them). Each run is a
-``trainer.output_dir`` read with ``load_history`` (``metrics.jsonl`` or a checkpoint's ``trainer_state.json``), so a
-run that died is compared up to its last logged step. A metric is drawn when at least one run logged it; runs are
-labelled by their folder name (the parent's name is added when two folders share a name). Non-finite values are
-red crosses along the top edge, as in ``steadyrl report``.
-
-Output (default ``./compare``): ``<metric>.png`` per drawn metric and ``compare.md`` with, per run: steps logged,
-finished or not, eval accuracy (last and best), last reward, GEPO skips, OPEFO rollbacks, and the last value of every
-drawn metric.
+Each run is a ``trainer.output_dir`` read with ``load_history`` (a run that died is compared up to its last logged
+step), labelled by its folder name (with the parent's where two share one). A metric is drawn when any run logged it;
+non-finite values are red crosses along the top edge. Output (default ``./compare``): ``<metric>.png`` per drawn
+metric and ``compare.md`` with, per run: steps, finished or not, eval accuracy (last, best), GEPO skips, OPEFO
+rollbacks, and the last value of every drawn metric.
 """
 
 from __future__ import annotations
@@ -59,15 +55,12 @@ def _draw(metric: str, title: str, histories: dict[str, History], path: Path) ->
             continue
         finite = np.isfinite(values)
         ax.plot(steps[finite], values[finite], label=label, color=f"C{i}", marker="." if finite.sum() <= 50 else None)
-        if (~finite).any():
+        if len(bad := steps[~finite]):
             label = "_nolegend_" if crosses else "non-finite (NaN/inf)"
-            bad = steps[~finite]
             ax.scatter(bad, np.full(len(bad), 0.97), marker="x", color="red", clip_on=False,
                        transform=ax.get_xaxis_transform(), label=label)  # fmt: skip
             crosses = True
-    ax.set_title(title)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metric)
+    ax.set(title=title, xlabel="optimizer step", ylabel=metric)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")
@@ -75,19 +68,11 @@ def _draw(metric: str, title: str, histories: dict[str, History], path: Path) ->
     fig.savefig(path, dpi=100)
 
 
-def _last(history: History, metric: str) -> float | None:
-    _, values = history.series(metric)
-    return float(values[-1]) if len(values) else None
-
-
-def _best(history: History, metric: str) -> float | None:
-    _, values = history.series(metric)
-    finite = values[np.isfinite(values)]
-    return float(finite.max()) if len(finite) else None
-
-
-def _fmt(value: float | None) -> str:
-    return "—" if value is None else f"{value:.4g}"
+def _last(history: History, metric: str, best: bool = False) -> str:
+    """The last value (the largest finite one when ``best``) formatted, or "—"."""
+    values = history.series(metric)[1]
+    values = values[np.isfinite(values)] if best else values
+    return "—" if not len(values) else f"{float(values.max() if best else values[-1]):.4g}"
 
 
 def summary_rows(histories: dict[str, History], metrics: list[str]) -> list[str]:
@@ -97,9 +82,9 @@ def summary_rows(histories: dict[str, History], metrics: list[str]) -> list[str]
     for label, h in histories.items():
         skips, rollbacks = h.count(M.GEPO_SKIPPED_STEPS, M.EVENT_SKIP), h.count(M.OPEFO_ROLLBACKS, M.EVENT_ROLLBACK)
         cells = [label, str(int(h.steps[-1])) if len(h.steps) else "0", "yes" if h.finished else "no",
-                 _fmt(_last(h, M.EVAL_ACCURACY)), _fmt(_best(h, M.EVAL_ACCURACY)),
+                 _last(h, M.EVAL_ACCURACY), _last(h, M.EVAL_ACCURACY, best=True),
                  str(skips), str(rollbacks)]  # fmt: skip
-        cells += [_fmt(_last(h, m)) for m in metrics if m != M.EVAL_ACCURACY]
+        cells += [_last(h, m) for m in metrics if m != M.EVAL_ACCURACY]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 

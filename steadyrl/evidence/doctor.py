@@ -7,9 +7,8 @@ Failure modes (docs/DESIGN.md, "Why GRPO runs die" and "Early warnings and the d
 - ``reward_hacking``: training reward rises while eval accuracy falls or completion length/truncation drifts;
 - ``off_policy_rollouts``: vLLM's log-probs of its own samples drift from the policy's (a weight sync that fails);
 - ``saturated_controller``: a guard held at its bound (``steadyrl.evidence.saturation``).
-
-Each diagnosis is one row of ``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode.
-Trends compare an early window of logged rows with a late one; only large, sustained changes count.
+Each diagnosis is one row of ``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode. Trends
+compare an early window of logged rows with a late one; only large, sustained changes count.
 """
 
 from __future__ import annotations
@@ -36,12 +35,8 @@ TITLES = {
     "saturated_controller": "a guard held at its bound (its setting does not fit this run)",
 }
 LOGP_GAP = M.SAMPLING_LOGP_GAP
-NONFINITE_COUNTERS = (
-    M.GEPO_NONFINITE_REWARDS,
-    M.GEPO_NONFINITE_LOGPROBS,
-    M.GEPO_NONFINITE_LOSS,
-    M.GEPO_NONFINITE_RATIOS,
-)
+NONFINITE_COUNTERS = (M.GEPO_NONFINITE_REWARDS, M.GEPO_NONFINITE_LOGPROBS)
+NONFINITE_COUNTERS += (M.GEPO_NONFINITE_LOSS, M.GEPO_NONFINITE_RATIOS)
 CHECKED = (M.LOSS, M.GRAD_NORM, M.REWARD, M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.GEPO_ADV_STD)
 CHECKED += (M.GEPO_SKIPPED_STEPS, *NONFINITE_COUNTERS, M.OPEFO_REPAIRS, M.OPEFO_ROLLBACKS, M.QUATRO_FLOOR_ACTIVE)
 CHECKED += (M.QUATRO_FLOOR_HELD_OFF, M.QUATRO_ENTROPY_FLOOR, M.EVAL_ACCURACY, M.COMPLETIONS_MEAN_LENGTH)
@@ -76,8 +71,7 @@ class DoctorConfig:
     logp_gap_max: float = 0.1  # vLLM-policy log-prob gap (nats/token): late-window median above this: off-policy
     logp_gap_rise_ratio: float = 5.0  # ... or this x the early window's median (a warning; a stale sync at low lr)
     logp_gap_floor: float = 0.005  # ... when the late median is above this (below it is float noise)
-    # what the run's sampling settings alone add to the gap (guards.monitor.logp_gap_allowance; None: no gap check);
-    # doctor_config_for(run_dir) reads it from resolved_config.yaml
+    # what the run's sampling settings alone add to the gap (None: no gap check); see doctor_config_for
     logp_gap_allowance: float | None = 0.0
 
 
@@ -91,9 +85,8 @@ class Evidence:
     detail: str
 
     def __str__(self) -> str:
-        one = self.first_step == self.last_step
-        steps = f"step {self.first_step}" if one else f"steps {self.first_step}-{self.last_step}"
-        return f"{self.metric}, {steps}: {self.detail}"
+        a, b = self.first_step, self.last_step
+        return f"{self.metric}, {f'step {a}' if a == b else f'steps {a}-{b}'}: {self.detail}"
 
 
 @dataclass
@@ -105,10 +98,6 @@ class Finding:
     summary: str
     evidence: list[Evidence] = field(default_factory=list)
     changes: list[str] = field(default_factory=list)
-
-    @property
-    def headline(self) -> str:
-        return f"{self.severity.upper()} [{self.mode}] {TITLES[self.mode]}"
 
 
 @dataclass
@@ -125,9 +114,8 @@ Condition = Callable[[History, "DoctorConfig"], Iterator[Hit]]
 
 @dataclass(frozen=True)
 class Rule:
-    """One diagnosis: ``condition`` yields a Hit per finding. ``summary`` and ``fixes`` are ``str.format``
-    templates over the hit's fields; a fix that formats to "" is left out. ``reads``: the metrics, event kinds or
-    metric prefix it reads (``*``: every metric of the last row)."""
+    """One diagnosis: ``condition`` yields a Hit per finding; ``summary`` and ``fixes`` are ``str.format`` templates
+    over its fields (a fix that formats to "" is left out). ``reads``: metrics, event kinds or prefixes it reads."""
 
     mode: str
     severity: str
@@ -138,18 +126,11 @@ class Rule:
 
     def finding(self, hit: Hit) -> Finding:
         fixes = [fix for fix in (f.format_map(hit.fields) for f in self.fixes) if fix]
-        return Finding(
-            self.mode, hit.severity or self.severity, self.summary.format_map(hit.fields), hit.evidence, fixes
-        )
+        severity, summary = hit.severity or self.severity, self.summary.format_map(hit.fields)
+        return Finding(self.mode, severity, summary, hit.evidence, fixes)
 
 
 # ----------------------------------------------------------------------------------------------- trends
-
-
-def _finite(history: History, name: str) -> tuple[np.ndarray, np.ndarray]:
-    steps, values = history.series(name)
-    ok = np.isfinite(values)
-    return steps[ok], values[ok]
 
 
 @dataclass
@@ -177,7 +158,7 @@ class _Trend:
 def _trend(history: History, name: str | None, config: DoctorConfig) -> _Trend | None:
     if not name:
         return None
-    steps, values = _finite(history, name)
+    steps, values = history.finite(name)
     if len(values) < config.min_points:
         return None
     return _Trend(steps, values, max(2, min(config.window, len(values) // 3)))
@@ -250,7 +231,7 @@ def _last_row_nonfinite(history: History, config: DoctorConfig) -> Iterator[Hit]
 
 def _spike(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """grad norm >= ``spike_ratio`` x the median of up to ``spike_median_window`` values before it."""
-    steps, values = _finite(history, M.GRAD_NORM)
+    steps, values = history.finite(M.GRAD_NORM)
     jumps = []
     for i in range(config.spike_min_history, len(values)):
         median = float(np.median(values[max(0, i - config.spike_median_window) : i]))
@@ -283,7 +264,7 @@ def _rising_count(name: str) -> Condition:
 
 def _adv_std_rising(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """Means of 4 chunks of the last 4 windows rise, the last ``adv_std_rise_ratio`` x the first."""
-    steps, adv = _finite(history, M.GEPO_ADV_STD)
+    steps, adv = history.finite(M.GEPO_ADV_STD)
     if len(adv) < max(config.min_points, 8):
         return
     tail = slice(-min(len(adv), 4 * config.window), None)
@@ -336,37 +317,32 @@ def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
     if reward is not None and reward.z < config.flat_z:
         signs.append("reward flat" if reward.z > -config.flat_z else "reward falling")
         evidence.append(reward.evidence(M.REWARD, f" (change {reward.z:+.1f} pooled std)"))
-    steps, floor = _finite(history, M.QUATRO_FLOOR_ACTIVE)
+    steps, floor = history.finite(M.QUATRO_FLOOR_ACTIVE)
     if floor_on := bool(np.count_nonzero(floor)):
         detail = f"floor active at {np.count_nonzero(floor > 0)} logged step(s) and entropy still fell"
         evidence.append(Evidence(M.QUATRO_FLOOR_ACTIVE, *_span(steps[floor > 0], 0), detail))
-    steps, held = _finite(history, M.QUATRO_FLOOR_HELD_OFF)
+    steps, held = history.finite(M.QUATRO_FLOOR_HELD_OFF)
     if gate := bool(np.count_nonzero(held)):
         detail = f"the learning gate held the floor off at {np.count_nonzero(held > 0)} logged step(s): the training "
         evidence.append(Evidence(M.QUATRO_FLOOR_HELD_OFF, *_span(steps[held > 0], 0), detail + "reward rose"))
     followed = False
-    steps, floors = _finite(history, M.QUATRO_ENTROPY_FLOOR)
+    steps, floors = history.finite(M.QUATRO_ENTROPY_FLOOR)
     if len(floors) >= 2 and floors[-1] < floors[0]:  # the floor is fixed once set; only follow_learning lowers it
         detail = f"the floor followed entropy down {floors[0]:.4g} -> {floors[-1]:.4g} (follow_learning: the learning "
         lowered = steps[1:][np.diff(floors) < 0]
         evidence.append(Evidence(M.QUATRO_ENTROPY_FLOOR, *_span(lowered, 0), detail + "gate's reward rose)"))
         # entropy at or above the floor it was allowed to fall to, and no sign of a collapse that makes it a problem
         followed = entropy.late.mean() >= floors[-1] and (rising or not signs)
-    fields = {
-        "ratio": entropy.ratio,
-        "signs": ", ".join(signs),
-        "note": (" while reward still rises" if rising else "") + (f" ({', '.join(signs)})" if signs else ""),
-        "followed": CHANGE_FOLLOWED if followed else "",
-        "floor": CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR,
-        "gate": CHANGE_GATE if gate else "",
-    }
-    yield Hit(evidence, fields, "problem" if signs and not rising else "warning")
+    note = (" while reward still rises" if rising else "") + (f" ({', '.join(signs)})" if signs else "")
+    fixes = {"followed": CHANGE_FOLLOWED if followed else "", "floor": CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR}
+    fields = {"ratio": entropy.ratio, "signs": ", ".join(signs), "note": note, "gate": CHANGE_GATE if gate else ""}
+    yield Hit(evidence, fields | fixes, "problem" if signs and not rising else "warning")
 
 
 def _eval_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """Eval accuracy ``eval_drop`` below its best over ``eval_after_points`` evals, while reward rose after the best."""
-    e_steps, acc = _finite(history, M.EVAL_ACCURACY)
-    r_steps, reward = _finite(history, M.REWARD)
+    e_steps, acc = history.finite(M.EVAL_ACCURACY)
+    r_steps, reward = history.finite(M.REWARD)
     if len(acc) < config.min_eval_points:
         return
     best = int(np.argmax(acc))
@@ -400,7 +376,7 @@ def _while_reward_rises(drifted: Callable[[_Trend, DoctorConfig], bool], name: s
 
 def _logp_gap(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """The vLLM-policy log-prob gap rules (``early_warnings.logp_gap_verdict``) over the whole run."""
-    steps, values = _finite(history, LOGP_GAP)
+    steps, values = history.finite(LOGP_GAP)
     c, w = config, max(3, min(config.window, len(values) // 3))
     points = list(zip(steps.tolist(), values.tolist(), strict=True))
     verdict = logp_gap_verdict(points, w, c.logp_gap_max, c.logp_gap_rise_ratio, c.logp_gap_floor, c.logp_gap_allowance)
@@ -424,9 +400,9 @@ def _saturated(history: History, config: DoctorConfig) -> Iterator[Hit]:
 # ----------------------------------------------------------------------------------------------- the rules
 
 # fmt: off
-CHANGE_SPIKE = ("guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip an optimizer step whose "
-    "gradient norm is non-finite or above spike_factor x its EMA (docs/DESIGN.md: GEPO: spike skip); lower "
-    "guards.gepo.spike.spike_factor (5.0) to catch smaller jumps")
+CHANGE_SPIKE = ("guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip a step whose gradient norm is "
+    "non-finite or above guards.gepo.spike.spike_factor (5.0; lower it for smaller jumps) x its EMA (docs/DESIGN.md: "
+    "GEPO: spike skip)")
 CHANGE_LR = "trainer.learning_rate: lower it 2-3x (NaN loss -> lower the learning rate, clip gradients)"
 CHANGE_CLIP = "trainer.max_grad_norm: 1.0 (clip what the spike guard lets through)"
 CHANGE_LOGPROB = ("guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (docs/DESIGN.md: GEPO: "
@@ -440,17 +416,14 @@ CHANGE_REPAIR = ("usually a one-off (an overflow in one gradient entry): nothing
 CHANGE_FLOOR = ("guards.quatro.entropy: turn the entropy floor on (0.8x the early entropy, bonus below it; "
     "docs/DESIGN.md: QUATRO: entropy floor)")
 CHANGE_FLOOR_ON = ("guards.quatro.entropy.coef_max: the floor is on and entropy still fell; raise the bonus cap "
-    "(0.01 by default), pg_brake (1.0 by default: the "
-    "reward's policy gradient goes while the control is at 1; with brake_moments 0.01, the default, Adam's moments "
-    "follow it, so the bonus and the KL term pull entropy back at full speed; check both are set) or the gain ki, or "
-    "lower floor_ratio if the falling entropy is the task being learned (docs/DESIGN.md: QUATRO: entropy floor)")
+    "(0.01), pg_brake (1.0: no reward gradient while the control is at 1; brake_moments 0.01 lets the bonus and the KL "
+    "term act at full speed) or the gain ki, or lower floor_ratio if the falling entropy is the task being learned "
+    "(docs/DESIGN.md: QUATRO: entropy floor)")
 CHANGE_GATE = ("guards.quatro.entropy.gate_reward: the learning gate held the floor off while the training reward "
-    "rose; if that reward can be bought by the collapse itself (a proxy, a reward model, a format reward), name a "
-    "reward you trust for the gate (a verifier, weight 0 allowed) and set follow_learning: true (docs/DESIGN.md: "
-    "QUATRO: entropy floor)")
-CHANGE_FOLLOWED = ("nothing, if the held-out accuracy holds: the floor followed entropy down because the reward its "
-    "learning gate reads rose (follow_learning), so it accepted this fall as learning; set follow_learning: false to "
-    "hold floor_ratio x the early entropy instead (docs/DESIGN.md: QUATRO: entropy floor)")
+    "rose; if the collapse itself can buy that reward (a proxy, a reward model), name a trusted one for the gate (a "
+    "verifier, weight 0 allowed) and set follow_learning: true (docs/DESIGN.md: QUATRO: entropy floor)")
+CHANGE_FOLLOWED = ("nothing, if the held-out accuracy holds: the floor followed entropy down as its learning gate's "
+    "reward rose; follow_learning: false holds floor_ratio x the early entropy (docs/DESIGN.md: QUATRO: entropy floor)")
 CHANGE_KL = ("guards.quatro.kl.target: set a number below the logged KL (target: auto only steps in at 10x the early "
     "KL), or trainer.beta: raise it 2-3x, to pull the policy back to the reference (docs/DESIGN.md: QUATRO: adaptive "
     "KL)")
@@ -460,9 +433,8 @@ CHANGE_LOOK = ("read the highest-reward rollouts for padding, format tricks, rep
     "Periodic eval)")
 CHANGE_TRUNCATION = ("the reward favours long answers: add a length penalty to rewards: or tighten the guards.quatro "
     "length filter; a larger trainer.max_completion_length only hides it")
-CHANGE_SYNC = ("check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 "
-    "(steadyrl.trainers.vllm_support warns about others); on vLLM's CPU backend steadyrl must have logged 'weight "
-    "prepacking is off'",
+CHANGE_SYNC = ("check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 (steadyrl.trainers."
+    "vllm_support warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
     "meanwhile trainer.use_vllm: false generates on-policy")
 CRASH = (CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB)
 COLLAPSE_READS = (M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.QUATRO_FILTERED_PREFIX, M.REWARD)
@@ -532,13 +504,8 @@ def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
     trainer = {}
     if resolved.is_file():
         trainer = (yaml.safe_load(resolved.read_text()) or {}).get("trainer") or {}
-    allowance = logp_gap_allowance(
-        float(trainer.get("top_p", 1.0)),
-        int(trainer.get("top_k") or 0),
-        float(trainer.get("min_p") or 0.0),
-        float(trainer.get("repetition_penalty", 1.0)),
-    )
-    return DoctorConfig(logp_gap_allowance=allowance)
+    sampling = float(trainer.get("top_p", 1.0)), int(trainer.get("top_k") or 0), float(trainer.get("min_p") or 0.0)
+    return DoctorConfig(logp_gap_allowance=logp_gap_allowance(*sampling, float(trainer.get("repetition_penalty", 1.0))))
 
 
 def diagnose(history: History, config: DoctorConfig | None = None) -> list[Finding]:
@@ -555,24 +522,16 @@ def diagnose(history: History, config: DoctorConfig | None = None) -> list[Findi
     return findings
 
 
-def checked_metrics(history: History) -> list[str]:
-    """The metrics the doctor reads that this history has."""
-    return [m for m in CHECKED if history.has(m)] + history.matching(M.QUATRO_FILTERED_PREFIX)
-
-
 def format_findings(findings: list[Finding], history: History) -> str:
     """Plain text for a terminal: a headline per finding, its evidence, what to change; or the healthy line."""
     source = f"{history.source or 'history'} ({history.status()})"
     if not findings:
-        checked = ", ".join(checked_metrics(history)) or "none"
+        checked = [m for m in CHECKED if history.has(m)] + history.matching(M.QUATRO_FILTERED_PREFIX)
+        checked = ", ".join(checked) or "none"
         return f"healthy: no failure mode found ({history.last_step} steps, metrics checked: {checked})\n{source}\n"
     lines = [source, ""]
     for f in findings:
-        lines.append(f.headline)
-        lines.append(f"  {f.summary}")
-        lines.append("  evidence:")
-        lines.extend(f"    - {e}" for e in f.evidence)
-        lines.append("  what to change:")
-        lines.extend(f"    - {c}" for c in f.changes)
-        lines.append("")
+        headline = f"{f.severity.upper()} [{f.mode}] {TITLES[f.mode]}"
+        lines += [headline, f"  {f.summary}", "  evidence:", *(f"    - {e}" for e in f.evidence)]
+        lines += ["  what to change:", *(f"    - {c}" for c in f.changes), ""]
     return "\n".join(lines)

@@ -1,16 +1,7 @@
-"""Early warnings from a run's log history: GRPO crashes announce themselves (docs/DESIGN.md, "Early warnings
-and the doctor").
-
-Three signals are checked over the last ``window`` logged values of a metric:
-- advantage std rising steadily (``GEPO_ADV_STD``): at least ``RISING_FRACTION`` of consecutive pairs go up and the
-  last value is ``adv_std_rise_ratio`` times the first (the signal is being hijacked by outliers or shrinking group
-  std);
-- entropy falling fast (``ENTROPY``): the last value is below ``entropy_drop_ratio`` times the first;
-- vLLM rollouts off the policy (``SAMPLING_LOGP_GAP``): the median per-token log-prob gap between vLLM and the policy
-  on the sampled tokens exceeds ``logp_gap_max``, or ``LOGP_GAP_RISE_RATIO`` x its median over the run's first
-  window while above ``LOGP_GAP_FLOOR`` (a weight sync that does not reach vLLM trains silently off-policy).
-
-Pure functions over plain dicts; the trainer-side callback only feeds them ``state.log_history``.
+"""Early warnings from a run's log history (docs/DESIGN.md, "Early warnings and the doctor"), over the last
+``window`` logged values of a metric: advantage std rising steadily (``RISING_FRACTION`` of consecutive pairs up,
+last >= ``adv_std_rise_ratio`` x first), entropy falling fast (last < ``entropy_drop_ratio`` x first), and vLLM
+rollouts off the policy (``logp_gap_verdict``). Pure functions over ``state.log_history``-like lists of dicts.
 """
 
 from __future__ import annotations
@@ -26,9 +17,8 @@ from steadyrl.metrics import ENTROPY, GEPO_ADV_STD, SAMPLING_LOGP_GAP
 from steadyrl.ranges import Checked, bounded
 
 RISING_FRACTION = 0.8  # "rising steadily": at least this share of consecutive pairs go up
-# A stale weight sync at a small learning rate moves the vLLM gap less than logp_gap_max: the monitor also warns when
-# the window's median is LOGP_GAP_RISE_RATIO x the median of the run's first window and above LOGP_GAP_FLOOR (below
-# it the gap is float noise). The same values as steadyrl doctor's.
+# a stale weight sync at a small learning rate: a gap median this many x the first window's, above the floor (below
+# it the gap is float noise); the same values as steadyrl doctor's
 LOGP_GAP_RISE_RATIO = 5.0
 LOGP_GAP_FLOOR = 0.005
 
@@ -40,35 +30,26 @@ class MonitorConfig(Checked):
     window: int = bounded(20, ge=2)
     adv_std_rise_ratio: float = 1.5
     entropy_drop_ratio: float = 0.7
-    # vLLM rollouts: the per-token |log-prob gap| between vLLM and the policy on the sampled tokens (TRL's metric).
-    # It stays near 0 (float noise, bf16 kernels) while each step's weight sync reaches vLLM; a median above this
-    # over the window means vLLM generates from other weights than the ones being trained.
-    logp_gap_max: float = 0.1
+    logp_gap_max: float = 0.1  # median vLLM-policy |log-prob gap| (nats/token) above this: vLLM runs other weights
 
 
 def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tuple[int, float]]:
-    """The last ``window`` (step, value) pairs of ``key`` in a Trainer log history (None values skipped), oldest
-    first. Reads the history from its end and stops after ``window`` of them, so a monitor that asks every few steps
-    does not pay for the whole run each time."""
+    """The last ``window`` (step, value) pairs of ``key`` in a log history (None skipped), oldest first."""
     rows: list[tuple[int, float]] = []
-    for i in range(len(history) - 1, -1, -1):
+    for i in reversed(range(len(history))):
         if len(rows) >= window:
             break
-        r = history[i]
-        if r.get(key) is not None:
+        if (r := history[i]).get(key) is not None:
             rows.append((int(r.get("step", i)), float(r[key])))
-    rows.reverse()
-    return rows
+    return rows[::-1]
 
 
 def logp_gap_allowance(top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,
                        repetition_penalty: float = 1.0) -> float | None:  # fmt: skip
     """The vLLM-policy log-prob gap that sampling settings alone put there; None: unbounded (no gap check).
 
-    vLLM reports log-probs after its logit processing (TRL asks for ``processed_logprobs``) while the policy's are
-    temperature-scaled only. Nucleus sampling renormalises over the kept tokens, whose mass is at least ``top_p``, so
-    every sampled token's gap is at most -log(top_p). top-k, min-p and a repetition penalty change the log-probs
-    by amounts no setting bounds.
+    vLLM's log-probs are after its logit processing; nucleus sampling renormalises over a mass >= ``top_p``, so the
+    gap is at most -log(top_p); top-k, min-p and a repetition penalty move them by amounts no setting bounds.
     """
     if (top_k or 0) > 0 or (min_p or 0.0) > 0.0 or repetition_penalty != 1.0:
         return None
@@ -80,9 +61,7 @@ def early_warnings(
 ) -> list[str]:
     """Warning lines (empty when healthy) naming the metric, step range and values.
 
-    gap_allowance: :func:`logp_gap_allowance` of the run's sampling settings. Above 0 it raises the vLLM gap's
-    absolute threshold by that much and turns the rise rule off (the allowance moves with the entropy); None turns
-    the vLLM gap check off.
+    gap_allowance: :func:`logp_gap_allowance` of the run's sampling settings (see :func:`logp_gap_verdict`).
     """
     warnings = []
     adv = recent(history, GEPO_ADV_STD, config.window)
@@ -136,7 +115,8 @@ def logp_gap_verdict(
 
     problem: the median of the last ``window`` finite values (at least 3) is above ``gap_max + allowance``.
     warning: with exact sampling (``allowance`` 0) and at least two windows of values, that median is above ``floor``
-    and at least ``rise_ratio`` x the median of the first window. ``allowance`` None: no verdict.
+    and at least ``rise_ratio`` x the median of the first window (an allowance moves with the entropy, so above 0
+    there is no rise rule). ``allowance`` None: no verdict.
     """
     points = [(s, v) for s, v in points if math.isfinite(v)]
     late = points[-window:]
@@ -174,7 +154,5 @@ def _logp_gap_warnings(history: Sequence[dict[str, Any]], config: MonitorConfig,
     if verdict.severity == "problem":
         return [f"vLLM and the policy disagree: {where} > {verdict.limit:.4g}. {cause}"]
     assert verdict.early is not None
-    return [
-        f"vLLM and the policy drift apart: {where}, {verdict.growth()} of steps {verdict.early[0]}-{verdict.early[1]}. "
-        f"{cause}"
-    ]
+    early = f"{verdict.growth()} of steps {verdict.early[0]}-{verdict.early[1]}"
+    return [f"vLLM and the policy drift apart: {where}, {early}. {cause}"]

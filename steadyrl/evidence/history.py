@@ -1,15 +1,10 @@
 """Read a run's logged metrics back: ``load_history(run_dir) -> History``.
 
-Sources, first found wins:
-1. ``RUN_DIR/metrics.jsonl`` (``steadyrl.callbacks.metrics_log.MetricsLog``): every row up to the last one,
-   even when the run died between checkpoints; a truncated or garbled line is skipped and counted.
-2. ``RUN_DIR/checkpoint-N/trainer_state.json`` with the largest N (the Trainer's ``log_history``), or
-   ``RUN_DIR/trainer_state.json`` when that one is at least as far along (``Trainer.save_state`` at the end).
-
-A resumed run logs the steps after its checkpoint a second time; when a row's step goes back below an earlier
-row's, the earlier rows from that step on are dropped (the resumed run's rows replace them). Events are kept.
-``trainer_state.json`` holds no events: skips and rollbacks then come from the ``gepo/skipped_steps`` and
-``opefo/rollbacks`` counters alone.
+Sources, first found wins: ``RUN_DIR/metrics.jsonl`` (``MetricsLog``: every row, even of a run that died between
+checkpoints; a garbled line is skipped and counted), else the ``log_history`` of ``checkpoint-N/trainer_state.json``
+with the largest N, or of ``RUN_DIR/trainer_state.json`` when that one is at least as far along. A resumed run logs
+the steps after its checkpoint again: a row whose step goes back replaces the earlier rows from that step on (events
+are kept). ``trainer_state.json`` holds no events: skips and rollbacks then come from the counters alone.
 """
 
 from __future__ import annotations
@@ -31,14 +26,8 @@ from steadyrl.metrics import EVENT_ROLLBACK, EVENT_SKIP, GEPO_SKIPPED_STEPS, OPE
 METRICS_FILE = "metrics.jsonl"  # written by steadyrl.callbacks.metrics_log.MetricsLog
 STATE_FILE = "trainer_state.json"
 FINAL_ROW_KEY = "train_runtime"  # only the Trainer's end-of-training summary row has it
-_NONFINITE = {
-    "nan": math.nan,
-    "inf": math.inf,
-    "+inf": math.inf,
-    "-inf": -math.inf,
-    "infinity": math.inf,
-    "-infinity": -math.inf,
-}
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "infinity": math.inf}
+_NONFINITE["-infinity"] = -math.inf
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -48,9 +37,7 @@ class HistoryNotFoundError(FileNotFoundError):
 
 def to_float(value: Any) -> float | None:
     """A logged value as a float (bools as 0/1, "nan"/"inf"/"-inf" strings as non-finite), else None."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, int | float):
+    if isinstance(value, int | float):  # bool included
         return float(value)
     if isinstance(value, str):
         return _NONFINITE.get(value.strip().lower())
@@ -59,12 +46,8 @@ def to_float(value: Any) -> float | None:
 
 @dataclass
 class History:
-    """A run's logged rows and events.
-
-    rows: metric rows in log order, each with an int ``step`` (events excluded).
-    events: ``{"step": ..., "event": kind, ...}`` rows from MetricsLog.event, in log order.
-    source: the file read; bad_lines: lines of metrics.jsonl that did not parse (a torn last line is one).
-    """
+    """A run's logged rows (each with an int ``step``) and events (``{"step", "event": kind, ...}``), in log order;
+    the file read, and the lines of metrics.jsonl that did not parse (a torn last line is one)."""
 
     rows: list[dict[str, Any]]
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -84,11 +67,8 @@ class History:
         return sorted(m for m in self.metrics if m.startswith(prefix))
 
     def series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """(steps int64, values float64) of one metric, sorted by step; NaN/inf kept, missing rows left out.
-
-        Two rows at one step (a step's metrics and the end-of-training summary both carry ``epoch``): the later
-        row's value wins.
-        """
+        """(steps int64, values float64) of one metric, sorted by step; NaN/inf kept, missing rows left out. Of two
+        rows at one step (a step's metrics and the end-of-training summary both carry ``epoch``) the later wins."""
         by_step: dict[int, float] = {}
         for row in self.rows:
             value = to_float(row.get(name))
@@ -96,6 +76,11 @@ class History:
                 by_step[row["step"]] = value
         steps = np.array(sorted(by_step), dtype=np.int64)
         return steps, np.array([by_step[s] for s in steps], dtype=np.float64)
+
+    def finite(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``series`` without the non-finite values."""
+        steps, values = self.series(name)
+        return steps[np.isfinite(values)], values[np.isfinite(values)]
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
@@ -112,10 +97,7 @@ class History:
 
     @property
     def final_row(self) -> dict[str, Any] | None:
-        """The Trainer's end-of-training summary (``train_runtime``, ``train_loss``), absent if it never ended.
-
-        A summary followed by rows at later steps (the run was resumed to train further) does not count.
-        """
+        """The Trainer's end-of-training summary; None if it never ended or later rows follow it (a resumed run)."""
         for i in range(len(self.rows) - 1, -1, -1):
             if FINAL_ROW_KEY in self.rows[i]:
                 later = any(r["step"] > self.rows[i]["step"] for r in self.rows[i + 1 :])
@@ -128,19 +110,11 @@ class History:
 
     def status(self) -> str:
         """``finished at step N`` or ``no final row: still running or died at step N``."""
-        if self.finished:
-            return f"finished at step {self.last_step}"
-        return f"no final row: still running or died at step {self.last_step}"
+        return ("finished" if self.finished else "no final row: still running or died") + f" at step {self.last_step}"
 
     def marked_steps(self, counter: str, event_kind: str) -> np.ndarray:
-        """Steps where a cumulative ``counter`` went up, or an ``event_kind`` event was logged (sorted, unique).
-
-        With ``logging_steps > 1`` a logged counter is averaged over the interval, so an increase marks the
-        logged step that ends the interval, not the exact step.
-        """
-        steps, values = self.series(counter)
-        finite = np.isfinite(values)
-        steps, values = steps[finite], values[finite]
+        """Sorted steps where a cumulative ``counter`` went up, or an ``event_kind`` event was logged."""
+        steps, values = self.finite(counter)
         marked = set(steps[1:][np.diff(values) > 0].tolist())
         if len(values) and values[0] > 0:
             marked.add(int(steps[0]))
@@ -149,8 +123,7 @@ class History:
 
     def count(self, counter: str, event_kind: str) -> int:
         """How many times it happened: the counter's last finite value, or the number of events if larger."""
-        _, values = self.series(counter)
-        values = values[np.isfinite(values)]
+        _, values = self.finite(counter)
         from_counter = round(float(values[-1])) if len(values) else 0
         return max(from_counter, len(self.events_of(event_kind)))
 
@@ -184,28 +157,6 @@ def _split(raw: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
     return _drop_superseded(rows), events
 
 
-def read_metrics_jsonl(path: str | os.PathLike[str]) -> History:
-    """Parse a metrics.jsonl; lines that do not parse (a truncated last line) are counted in ``bad_lines``."""
-    raw, bad = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                raw.append(json.loads(line))  # json also accepts bare NaN/Infinity from other writers
-            except json.JSONDecodeError:
-                bad += 1
-    rows, events = _split(raw)
-    return History(rows=rows, events=events, source=Path(path), bad_lines=bad)
-
-
-def read_trainer_state(path: str | os.PathLike[str]) -> History:
-    """The ``log_history`` of a Trainer's trainer_state.json (written with bare NaN/Infinity)."""
-    state = json.loads(Path(path).read_text(encoding="utf-8"))
-    rows, events = _split(state.get("log_history", []))
-    return History(rows=rows, events=events, source=Path(path))
-
-
 def _global_step(path: Path) -> int:
     try:
         return int(json.loads(path.read_text(encoding="utf-8")).get("global_step", -1))
@@ -213,42 +164,42 @@ def _global_step(path: Path) -> int:
         return -1
 
 
-def find_log_file(run_dir: str | os.PathLike[str]) -> tuple[Path | None, list[Path]]:
-    """(the file load_history would read or None, every path looked at)."""
-    run_dir = Path(run_dir)
+def _log_file(run_dir: Path) -> Path | None:
     if run_dir.is_file():
-        return run_dir, [run_dir]
-    jsonl = run_dir / METRICS_FILE
-    looked = [jsonl]
-    if jsonl.is_file():
-        return jsonl, looked
+        return run_dir
+    if (run_dir / METRICS_FILE).is_file():
+        return run_dir / METRICS_FILE
     checkpoints = sorted(
         (int(m.group(1)), p / STATE_FILE)
         for p in (run_dir.iterdir() if run_dir.is_dir() else [])
         if (m := _CHECKPOINT.match(p.name)) and p.is_dir()
     )
-    looked.append(run_dir / "checkpoint-*" / STATE_FILE)
     newest = next((path for _, path in reversed(checkpoints) if path.is_file()), None)
     root = run_dir / STATE_FILE
-    looked.append(root)
     if root.is_file() and (newest is None or _global_step(root) >= _global_step(newest)):
-        return root, looked
-    return newest, looked
+        return root
+    return newest
 
 
 def load_history(run_dir: str | os.PathLike[str]) -> History:
     """The logged history of a run folder (``trainer.output_dir``), or of one metrics.jsonl/trainer_state.json.
-
-    Raises HistoryNotFoundError naming every path looked at when there is nothing to read.
-    """
-    path, looked = find_log_file(run_dir)
-    if path is None:
+    Raises HistoryNotFoundError naming every path looked at when there is nothing to read."""
+    if (path := _log_file(Path(run_dir))) is None:
+        looked_for = f"{Path(run_dir) / METRICS_FILE}, {Path(run_dir) / 'checkpoint-*' / STATE_FILE}, "
+        looked_for += str(Path(run_dir) / STATE_FILE)
         raise HistoryNotFoundError(
-            f"no training logs in {run_dir}: looked for "
-            + ", ".join(str(p) for p in looked)
-            + ". Is it the run's trainer.output_dir? metrics.jsonl needs the MetricsLog callback; "
-            "trainer_state.json appears with the first checkpoint"
+            f"no training logs in {run_dir}: looked for {looked_for}. Is it the run's trainer.output_dir? "
+            "metrics.jsonl needs the MetricsLog callback; trainer_state.json appears with the first checkpoint"
         )
-    if path.suffix == ".jsonl":
-        return read_metrics_jsonl(path)
-    return read_trainer_state(path)
+    if path.suffix != ".jsonl":  # the Trainer writes bare NaN/Infinity, which json reads
+        rows, events = _split(json.loads(path.read_text(encoding="utf-8")).get("log_history", []))
+        return History(rows=rows, events=events, source=path)
+    raw, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in filter(str.strip, f):
+            try:
+                raw.append(json.loads(line))  # json also accepts bare NaN/Infinity from other writers
+            except json.JSONDecodeError:
+                bad += 1
+    rows, events = _split(raw)
+    return History(rows=rows, events=events, source=path, bad_lines=bad)

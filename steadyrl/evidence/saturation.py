@@ -1,18 +1,14 @@
 """Controllers at a bound: the doctor's ``saturated_controller`` checks (issue 13: no controller may sit at a bound
-silently).
-
-Each check reads counters the guards log and names the key to change:
-- the adaptive KL coefficient wanted to go past the high end of ``beta_range`` (``quatro/kl_at_max``) or below its
-  low end (``quatro/kl_at_min``) on a large share of the late window's steps;
-- the entropy floor's control sat at 1 (``quatro/entropy_control``: the bonus at ``coef_max``; for runs from before
-  the control, the bonus at the largest value the run logged) while the floor stayed active through the late window;
-- the quality filters (every reason but ``zero_variance``, whose rows carry no learning signal anyway) dropped more
-  than ``max_filter_share`` of the rows in the late window;
+silently). Each reads counters the guards log and names the key to change:
+- the adaptive KL coefficient wanted past the high (``quatro/kl_at_max``) or low (``quatro/kl_at_min``) end of
+  ``beta_range`` on a large share of the late window's steps;
+- the entropy floor's control sat at 1 (``quatro/entropy_control``; for runs from before the control, the bonus at
+  the largest value logged) while the floor stayed active through the late window;
+- the quality filters (every reason but ``zero_variance``) dropped more than ``max_filter_share`` of the late rows;
 - the spike guard skipped ``min_skip_streak`` or more steps in a row, or re-anchored its baseline
-  (``gepo/spike_rebases``: a level shift it took for spikes at first);
-- GRADE's tail clip touched more than ``max_clip_share`` of the rows in the late window (``grade/clip_frac_low`` +
-  ``grade/clip_frac_high``; by design about 2 x ``tau`` = 6% on a continuous reward, 0 on a discrete one): its
-  bounds no longer describe the rewards, or a large mass of them sits beyond one.
+  (``gepo/spike_rebases``);
+- GRADE's tail clip (``grade/clip_frac_low`` + ``_high``) touched more than ``max_clip_share`` of the late rows (by
+  design about 2 x ``tau`` = 6% on a continuous reward, 0 on a discrete one).
 """
 
 from __future__ import annotations
@@ -48,9 +44,8 @@ class SaturationCheck:
 
 
 def _late(history: History, name: str, window: int) -> tuple[np.ndarray, np.ndarray]:
-    steps, values = history.series(name)
-    ok = np.isfinite(values)
-    return steps[ok][-window:], values[ok][-window:]
+    steps, values = history.finite(name)
+    return steps[-window:], values[-window:]
 
 
 def _last_mean(history: History, name: str, window: int) -> float:
@@ -58,45 +53,26 @@ def _last_mean(history: History, name: str, window: int) -> float:
     return float(values.mean()) if len(values) else float("nan")
 
 
-def _hits(history: History, name: str, window: int) -> tuple[int, int, np.ndarray]:
-    """(increments of a cumulative counter over the late window, rows in it, the window's steps)."""
-    steps, values = _late(history, name, window + 1)
-    if len(values) < 2:
-        return 0, 0, steps
-    return int(np.count_nonzero(np.diff(values) > 0)), len(values) - 1, steps[1:]
+KL_CHANGE = {
+    "upper": "guards.quatro.kl.beta_range: raise its high end (default [1, 4] x trainer.beta) if the drift is wanted; "
+    "otherwise lower trainer.learning_rate, or set guards.quatro.kl.target to a number above the run's KL",
+    "lower": "guards.quatro.kl.target: the run's KL stays far below it, so the anchor is loose; use target: auto "
+    "(calibrated from this run) or a value near the logged quatro/kl_mean, or raise beta_range's low end",
+}
 
 
 def _kl_checks(history: History, c: SaturationConfig) -> list[SaturationCheck]:
     out = []
-    for name, side, change in (
-        (
-            M.QUATRO_KL_AT_MAX,
-            "upper",
-            "guards.quatro.kl.beta_range: raise its high end (default [1, 4] x trainer.beta) if the drift is wanted; "
-            "otherwise lower trainer.learning_rate, or set guards.quatro.kl.target to a number above the run's KL",
-        ),
-        (
-            M.QUATRO_KL_AT_MIN,
-            "lower",
-            "guards.quatro.kl.target: the run's KL stays far below it, so the anchor is loose; use target: auto "
-            "(calibrated from this run) or a value near the logged quatro/kl_mean, or raise beta_range's low end",
-        ),
-    ):
-        hits, rows, steps = _hits(history, name, c.window)
-        if rows and hits >= c.share * rows:
-            coef, target, kl = (
-                _last_mean(history, n, w)
-                for n, w in ((M.QUATRO_KL_COEF, 1), (M.QUATRO_KL_TARGET, 1), (M.QUATRO_KL_MEAN, c.window))
-            )
-            detail = (
-                f"the KL controller wanted beta past its {side} bound on {hits} of the last {rows} steps (beta "
-                f"{coef:.4g}, target {target:.4g}, KL {kl:.4g})"
-            )
-            out.append(
-                SaturationCheck(
-                    f"KL coefficient held at its {side} bound", name, int(steps[0]), int(steps[-1]), detail, change
-                )
-            )
+    for name, side in ((M.QUATRO_KL_AT_MAX, "upper"), (M.QUATRO_KL_AT_MIN, "lower")):
+        steps, values = _late(history, name, c.window + 1)  # increments of the cumulative counter
+        if len(values) < 2 or (hits := int(np.count_nonzero(np.diff(values) > 0))) < c.share * (len(values) - 1):
+            continue
+        coef, target = _last_mean(history, M.QUATRO_KL_COEF, 1), _last_mean(history, M.QUATRO_KL_TARGET, 1)
+        kl = _last_mean(history, M.QUATRO_KL_MEAN, c.window)
+        detail = f"the KL controller wanted beta past its {side} bound on {hits} of the last {len(values) - 1} steps "
+        detail += f"(beta {coef:.4g}, target {target:.4g}, KL {kl:.4g})"
+        summary = f"KL coefficient held at its {side} bound"
+        out.append(SaturationCheck(summary, name, int(steps[1]), int(steps[-1]), detail, KL_CHANGE[side]))
     return out
 
 
@@ -112,19 +88,15 @@ def _entropy_check(history: History, c: SaturationConfig) -> SaturationCheck | N
     if at_cap < c.share * len(control) or active.mean() < c.share:
         return None
     what = "control" if name == M.QUATRO_ENTROPY_CONTROL else "bonus"
-    return SaturationCheck(
-        f"entropy floor's {what} held at its cap",
-        name,
-        int(steps[0]),
-        int(steps[-1]),
-        f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps",
-        "guards.quatro.entropy.coef_max: raise it (at the cap the floor's levers do not hold entropy), "
-        "or lower guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; pg_brake (1 "
-        "by default) takes the reward's policy gradient away in proportion to the control, so while the control "
-        "sits at 1 the run learns nothing from its reward; brake_moments (0.01 by default) scales Adam's moments "
-        "with the brake so the bonus and the KL term move the weights at full speed (0 for both: the floor's "
-        "bonus and clip only, as up to d25b1e6)",
+    detail = f"the floor stayed active and its {what} sat at {cap:.4g} on {at_cap} of the last {len(control)} steps"
+    change = (
+        "guards.quatro.entropy.coef_max: raise it (at the cap the floor's levers do not hold entropy), or lower "
+        "guards.quatro.entropy.floor_ratio if the falling entropy is the task being learned; while the control sits at "
+        "1, pg_brake (1) leaves no reward gradient and brake_moments (0.01) lets the bonus and the KL term act at full "
+        "speed (0 for both: the floor's bonus and clip only)"
     )
+    summary = f"entropy floor's {what} held at its cap"
+    return SaturationCheck(summary, name, int(steps[0]), int(steps[-1]), detail, change)
 
 
 def _filter_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
@@ -133,26 +105,18 @@ def _filter_check(history: History, c: SaturationConfig) -> SaturationCheck | No
         return None
     per_reason = {}
     for name in history.matching(M.QUATRO_FILTERED_PREFIX):
-        _, values = _late(history, name, c.window)
-        per_reason[name.removeprefix(M.QUATRO_FILTERED_PREFIX)] = float(values.sum())
+        per_reason[name.removeprefix(M.QUATRO_FILTERED_PREFIX)] = float(_late(history, name, c.window)[1].sum())
     total = sum(per_reason.values())
-    quality = {r: v for r, v in per_reason.items() if r != "zero_variance"}
-    if total <= 0:
-        return None
-    quality_share = float(share.mean()) * sum(quality.values()) / total
-    if quality_share <= c.max_filter_share:
+    quality = {r: v for r, v in per_reason.items() if r != "zero_variance"}  # its rows carry no signal anyway
+    if total <= 0 or (quality_share := float(share.mean()) * sum(quality.values()) / total) <= c.max_filter_share:
         return None
     worst = max(quality, key=quality.__getitem__)
-    return SaturationCheck(
-        "rollout filters drop a large share of rows",
-        M.QUATRO_FILTERED_SHARE,
-        int(steps[0]),
-        int(steps[-1]),
-        f"quality filters dropped {quality_share:.0%} of rows over the last {len(share)} steps, most by {worst} "
-        f"({quality[worst]:.0f} rows)",
-        f"guards.quatro.filters.{worst}: loosen its threshold or set guards.quatro.filters.{worst}.enabled=false "
-        "(a filter that drops this much shapes the task rather than cleaning it)",
-    )
+    detail = f"quality filters dropped {quality_share:.0%} of rows over the last {len(share)} steps, most by {worst} "
+    detail += f"({quality[worst]:.0f} rows)"
+    change = f"guards.quatro.filters.{worst}: loosen its threshold or set guards.quatro.filters.{worst}.enabled=false "
+    change += "(a filter that drops this much shapes the task rather than cleaning it)"
+    summary, first, last = "rollout filters drop a large share of rows", int(steps[0]), int(steps[-1])
+    return SaturationCheck(summary, M.QUATRO_FILTERED_SHARE, first, last, detail, change)
 
 
 def _grade_check(history: History, c: SaturationConfig) -> SaturationCheck | None:
@@ -163,17 +127,13 @@ def _grade_check(history: History, c: SaturationConfig) -> SaturationCheck | Non
     low_share, high_share = float(low.mean()), float(high.mean())
     if low_share + high_share <= c.max_clip_share:
         return None
-    side = "low" if low_share >= high_share else "high"
-    return SaturationCheck(
-        "GRADE's tail clip touches a large share of rows",
-        M.GRADE_CLIP_FRAC_LOW if side == "low" else M.GRADE_CLIP_FRAC_HIGH,
-        int(steps[0]),
-        int(steps[-1]),
-        f"the tail clip touched {low_share:.0%} (low) + {high_share:.0%} (high) of rows over the last {len(low)} "
-        f"steps, where the quantile bounds expect about 2 x tau",
-        "guards.grade.quantile_every: refresh the bounds more often if the rewards drift; raise guards.grade.tau "
-        "above the share of the reward mass beyond the bound, or set guards.grade.clip=false",
-    )
+    metric = M.GRADE_CLIP_FRAC_LOW if low_share >= high_share else M.GRADE_CLIP_FRAC_HIGH
+    detail = f"the tail clip touched {low_share:.0%} (low) + {high_share:.0%} (high) of rows over the last {len(low)} "
+    detail += "steps, where the quantile bounds expect about 2 x tau"
+    change = "guards.grade.quantile_every: refresh the bounds more often if the rewards drift; raise guards.grade.tau "
+    change += "above the share of the reward mass beyond the bound, or set guards.grade.clip=false"
+    summary = "GRADE's tail clip touches a large share of rows"
+    return SaturationCheck(summary, metric, int(steps[0]), int(steps[-1]), detail, change)
 
 
 def _spike_checks(history: History, c: SaturationConfig) -> list[SaturationCheck]:
@@ -186,39 +146,22 @@ def _spike_checks(history: History, c: SaturationConfig) -> list[SaturationCheck
             if run > best:
                 best, start = run, run_start
         if best >= c.min_skip_streak:
-            out.append(
-                SaturationCheck(
-                    "spike guard skipped steps in a row",
-                    M.GEPO_SKIPPED_STEPS,
-                    start,
-                    start + best - 1,
-                    f"{best} optimizer steps in a row were skipped",
-                    "guards.gepo.spike.rebase_after (4): a streak this long is a level shift the guard should take as "
-                    "the new normal; check guards.gepo.spike.abs_threshold against the logged grad_norm",
-                )
-            )
+            change = "guards.gepo.spike.rebase_after (4): a streak this long is a level shift the guard should take as "
+            change += "the new normal; check guards.gepo.spike.abs_threshold against the logged grad_norm"
+            detail, summary = f"{best} optimizer steps in a row were skipped", "spike guard skipped steps in a row"
+            out.append(SaturationCheck(summary, M.GEPO_SKIPPED_STEPS, start, start + best - 1, detail, change))
     steps, rebases = _late(history, M.GEPO_SPIKE_REBASES, 10**9)
     if len(rebases) and rebases[-1] > 0:
-        first = int(steps[np.argmax(rebases > 0)])
-        out.append(
-            SaturationCheck(
-                "spike guard re-anchored its baseline",
-                M.GEPO_SPIKE_REBASES,
-                first,
-                int(steps[-1]),
-                f"{rebases[-1]:.0f} streak(s) of spikes were a level shift (the guard took them as the new normal)",
-                "guards.gepo.spike.abs_threshold / spike_factor: set them from the grad_norm of a calm stretch "
-                "(steadyrl preflight proposes values)",
-            )
-        )
+        first, summary = int(steps[np.argmax(rebases > 0)]), "spike guard re-anchored its baseline"
+        detail = f"{rebases[-1]:.0f} streak(s) of spikes were a level shift (the guard took them as the new normal)"
+        change = "guards.gepo.spike.abs_threshold / spike_factor: set them from the grad_norm of a calm stretch "
+        change += "(steadyrl preflight proposes values)"
+        out.append(SaturationCheck(summary, M.GEPO_SPIKE_REBASES, first, int(steps[-1]), detail, change))
     return out
 
 
 def saturation_checks(history: History, config: SaturationConfig | None = None) -> list[SaturationCheck]:
     """Every saturated controller found in a run's history (none: no controller sat at a bound)."""
     c = config or SaturationConfig()
-    return [
-        *_kl_checks(history, c),
-        *filter(None, [_entropy_check(history, c), _filter_check(history, c), _grade_check(history, c)]),
-        *_spike_checks(history, c),
-    ]
+    checks = [_entropy_check(history, c), _filter_check(history, c), _grade_check(history, c)]
+    return [*_kl_checks(history, c), *filter(None, checks), *_spike_checks(history, c)]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import io
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from steadyrl.callbacks.progress import ProgressLine, progress_wanted, run_with_progress, status_line
+from steadyrl.callbacks.progress import ProgressLine, progress_wanted, status_line
 
 
 def test_status_line_text() -> None:
@@ -76,34 +75,3 @@ def test_a_skip_inside_a_logging_interval_is_flagged_once_with_its_count() -> No
     lines = out.getvalue().splitlines()
     assert ["SKIPPED" in line for line in lines] == [False, True, False]
     assert "skipped 1 |" in lines[1] and "skipped 1 |" in lines[2] and "skipped 0 |" in lines[0]
-
-
-CHILD = (
-    "import os, sys, time\n"
-    "print('loading model', flush=True)\n"
-    "if os.environ.get('STEADYRL_PROGRESS') == '1':\n"
-    "    print('step 1/2 (50%) | reward 0.5', file=sys.stderr, flush=True)\n"
-    "print('done', flush=True)\n"
-    "sys.exit(3)\n"
-)
-
-
-def test_a_benchmark_child_shows_its_status_lines_on_a_terminal_only(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    """run_with_progress: every line in the log and the returned text; the child's ``step`` lines, labelled, on a
-    terminal; nothing on a pipe (and the child is not asked for them)."""
-    monkeypatch.delenv("STEADYRL_PROGRESS", raising=False)
-    tty, log = _TTY(True), tmp_path / "cell.log"
-    code, text = run_with_progress([sys.executable, "-c", CHILD], "plain-s0", log=log, stream=tty)
-    assert code == 3 and "loading model" in text and "step 1/2" in text and log.read_text() == text
-    assert tty.getvalue() == "   plain-s0: step 1/2 (50%) | reward 0.5\n"
-    pipe = _TTY(False)
-    code, text = run_with_progress([sys.executable, "-c", CHILD], "plain-s0", stream=pipe)
-    assert code == 3 and pipe.getvalue() == "" and "step 1/2" not in text
-
-
-def test_a_benchmark_child_past_its_timeout_is_killed(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("STEADYRL_PROGRESS", "0")
-    code, text = run_with_progress(
-        [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"], "x", timeout=3
-    )
-    assert code is None and text == "started\n"
