@@ -535,8 +535,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/reward_model.py",
-                "    tokenizer = _load_tokenizer(model_path, **hub_kwargs)",
-                "    tokenizer = _load_tokenizer(model_path)",
+                "_load_tokenizer(model_path, **hub_kwargs(args.model_init_kwargs or {}, args.trust_remote_code))",
+                "_load_tokenizer(model_path)",
             ),
         ),
         ("tests/unit/test_model_revision.py::test_reward_stage_tokenizer_loads_the_weights_revision",),
@@ -619,8 +619,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/checkpoints.py",
-                "remove_staged_leftovers(staging_root)",
-                "None",
+                "in _checkpoint_folders(staging_root)",
+                "in []",
             ),
         ),
         ("tests/unit/test_disk_full.py::test_a_staged_folder_left_by_a_crash_is_removed_at_the_next_save",),

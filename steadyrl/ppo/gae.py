@@ -1,7 +1,6 @@
 """PPO math for token-level RLHF: reward placement, KL estimators, GAE, whitening, clipped value loss.
 
-Pure functions over tensors; ``B`` = completions, ``T`` = completion tokens (right-padded; ``mask`` 1 on real tokens).
-As the PPO trainer uses them (docs/DESIGN.md "PPO: critic, rewards and GAE"; the KL penalty is in the reward)::
+``B`` = completions, ``T`` = completion tokens (``mask`` 1 on real tokens). As the PPO trainer uses them::
 
     kl        = kl_k1(logp, ref_logp)                         # or kl_k3, per token
     rewards   = place_rewards(seq_reward, mask, kl, beta)     # -beta*kl_t everywhere, + seq reward on the last token
@@ -9,10 +8,7 @@ As the PPO trainer uses them (docs/DESIGN.md "PPO: critic, rewards and GAE"; the
     adv       = whiten(adv, mask)                             # optionally soft_clip(adv, 3.0) afterwards
     vf_loss, clipfrac = clipped_value_loss(new_values, values, ret, mask, cliprange_value=0.2)
 
-Simplifications: masks may have holes (tool-output tokens); ``gae`` steps from one real token to the next, so masked
-positions never change the real tokens' advantages (property-tested). ``whiten`` uses the unbiased masked variance
-(as TRL's former ``masked_whiten`` and verl: it agrees with ``torch.std``) over the tensor it is given; under data
-parallelism pass all-reduced ``stats``. Arithmetic is in float32 (float64 stays float64), the result float32.
+Masks may have holes (tool-output tokens). Arithmetic is in float32 (float64 stays float64).
 """
 
 from __future__ import annotations
@@ -22,23 +18,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-# --------------------------------------------------------------------------------------------- KL estimators
-
 
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k1 per-token KL estimate ``logp - ref_logp`` (unbiased for KL(pi || ref), can be negative); any shape.
-
-    Source: http://joschu.net/blog/kl-approx.html; the per-token reward penalty of InstructGPT-style PPO.
-    """
+    """k1 per-token KL estimate ``logp - ref_logp`` (unbiased, can be negative); any shape.
+    Source: http://joschu.net/blog/kl-approx.html"""
     return logp - ref_logp
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 per-token KL estimate ``exp(ref - logp) - (ref - logp) - 1`` (unbiased, always >= 0, lower variance).
-
-    Source: http://joschu.net/blog/kl-approx.html (r = ref/pi; k3 = (r - 1) - log r). Grows exponentially where the
-    reference is much likelier than the policy.
-    """
+    Source: http://joschu.net/blog/kl-approx.html"""
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1.0
 
@@ -48,13 +37,9 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3
 
 def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     """The KL estimator called ``name`` (``"k1"`` or ``"k3"``); an unknown name raises with the valid names."""
-    try:
-        return KL_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(KL_ESTIMATORS)}") from None
-
-
-# ------------------------------------------------------------------------------------------ reward placement
+    if name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid: {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[name]
 
 
 def _work_dtype(x: Tensor) -> torch.dtype:
@@ -72,10 +57,8 @@ def place_rewards(
     sequence_rewards: Tensor, completion_mask: Tensor, per_token_kl: Tensor | None = None, beta: float = 0.0
 ) -> Tensor:
     """Token-level rewards: ``-beta * kl_t`` on every real token, plus the sequence reward on the last real token.
-
     sequence_rewards: (B,), completion_mask: (B, T) 0/1, per_token_kl: (B, T) or None -> token_rewards: (B, T),
-    exactly 0 on masked positions; a row with no real token gets all zeros. Source: Ziegler et al. 2019, Ouyang et
-    al. 2022.
+    exactly 0 on masked positions. Source: Ziegler et al. 2019, Ouyang et al. 2022.
     """
     if completion_mask.ndim != 2 or sequence_rewards.shape != completion_mask.shape[:1]:
         raise ValueError(
@@ -96,18 +79,13 @@ def place_rewards(
     return rewards
 
 
-# ------------------------------------------------------------------------------------------------------- GAE
-
-
 def gae(
     token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation by a reverse scan over the real tokens of each row.
-
     token_rewards, values, mask: (B, T) -> (advantages, returns): (B, T), both exactly 0 on masked positions.
     ``delta_t = r_t + gamma * V_next - V_t``; ``A_t = delta_t + gamma * lam * A_next``, "next" being the row's next
-    *real* token, with bootstrap value 0 after the last one. ``returns = advantages + values``. Source: Schulman et
-    al. 2016 (arXiv:1506.02438); the masked scan follows verl's ``compute_gae_advantage_return``.
+    *real* token (bootstrap 0 after the last). ``returns = advantages + values``. Source: arXiv:1506.02438, verl.
     """
     if not (token_rewards.shape == values.shape == mask.shape) or mask.ndim != 2:
         raise ValueError(
@@ -133,9 +111,6 @@ def gae(
     return advantages, returns
 
 
-# ------------------------------------------------------------------------------------------------- whitening
-
-
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (any shapes that broadcast); 0 when nothing is real."""
     m = mask.to(_work_dtype(x))
@@ -159,10 +134,7 @@ def whiten(
     x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, stats: tuple[Tensor, Tensor] | None = None
 ) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the real positions of the whole batch; masked positions stay exactly 0.
-
-    x, mask: (B, T) -> same shape. ``shift_mean=False`` adds the mean back (rescale only). ``stats``: precomputed
-    (mean, var), e.g. all-reduced across ranks. Fewer than 2 real positions: variance 0.
-    """
+    x, mask: (B, T) -> same shape. ``shift_mean=False`` adds the mean back; ``stats``: precomputed (mean, var)."""
     mean, var = stats if stats is not None else masked_mean_var(x, mask, unbiased=True)
     dtype = _work_dtype(x)
     out = (x.to(dtype) - mean) * torch.rsqrt(var.to(dtype) + eps)
@@ -172,29 +144,19 @@ def whiten(
 
 
 def soft_clip(advantages: Tensor, clip_scale: float = 3.0) -> Tensor:
-    """``clip_scale * tanh(advantages / clip_scale)``: near-identity for small values, bounded by ``clip_scale``.
-
-    Any shape -> same shape; zeros stay zeros. The tanh GEPO applies to its group advantages.
-    """
+    """``clip_scale * tanh(advantages / clip_scale)`` (GEPO's soft clip); any shape -> same shape."""
     if clip_scale <= 0:
         raise ValueError(f"clip_scale must be > 0, got {clip_scale!r}")
     return clip_scale * torch.tanh(advantages / clip_scale)
-
-
-# ----------------------------------------------------------------------------------------------- value loss
 
 
 def clipped_value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float = 0.2
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped value loss ``0.5 * mean_masked(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))``.
-
-    values (with grad), old_values, returns, mask: (B, T) -> (loss: scalar, clipfrac: scalar, detached); the mean is
-    over the batch's real tokens. ``clipfrac``: share of real tokens where the clipped branch is strictly larger.
-    Source: the PPO2 baselines; Andrychowicz et al. 2021 note clipping can hurt (keep ``cliprange_value`` large).
+    values (with grad), old_values, returns, mask: (B, T) -> (loss, clipfrac: share of real tokens where the clipped
+    branch is strictly larger, detached). Source: the PPO2 baselines.
     """
-    if cliprange_value < 0:
-        raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value!r}")
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     loss_unclipped = (values - returns) ** 2
     loss_clipped = (clipped - returns) ** 2
@@ -204,10 +166,7 @@ def clipped_value_loss(
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """``1 - Var[R - V] / Var[R]`` over real tokens: 1 = perfect critic, 0 = a constant, < 0 worse.
-
-    values, returns, mask: (B, T) -> float; NaN when the returns have zero variance or fewer than 2 real tokens.
-    """
+    """``1 - Var[R - V] / Var[R]`` over real tokens (B, T) -> float: 1 = perfect critic; NaN when Var[R] = 0."""
     _, var_returns = masked_mean_var(returns.detach(), mask)
     _, var_residual = masked_mean_var((returns - values).detach(), mask)
     if var_returns.item() == 0.0:

@@ -1,18 +1,9 @@
-"""``PolicyAndValue``: the policy and the critic as one ``nn.Module``, so one engine and one optimizer serve both.
+"""``PolicyAndValue``: the policy and the critic as one ``nn.Module``, so one engine and one optimizer serve both
+(docs/DESIGN.md, "PPO: critic, rewards and GAE").
 
-Why one module: docs/DESIGN.md, "PPO: critic, rewards and GAE".
-
-The wrapper looks like the policy to everything that expects one: ``forward`` is the policy's forward, and any
-attribute the wrapper itself lacks (``generate``, ``config``, ``peft_config``, ``disable_adapter``,
-``gradient_checkpointing_disable``, ...) is read from the policy. So TRL's generation, reference log-probs (including
-the PEFT "disable the adapter" path) and log-prob computation run unchanged on it.
-
-Values: inside :meth:`computing_values` every forward also runs the critic on the same ``input_ids`` /
-``attention_mask`` and keeps the ``(B, T)`` result in ``last_values`` (with its graph). Running the critic inside the
-wrapper's forward keeps it inside the DDP / DeepSpeed engine forward, which ZeRO-3 would require (not supported here).
-The values are *not* among the forward's outputs (TRL's fused output class and DDP's output rebuild accept no extra
-field), so DDP must run with ``find_unused_parameters=False``: with it on, DDP walks back from the outputs, marks the
-critic unused and fails when the critic's gradients arrive. ``SteadyPPOTrainer`` sets that.
+It looks like the policy: ``forward`` is the policy's, other attributes are read from the policy. Inside
+:meth:`computing_values` each forward also keeps the critic's ``(B, T)`` values in ``last_values``, inside the engine's
+forward. They are not a forward output, so DDP must run with ``find_unused_parameters=False`` (``SteadyPPOTrainer``).
 """
 
 from __future__ import annotations

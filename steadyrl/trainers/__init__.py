@@ -1,5 +1,4 @@
-"""Trainers: SteadyGRPOTrainer (trl.GRPOTrainer with guard extension points), SteadyPPOTrainer (PPO with a critic on
-the same rollout machinery) and the config-driven builder."""
+"""Trainers: SteadyGRPOTrainer (trl.GRPOTrainer + guards), SteadyPPOTrainer (+ a critic) and the config builder."""
 
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
 from steadyrl.trainers.ppo import SteadyPPOTrainer

@@ -1,23 +1,10 @@
 """Checkpoints that are either complete or absent: staged writing, a completion marker, rotation, resume lookup.
 
-``SteadyGRPOTrainer._save_checkpoint`` hands ``save_atomically`` the parent's own save; TRL/transformers then write
-``checkpoint-N`` under ``<output_dir>/.staging`` (the trainer's ``_get_output_dir`` answers the staging root while
-it runs), steadyrl adds its guard state and per-rank rollout buffers, and once every rank is past a barrier the
-main process writes the completion marker and renames the folder to ``<output_dir>/checkpoint-N``. A crash at any
-point leaves either the previous complete checkpoints untouched or the new one complete: ``resume: auto`` never
-sees a half-written folder. The marker lists the size and hash of every file (``steadyrl.trainers.integrity``), so a
-file damaged *after* the save (a truncated copy, a flipped bit) is found on resume: ``auto`` falls back to the newest
-checkpoint that verifies. Rotation (``save_total_limit``) counts complete checkpoints only, so the newest
-complete one is never deleted; leftovers of a crashed save are removed.
-
-A save that fails (a full disk, most often) ends the run with a ``CheckpointSaveError`` on every rank naming the
-error and its path, the free space and the last complete checkpoint; the staged folder is removed (it would hold
-the disk space the next attempt needs) and the complete checkpoints are untouched, so ``resume: auto`` picks the
-last one as if the failed save had never started. A staged folder left by a crash is removed at the next save.
-
-Files steadyrl adds to a checkpoint: ``steadyrl_state.pt`` (main process: every stateful guard's ``state_dict``
-and the step gate's counters) and ``steadyrl_rank{rank}.pt`` (each rank: TRL's rollout buffer and micro-step
-counter, and the per-rank guard state: OPEFO's error-feedback residual, QUATRO's replay buffer).
+``save_atomically`` runs the Trainer's save into ``<output_dir>/.staging/checkpoint-N``, adds ``steadyrl_state.pt``
+(main process: guard state, step-gate counters) and ``steadyrl_rank{rank}.pt`` (each rank: TRL's rollout buffer,
+per-rank guard state); after a barrier the main process writes the completion marker (size and hash of every file)
+and renames the folder into ``<output_dir>``. Rotation counts complete checkpoints only. A failed save (a full disk)
+raises ``CheckpointSaveError`` on every rank and removes the staged folder.
 """
 
 from __future__ import annotations
@@ -44,8 +31,7 @@ GUARD_STATE_FILE = "steadyrl_state.pt"
 RANK_STATE_FILE = "steadyrl_rank{rank}.pt"
 COMPLETE_MARKER = "steadyrl_complete.json"
 STAGING_DIR = ".staging"
-# what a failed write raises: OSError (ENOSPC, EIO, EDQUOT) from open/write/fsync/rename, RuntimeError from
-# torch.save ("PytorchStreamWriter failed writing file") and safetensors on a full disk
+# what a failed write raises: OSError (ENOSPC, EIO, ...), RuntimeError from torch.save and safetensors on a full disk
 SAVE_ERRORS = (OSError, RuntimeError)
 
 
@@ -94,23 +80,17 @@ class GuardState:
 
 
 def save_atomically(
-    accelerator: Any,
-    run_dir: Path,
-    global_step: int,
-    save_total_limit: int | None,
-    write: Callable[[Path, Path], None],
+    accelerator: Any, run_dir: Path, global_step: int, save_total_limit: int | None, write: Callable[[Path, Path], None]
 ) -> None:
     """Stage, write, mark, rename, rotate. ``write(staging_root, folder)`` writes ``folder`` =
-    ``staging_root/checkpoint-N`` (on every rank); ``run_dir`` is where ``checkpoint-N`` is published.
-
-    When a write fails on any rank (``SAVE_ERRORS``), every rank raises CheckpointSaveError (``save_failure_message``)
-    after the main process removed the staged folder; nothing is published.
-    """
+    ``staging_root/checkpoint-N`` (every rank); ``run_dir`` is where it is published. A write that fails on any rank
+    (``SAVE_ERRORS``): the staged folder is removed, every rank raises CheckpointSaveError, nothing is published."""
     name = f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
     staging_root = run_dir / STAGING_DIR
     staged = staging_root / name
-    if accelerator.is_main_process:
-        remove_staged_leftovers(staging_root)  # left by a save that crashed (this step's or another's)
+    if accelerator.is_main_process and staging_root.is_dir():  # staged folders left by a save that crashed
+        for _, folder in _checkpoint_folders(staging_root):
+            shutil.rmtree(folder, ignore_errors=True)
     accelerator.wait_for_everyone()
     error: BaseException | None = None
     try:
@@ -138,17 +118,9 @@ def _every_rank(accelerator: Any, error: BaseException | None) -> list[str | Non
     text = None if error is None else f"{type(error).__name__}: {error}"
     if accelerator.num_processes == 1:
         return [text]
-    from accelerate.utils import gather_object
+    from accelerate.utils import gather_object  # looked up at call time (tests stub it)
 
     return list(gather_object([text]))
-
-
-def remove_staged_leftovers(staging_root: Path) -> None:
-    """Delete the staged ``checkpoint-N`` folders in ``staging_root`` (main process, before a save): a save that
-    crashed left them, nothing reads them, and on a nearly full disk their space is what the next save needs."""
-    if staging_root.is_dir():
-        for _, folder in _checkpoint_folders(staging_root):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def free_space(path: Path) -> str:
@@ -170,15 +142,12 @@ def last_checkpoint_note(output_dir: str | os.PathLike[str]) -> str:
 
 
 def save_failure_message(run_dir: Path, staged: Path, errors: list[str | None]) -> str:
-    """What a failed save tells the user: each failing rank's error (which names the file where the OS said which),
-    the folder being written, the free space, whether the partial folder is gone and the last complete checkpoint."""
+    """The failed ranks' errors, the folder, the free space, whether the partial folder is gone, the last checkpoint."""
     failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
     what = failed[0][1] if len(errors) == 1 else "; ".join(f"rank {rank}: {text}" for rank, text in failed)
-    removed = (
-        f"The partial {staged} could not be removed: delete it to free its space."
-        if staged.exists()
-        else "The partial checkpoint was removed."
-    )
+    removed = "The partial checkpoint was removed."
+    if staged.exists():
+        removed = f"The partial {staged} could not be removed: delete it to free its space."
     return (
         f"{staged.name} was not saved: {what} (writing {staged}; {free_space(run_dir)} free on the disk of "
         f"{run_dir}). {removed}{last_checkpoint_note(run_dir)}"
@@ -188,12 +157,8 @@ def save_failure_message(run_dir: Path, staged: Path, errors: list[str | None]) 
 def save_steady_state(
     folder: Path, state: GuardState, rollouts: dict[str, Any], rank: int, is_main_process: bool
 ) -> None:
-    """Write guard state (main process) and this rank's rollout buffer into a checkpoint folder.
-
-    ``rollouts``: ``{"step": trainer._step, "buffered_inputs": trainer._buffered_inputs}``. The rollout buffer and
-    the micro-step counter make a resume inside a generation window (``steps_per_generation > 1``) exact: the
-    resumed run trains on the same rollouts instead of generating new ones.
-    """
+    """Write guard state (main process) and this rank's state into ``folder``; ``rollouts``: ``{"step": trainer._step,
+    "buffered_inputs": trainer._buffered_inputs}`` (a resume inside a generation window trains on the same rows)."""
     folder.mkdir(parents=True, exist_ok=True)
     rank_state = {**rollouts, "guards": {name: obj.rank_state_dict() for name, obj in state.rank_stateful.items()}}
     torch.save(rank_state, folder / RANK_STATE_FILE.format(rank=rank))
@@ -203,16 +168,14 @@ def save_steady_state(
 
 
 def publish_checkpoint(staged: Path, final: Path, global_step: int, num_processes: int) -> None:
-    """Mark a fully written staged checkpoint complete and rename it into place (main process only).
-
-    An existing ``final`` (a stale folder from a crashed run, or the same step saved again) is first moved
-    aside, so there is no moment at which neither the old nor the new folder exists under a checkpoint name
-    that ``resume: auto`` would pick.
-    """
+    """Mark a fully written staged checkpoint complete and rename it into place (main process only). An existing
+    ``final`` (stale, or the same step saved again) is moved aside into the staging folder, then deleted."""
     files = integrity.manifest(staged, exclude=frozenset({COMPLETE_MARKER}), fsync=True)  # hashes and flushes
     marker = {"global_step": global_step, "num_processes": num_processes, "files": files}
     (staged / COMPLETE_MARKER).write_text(json.dumps(marker))
-    _fsync_tree(staged, only=staged / COMPLETE_MARKER)
+    with open(staged / COMPLETE_MARKER, "rb") as handle:
+        os.fsync(handle.fileno())
+    _fsync_dir(staged)
     trash = None
     if final.exists():
         trash = final.parent / STAGING_DIR / f"{final.name}.old"
@@ -238,15 +201,6 @@ def rotate_complete_checkpoints(run_dir: Path, save_total_limit: int | None) -> 
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _fsync_tree(folder: Path, only: Path | None = None) -> None:
-    """Flush every file of a freshly written checkpoint (or ``only`` that one) to disk before it is published."""
-    for path in [only] if only is not None else folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    _fsync_dir(folder)
-
-
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -267,12 +221,9 @@ def saved_num_processes(folder: Path) -> int | None:
 def load_steady_state(
     folder: Path, state: GuardState, rank: int, device: Any, num_processes: int = 1
 ) -> dict[str, Any] | None:
-    """Restore guard state and this rank's guard state; returns this rank's saved rollouts (``step``,
-    ``buffered_inputs``) for the trainer to put back, or None when the checkpoint has none.
-
-    A checkpoint written by another number of processes: every rank drops all per-rank state (rollout buffers,
-    replay buffers, error-feedback residuals, micro-batch gates) with a warning, so all ranks start the next
-    generation together; the shared guard state loads as usual (docs/DESIGN.md, "Resume on another world size")."""
+    """Restore the guard state and this rank's state; returns this rank's saved rollouts (``step``,
+    ``buffered_inputs``) or None. Written by another number of processes: every rank drops its per-rank state
+    (docs/DESIGN.md, "Resume on another world size")."""
     rank_file = folder / RANK_STATE_FILE.format(rank=rank)
     rollouts = None
     saved = saved_num_processes(folder)
@@ -321,8 +272,8 @@ def _checkpoint_folders(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def verify_checkpoint(folder: Path) -> str | None:
-    """None when every file the completion marker lists has its recorded size and hash (``integrity``); else what is
-    wrong, naming the file. A marker from before the file list is trusted."""
+    """None when every file the completion marker lists has its recorded size and hash, else what is wrong (a marker
+    without a file list is trusted)."""
     marker = folder / COMPLETE_MARKER
     try:
         files = json.loads(marker.read_text()).get("files")
@@ -332,9 +283,8 @@ def verify_checkpoint(folder: Path) -> str | None:
 
 
 def find_resume_checkpoint(output_dir: str | os.PathLike[str], verify: bool = True) -> Path | None:
-    """The newest complete ``checkpoint-N`` folder in ``output_dir`` that verifies (``verify_checkpoint``), or None
-    (start fresh). A damaged one is skipped with a warning naming the file; when every complete checkpoint is
-    damaged, a ConfigError lists them (starting fresh would silently drop the run)."""
+    """The newest complete ``checkpoint-N`` in ``output_dir`` that verifies, or None (start fresh). Damaged ones are
+    skipped with a warning; ConfigError when every complete checkpoint is damaged."""
     root = Path(output_dir)
     if not root.is_dir():
         return None

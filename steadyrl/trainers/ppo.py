@@ -1,25 +1,15 @@
 """SteadyPPOTrainer: PPO with a critic and GAE on TRL's GRPO rollout machinery (generation, rewards, reference).
 
-Per generation batch (docs/DESIGN.md, "PPO: critic, rewards and GAE"; the math is in ``steadyrl.ppo.gae``): TRL
-generates, scores and computes the reference log-probs; the rollout station (with ``SequenceRewardPipeline``) gives
-each completion its *sequence reward* (weighted sum, then GRADE); ``_add_gae`` computes the critic's values, the
-per-token KL ``k1|k3(logp_old, logp_ref)``, token rewards ``-beta * kl_t`` plus the sequence reward on the last
-token, GAE (``gamma``, ``lam``) and whitens the advantages over all ranks' real tokens. ``advantages`` becomes (B, T);
-``old_values`` and ``returns`` ride along, so TRL splits, shuffles and buffers them with the rest. ``_compute_loss``
-calls TRL's own loss with ``self.beta`` 0 for the call (the KL is in the reward) inside
-``PolicyAndValue.computing_values``, so the same forward gives the values; ``vf_coef * clipped_value_loss`` is added.
-
-The critic lives with the policy in one ``PolicyAndValue`` module (one engine, one optimizer; its own param groups at
-``ppo.critic_lr``). Checkpoints: the policy as usual, the critic as ``critic.safetensors`` beside it. QUATRO's
-adaptive KL controls the reward's ``beta`` and observes the rollout's KL once per generation batch; replayed rows
-keep their token advantages, returns and values, ranked by mean |token advantage|. vLLM needs nothing here: TRL
-builds its generation around the bare policy before the wrapper exists, so weight syncs never see the critic.
+docs/DESIGN.md, "PPO: critic, rewards and GAE". ``_add_gae`` turns each completion's *sequence reward* into GAE
+advantages (B, T), with the per-token KL penalty in the reward; ``_compute_loss`` runs TRL's loss with beta 0 inside
+``PolicyAndValue.computing_values`` and adds ``vf_coef * clipped_value_loss``. The critic is saved as
+``critic.safetensors``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -28,26 +18,18 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from trl.trainer.utils import disable_dropout_in_model
 
+from steadyrl import metrics
 from steadyrl.config.schema import PPOSection
 from steadyrl.guards.optimizer_state import UNBRAKED_GROUP
-from steadyrl.metrics import (
-    PPO_BETA,
-    PPO_CLIPFRAC_VALUE,
-    PPO_CRITIC_GRAD_NORM,
-    PPO_EXPLAINED_VARIANCE,
-    PPO_KL,
-    PPO_POLICY_GRAD_NORM,
-    PPO_RETURNS_MEAN,
-    PPO_VALUE_LOSS,
-    PPO_VALUES_MEAN,
-)
 from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
 from steadyrl.ppo.value import CriticModel
 from steadyrl.ppo.wrapper import PolicyAndValue
 from steadyrl.trainers import trl_state
 from steadyrl.trainers.advantage_pipeline import SequenceRewardPipeline
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
+from steadyrl.trainers.reward_model import load_reward_stats
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +37,8 @@ CRITIC_FILE = "critic.safetensors"
 
 
 class SteadyPPOTrainer(SteadyGRPOTrainer):
-    """PPO: ``SteadyGRPOTrainer`` + a critic (``ppo``: ``PPOSection``; ``critic``: a ready ``CriticModel``).
-
-    Everything else (reward processor, step guards, OPEFO, QUATRO filters, entropy floor and adaptive KL) is the
-    parent's. Pass a ``SteadyPPOConfig`` as ``args`` to allow ``num_generations=1``.
-    """
+    """PPO: ``SteadyGRPOTrainer`` + a critic (``ppo``: ``PPOSection``; ``critic``: a ready ``CriticModel``). Pass a
+    ``SteadyPPOConfig`` as ``args`` to allow ``num_generations=1``."""
 
     kl_in_reward = True  # QUATRO's KL controller reads the rollout's KL (record_rollout_kl), not TRL's loss-side kl
     # rewards -> *sequence rewards* (weighted sum, then GRADE; unscorable and filtered rows 0); GAE comes later
@@ -75,9 +54,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         if critic is None:
             critic = self._load_critic(policy, peft_config)
         if self.args.disable_dropout:
-            for module in critic.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            disable_dropout_in_model(critic)
         critic.to(self.accelerator.device)
         self.model = self.model_wrapped = PolicyAndValue(policy, critic)
         if self.args.ddp_find_unused_parameters:
@@ -85,8 +62,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
                 "ddp_find_unused_parameters=True cannot work with PPO's critic (its values are not a forward output); "
                 "every trainable parameter gets a gradient in every PPO step, so leave it unset"
             )
-        # The Trainer's default without gradient checkpointing is True, and it built the accelerator's DDP settings
-        # from the bare policy already; see steadyrl.ppo.wrapper for why it must be False here.
+        # the accelerator's DDP settings were built from the bare policy; steadyrl.ppo.wrapper says why False
         self.args.ddp_find_unused_parameters = False
         if self.accelerator.ddp_handler is not None:
             self.accelerator.ddp_handler.find_unused_parameters = False
@@ -97,44 +73,20 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         init_kwargs = self.args.model_init_kwargs or {}  # the policy's files: same revision, same trust_remote_code
         model_kwargs = {k: v for k, v in init_kwargs.items() if k in ("dtype", "revision", "trust_remote_code")}
         model_kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-        stats = None
         stats_file = Path(source) / "reward_stats.json"
-        if stats_file.is_file():
-            from steadyrl.trainers.reward_model import load_reward_stats
-
-            stats = load_reward_stats(stats_file, source)
-        critic_peft = None
-        if peft_config is not None:
-            import dataclasses
-
-            critic_peft = dataclasses.replace(peft_config, task_type=None)  # a bare backbone, not a causal LM
+        stats = load_reward_stats(stats_file, source) if stats_file.is_file() else None
+        critic_peft = None if peft_config is None else dataclasses.replace(peft_config, task_type=None)  # a backbone
         critic = CriticModel.from_pretrained(source, reward_stats=stats, peft_config=critic_peft, **model_kwargs)
         logger.info("PPO critic from %s (%s)", source, critic.init_source)
         return critic
-
-    # ------------------------------------------------------------------ the wrapper and the policy
 
     @property
     def policy_and_value(self) -> PolicyAndValue:
         """The ``PolicyAndValue`` module under any DDP / DeepSpeed wrapper."""
         return self.accelerator.unwrap_model(self.model)
 
-    @contextlib.contextmanager
-    def _policy_as_model(self) -> Iterator[None]:
-        """``self.model`` is the bare policy for the duration (saving and loading in the policy's own format)."""
-        model = self.model
-        self.model = self.policy_and_value.policy
-        try:
-            yield
-        finally:
-            self.model = model
-
     def create_optimizer(self, model=None):
-        """The Trainer's optimizer, with the critic's parameters moved to their own groups at ``ppo.critic_lr``.
-
-        One group per original group (same weight decay), so ``optimizer.pt`` and the LR schedule cover both;
-        the scheduler scales each group's initial LR.
-        """
+        """The Trainer's optimizer, the critic's parameters moved to groups of their own at ``ppo.critic_lr``."""
         optimizer = super().create_optimizer(model)
         critic_ids = {id(p) for p in self.policy_and_value.critic.parameters()}
         lr = self.ppo.critic_lr if self.ppo.critic_lr is not None else self.args.learning_rate
@@ -144,8 +96,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
             if mine:
                 group["params"] = [p for p in group["params"] if id(p) not in critic_ids]
                 kept = {k: v for k, v in group.items() if k != "params"}
-                # UNBRAKED_GROUP: the entropy floor's brake scales the policy's loss, not the value loss, so
-                # brake_moments leaves the critic's Adam moments alone
+                # UNBRAKED_GROUP: the entropy floor's brake_moments leaves the critic's Adam moments alone
                 critic_groups.append({**kept, "params": mine, "lr": lr, UNBRAKED_GROUP: True})
         optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
         for group in critic_groups:
@@ -158,11 +109,13 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         policy_state = None
         if state_dict is not None:  # DeepSpeed: the engine's state dict of the wrapper
             policy_state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}
-        with self._policy_as_model():
+        model, self.model = self.model, self.policy_and_value.policy  # the policy saves in its own format
+        try:
             super()._save(output_dir, state_dict=policy_state)
+        finally:
+            self.model = model
         if self.args.should_save:
-            critic = self.policy_and_value.critic
-            state = {k: v.detach().contiguous().cpu() for k, v in critic.state_dict().items()}
+            state = {k: v.detach().contiguous().cpu() for k, v in self.policy_and_value.critic.state_dict().items()}
             save_file(state, os.path.join(output_dir, CRITIC_FILE), metadata={"format": "pt"})
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -177,22 +130,14 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         wrapper.critic.load_state_dict(load_file(str(path), device=str(self.accelerator.device)))
 
     def _clip_grad_norm(self, model):
-        """Log the policy's and the critic's gradient norms apart (``ppo/policy_grad_norm``, ``ppo/critic_grad_norm``),
-        then the parent's step decision and clipping. TRL's ``grad_norm`` is the norm of both together, and the
-        critic's part can dominate it, so the policy gradient's own variance needs its own figure.
-
-        They are read before any guard or clip touches the gradients (under DDP after the all-reduce; under the
-        micro-batch spike gate, the sum of the kept micro-batches before their mean is taken). Under DeepSpeed the
-        gradients live in the engine's partitions and only the engine's total norm is logged.
-        """
+        """Log the policy's and the critic's gradient norms apart, before any guard or clip touches them (not under
+        DeepSpeed, whose partitions hold the gradients), then the parent's step decision and clipping."""
         if not self.is_deepspeed_enabled:
             wrapper = self.policy_and_value
             with self.ctx.timer("ppo"):  # steadyrl's cost (plain TRL has no such figure)
-                self._guard_metric(PPO_POLICY_GRAD_NORM, _grad_norm(wrapper.policy.parameters()))
-                self._guard_metric(PPO_CRITIC_GRAD_NORM, _grad_norm(wrapper.critic.parameters()))
+                self._guard_metric(metrics.PPO_POLICY_GRAD_NORM, _grad_norm(wrapper.policy.parameters()))
+                self._guard_metric(metrics.PPO_CRITIC_GRAD_NORM, _grad_norm(wrapper.critic.parameters()))
         return super()._clip_grad_norm(model)
-
-    # ------------------------------------------------------------------ rewards -> GAE advantages
 
     def _global_mean_var(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, unbiased var) of ``x`` over the real tokens of every rank (all-reduced n, sum, sum of squares)."""
@@ -216,9 +161,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     @torch.no_grad()
     def _add_gae(self, output: dict[str, Any]) -> None:
         """Replace ``advantages`` (sequence rewards, (B,)) with whitened GAE advantages (B, T); add values, returns.
-
-        A row whose sequence reward is NaN (unscorable, or dropped by QUATRO's filters) trains nothing: advantage 0,
-        outside the whitening statistics, and ``value_weight`` 0 (no value-loss weight)."""
+        A row whose sequence reward is NaN (unscorable, filtered) trains nothing: advantage 0, ``value_weight`` 0."""
         p = self.ppo
         seq_rewards = output["advantages"].float()
         trained = torch.isfinite(seq_rewards)
@@ -250,28 +193,24 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         advantages = advantages * mask  # rows that train nothing: advantage exactly 0
         if p.soft_clip is not None:
             advantages = soft_clip(advantages, p.soft_clip)
-        output["advantages"] = advantages
-        output["old_values"] = values
-        output["returns"] = returns
-        output["value_weight"] = trained.float()  # (B,): 0 = no value-loss weight
+        # value_weight (B,): 0 = no value-loss weight
+        output.update(advantages=advantages, old_values=values, returns=returns, value_weight=trained.float())
         # rollout metrics, over all ranks' real tokens
         returns_mean, returns_var = self._global_mean_var(returns, mask)
         _, residual_var = self._global_mean_var(returns - values, mask)
         values_mean, _ = self._global_mean_var(values, mask)
         ev = 1.0 - residual_var / returns_var if returns_var > 0 else torch.tensor(float("nan"))
-        self._guard_metric(PPO_RETURNS_MEAN, float(returns_mean))
-        self._guard_metric(PPO_VALUES_MEAN, float(values_mean))
-        self._guard_metric(PPO_EXPLAINED_VARIANCE, float(ev))
-        self._guard_metric(PPO_BETA, float(self.beta))  # the coefficient place_rewards just used
+        self._guard_metric(metrics.PPO_RETURNS_MEAN, float(returns_mean))
+        self._guard_metric(metrics.PPO_VALUES_MEAN, float(values_mean))
+        self._guard_metric(metrics.PPO_EXPLAINED_VARIANCE, float(ev))
+        self._guard_metric(metrics.PPO_BETA, float(self.beta))  # the coefficient place_rewards just used
         kl_mean = float("nan")
         if kl is not None:
             kl_mean = float(self._global_mean_var(kl, mask)[0])
-            self._guard_metric(PPO_KL, kl_mean)
+            self._guard_metric(metrics.PPO_KL, kl_mean)
         if self.step_end.kl is not None:
             tokens = float(self.accelerator.reduce(mask.sum().float().reshape(1), reduction="sum").item())
             self.notes.record_rollout_kl(kl_mean if tokens > 0 else float("nan"), tokens)
-
-    # ------------------------------------------------------------------ loss: TRL's policy loss + value loss
 
     def _compute_loss(self, model, inputs):
         if "old_values" not in inputs:  # eval batches: no rollout values
@@ -292,8 +231,8 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         vf_loss, clipfrac = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], mask, self.ppo.cliprange_value
         )
-        self._guard_metric(PPO_VALUE_LOSS, float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
-        self._guard_metric(PPO_CLIPFRAC_VALUE, float(self.accelerator.reduce(clipfrac, reduction="mean")))
+        self._guard_metric(metrics.PPO_VALUE_LOSS, float(self.accelerator.reduce(vf_loss.detach(), reduction="mean")))
+        self._guard_metric(metrics.PPO_CLIPFRAC_VALUE, float(self.accelerator.reduce(clipfrac, reduction="mean")))
         # scaled for gradient accumulation like TRL's grpo/bnpo losses (HF auto-scaling is off in GRPOTrainer)
         return loss + self.ppo.vf_coef * vf_loss / self.current_gradient_accumulation_steps
 

