@@ -24,8 +24,7 @@ from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
 from steadyrl.callbacks.preemption import Preempted, PreemptionCallback
 from steadyrl.callbacks.progress import terminal_callbacks
 from steadyrl.config import RunConfig
-from steadyrl.config.checks import _deepspeed_config, _deepspeed_launch
-from steadyrl.config.ignored import BUILTIN_TINY
+from steadyrl.config.checks import BUILTIN_MODELS, _deepspeed_config, _deepspeed_launch
 from steadyrl.config.loader import ConfigError
 from steadyrl.config.schema import load_object, trl_config_class, world_size_from_env
 from steadyrl.data import load_datasets
@@ -57,10 +56,6 @@ def reward_functions(cfg: RunConfig) -> dict[str, Any]:
             bound = bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
             out[name] = GuardedReward(name, bound, entry, output_dir=cfg.trainer.get("output_dir"))
     return out
-
-
-def peft_config(cfg: RunConfig) -> Any:
-    return None if cfg.peft is None else LoraConfig(**dataclasses.asdict(cfg.peft), task_type="CAUSAL_LM")
 
 
 def _trainer_kwargs(cfg: RunConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -180,7 +175,7 @@ def _model_path(cfg: RunConfig, state: Any) -> str:
             smollm2_folder()
         state.wait_for_everyone()
         return str(smollm2_folder())
-    if cfg.model.path != BUILTIN_TINY:
+    if cfg.model.path != BUILTIN_MODELS[0]:  # builtin:tiny-llama
         return cfg.model.path
     target = Path(cfg.trainer["output_dir"]) / "init_model"
     if state.is_main_process and not (target / "config.json").is_file():
@@ -243,9 +238,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         callbacks.append(PreemptionCallback(cfg.preemption.signals, cfg.preemption.relay_window_s))
     if cfg.algorithm != "sft" and cfg.guards.gepo.enabled and cfg.guards.gepo.monitor.enabled:
         callbacks.append(SignalMonitor(cfg.guards.gepo.monitor))
+    peft = None if cfg.peft is None else LoraConfig(**dataclasses.asdict(cfg.peft), task_type="CAUSAL_LM")
     common = dict(
-        model=model_path, args=args, train_dataset=train_ds, processing_class=tokenizer,
-        peft_config=peft_config(cfg), callbacks=callbacks,
+        model=model_path, args=args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft,
+        callbacks=callbacks,
     )  # fmt: skip
     use_vllm = getattr(args, "use_vllm", False)
     if use_vllm:
@@ -315,22 +311,17 @@ def run_reward(cfg: RunConfig) -> dict[str, Any]:
     return run_reward_stage(model_path, train_ds, eval_ds, output_dir, model_init_kwargs=init_kwargs, **kwargs)
 
 
-def _raise_if_preempted(cfg: RunConfig, trainer: Any) -> None:
-    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, PreemptionCallback)), None)
-    if callback is None or callback.stopped_at is None:
-        return
-    trainer.accelerator.wait_for_everyone()
-    folder = Path(cfg.trainer["output_dir"]) / f"checkpoint-{callback.stopped_at}"  # what the Trainer just wrote
-    checkpoint = str(folder) if (folder / "trainer_state.json").is_file() else None
-    raise Preempted(callback.signal_name, callback.stopped_at, checkpoint, cfg.preemption.exit_code)
-
-
 def run(cfg: RunConfig) -> dict[str, Any] | None:
     """Train, save the final model to ``<output_dir>/final``, evaluate. Returns the eval result (main process).
     Raises ``Preempted`` when a signal stopped training (the final save and eval are skipped)."""
     trainer = build_trainer(cfg)
     trainer.train(resume_from_checkpoint=resolve_resume(cfg))
-    _raise_if_preempted(cfg, trainer)
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, PreemptionCallback)), None)
+    if callback is not None and callback.stopped_at is not None:
+        trainer.accelerator.wait_for_everyone()
+        folder = Path(cfg.trainer["output_dir"]) / f"checkpoint-{callback.stopped_at}"  # what the Trainer just wrote
+        checkpoint = str(folder) if (folder / "trainer_state.json").is_file() else None
+        raise Preempted(callback.signal_name, callback.stopped_at, checkpoint, cfg.preemption.exit_code)
     final_dir = Path(cfg.trainer["output_dir"]) / "final"
     trainer.save_model(str(final_dir))
     if trainer.accelerator.is_main_process:

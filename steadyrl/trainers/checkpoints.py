@@ -110,7 +110,15 @@ def save_atomically(
         if accelerator.is_main_process:
             shutil.rmtree(staged, ignore_errors=True)
         accelerator.wait_for_everyone()
-        raise CheckpointSaveError(save_failure_message(run_dir, staged, errors)) from error
+        failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+        what = failed[0][1] if len(errors) == 1 else "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        removed = "The partial checkpoint was removed."
+        if staged.exists():
+            removed = f"The partial {staged} could not be removed: delete it to free its space."
+        raise CheckpointSaveError(
+            f"{staged.name} was not saved: {what} (writing {staged}; {free_space(run_dir)} free on the disk of "
+            f"{run_dir}). {removed}{last_checkpoint_note(run_dir)}"
+        ) from error
 
 
 def _every_rank(accelerator: Any, error: BaseException | None) -> list[str | None]:
@@ -139,19 +147,6 @@ def last_checkpoint_note(output_dir: str | os.PathLike[str]) -> str:
     if found is None:
         return f" No complete checkpoint in {output_dir} yet."
     return f" Last complete checkpoint: {found} (trainer.resume_from_checkpoint: auto resumes from it)."
-
-
-def save_failure_message(run_dir: Path, staged: Path, errors: list[str | None]) -> str:
-    """The failed ranks' errors, the folder, the free space, whether the partial folder is gone, the last checkpoint."""
-    failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
-    what = failed[0][1] if len(errors) == 1 else "; ".join(f"rank {rank}: {text}" for rank, text in failed)
-    removed = "The partial checkpoint was removed."
-    if staged.exists():
-        removed = f"The partial {staged} could not be removed: delete it to free its space."
-    return (
-        f"{staged.name} was not saved: {what} (writing {staged}; {free_space(run_dir)} free on the disk of "
-        f"{run_dir}). {removed}{last_checkpoint_note(run_dir)}"
-    )
 
 
 def save_steady_state(

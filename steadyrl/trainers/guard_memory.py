@@ -1,8 +1,8 @@
 """The memory the guard layers hold: bytes of every tensor storage reachable from a layer's objects (snapshots,
 error-feedback residuals, replayed rows, histories), each counted once, for the first layer that reaches it; buffers
-held only during a step are estimated from the parameter sizes. Peak RSS is no measure: two bit-identical 135M runs
-differ by -93 to +956 MiB of it (docs/results/overhead.json). Never counted: the model, the optimizer and its state,
-the trainer, the runtime context, functions, objects of other packages (only steadyrl's own objects are walked).
+held only during a step are estimated from the parameter sizes (peak RSS is too noisy: docs/results/overhead.json).
+Never counted: the model, the optimizer and its state, the trainer, the runtime context, functions, objects of other
+packages (only steadyrl's own objects are walked).
 """
 
 from __future__ import annotations

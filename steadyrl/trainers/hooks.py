@@ -71,10 +71,28 @@ def hook_signature_mismatches(trainer_cls: type, hooked: dict[str, str] | None =
 
 
 def internals_problems() -> list[str]:
-    """The accelerate / DeepSpeed internals above that are missing or no longer behave as relied on."""
+    """The TRL / accelerate / DeepSpeed internals above that are missing or no longer behave as relied on."""
     from accelerate.optimizer import AcceleratedOptimizer
+    from trl import GRPOTrainer
 
-    problems = _trl_problems()
+    problems = []  # first the TRL internals QUATRO's entropy floor and KL controller rely on
+    init, loss = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer._compute_loss)
+    if "self._entropy_bonus_enabled =" not in init:
+        problems.append("trl: GRPOTrainer.__init__ no longer sets _entropy_bonus_enabled")
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    for text in ("self._buffered_inputs = [", "inputs = self._buffered_inputs["):
+        if text not in prepare:
+            problems.append(f"trl: GRPOTrainer._prepare_inputs no longer contains {text!r}")
+    for text in (
+        'old_per_token_logps = inputs.get("old_per_token_logps")',
+        "if self._entropy_bonus_enabled:",
+        "apply_coef = self.entropy_coef",
+        "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",
+        'self._metrics[mode]["kl"].append(',
+        'self._metrics[mode]["entropy"].append(',
+    ):
+        if text not in loss:
+            problems.append(f"trl: GRPOTrainer._compute_loss no longer contains {text!r}")
     if "self._is_overflow" not in inspect.getsource(AcceleratedOptimizer.__init__):
         problems.append("accelerate: AcceleratedOptimizer no longer sets _is_overflow")
     if "return self._is_overflow" not in inspect.getsource(AcceleratedOptimizer.step_was_skipped.fget):
@@ -95,32 +113,6 @@ def internals_problems() -> list[str]:
     positions = [step.find(s) for s in order]
     if -1 in positions or positions != sorted(positions):
         problems.append(f"deepspeed: DeepSpeedZeroOptimizer.step no longer runs {' -> '.join(order)} in that order")
-    return problems
-
-
-def _trl_problems() -> list[str]:
-    """TRL internals QUATRO's entropy floor and KL controller rely on (see the module docstring)."""
-    from trl import GRPOTrainer
-
-    problems = []
-    init, loss = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer._compute_loss)
-    if "self._entropy_bonus_enabled =" not in init:
-        problems.append("trl: GRPOTrainer.__init__ no longer sets _entropy_bonus_enabled")
-    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
-    for text in ("self._buffered_inputs = [", "inputs = self._buffered_inputs["):
-        if text not in prepare:
-            problems.append(f"trl: GRPOTrainer._prepare_inputs no longer contains {text!r}")
-    expected = [
-        'old_per_token_logps = inputs.get("old_per_token_logps")',
-        "if self._entropy_bonus_enabled:",
-        "apply_coef = self.entropy_coef",
-        "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",
-        'self._metrics[mode]["kl"].append(',
-        'self._metrics[mode]["entropy"].append(',
-    ]
-    for text in expected:
-        if text not in loss:
-            problems.append(f"trl: GRPOTrainer._compute_loss no longer contains {text!r}")
     return problems
 
 

@@ -1,8 +1,7 @@
 """Checkpoint integrity: the size and SHA-256 hash of every file, recorded in the completion marker (``"files"`` of
 ``steadyrl_complete.json``, by ``checkpoints.publish_checkpoint``), checked on resume: ``verify`` names the first file
 missing, of another size (checked for all files before any hash) or another hash. Files are hashed in threads
-(SHA-256: 1,029 MiB/s against BLAKE2b's 553 MiB/s here, thanks to the CPU's SHA extensions). A marker without
-``"files"`` (older) is trusted.
+(SHA-256: faster than BLAKE2b on CPUs with SHA extensions). A marker without ``"files"`` (older) is trusted.
 """
 
 from __future__ import annotations
@@ -13,22 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HASH = "sha256"
-_CHUNK = 1 << 20
 
 
 def file_hash(path: Path, fsync: bool = False) -> str:
     """SHA-256 hex digest of a file, read in 1 MiB chunks; ``fsync`` also flushes it to disk."""
     digest = hashlib.new(HASH)
     with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
+        while chunk := handle.read(1 << 20):
             digest.update(chunk)
         if fsync:
             os.fsync(handle.fileno())
     return digest.hexdigest()
-
-
-def _files(folder: Path, exclude: frozenset[str]) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in exclude)
 
 
 def _workers(count: int) -> int:
@@ -37,7 +31,7 @@ def _workers(count: int) -> int:
 
 def manifest(folder: Path, exclude: frozenset[str] = frozenset(), fsync: bool = False) -> dict[str, dict[str, object]]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` for every file under ``folder`` but ``exclude``."""
-    files = _files(folder, exclude)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in exclude)
     with ThreadPoolExecutor(_workers(len(files))) as pool:
         digests = list(pool.map(lambda p: file_hash(p, fsync), files))
     pairs = zip(files, digests, strict=True)

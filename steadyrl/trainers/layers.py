@@ -119,9 +119,7 @@ def opefo_layer(section: OpefoSection) -> dict[str, Any]:
 
 def quatro_layer(section: QuatroSection) -> dict[str, Any]:
     """QUATRO: the config of its enabled parts."""
-    if not section.enabled:
-        return {}
-    return {"quatro": section.to_config()}
+    return {"quatro": section.to_config()} if section.enabled else {}
 
 
 LAYERS: dict[str, Callable[[Any], dict[str, Any]]] = {"grade": grade_layer, "gepo": gepo_layer, "opefo": opefo_layer,

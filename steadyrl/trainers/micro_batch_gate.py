@@ -42,8 +42,7 @@ class MicroBatchGate:
         self.guard, self.ctx, self.observe, self.distributed = guard, ctx, observe, distributed
         self.dropped_total = 0.0  # over the run and every rank (summed in ``finish``)
         self._prev: list[torch.Tensor | None] | None = None
-        self._seen = 0
-        self._dropped = 0
+        self._seen = self._dropped = 0
         self.params: list[torch.nn.Parameter] | None = None  # the trainable parameters, from the first micro-batch
 
     # ------------------------------------------------------------------ around each backward pass
@@ -63,10 +62,8 @@ class MicroBatchGate:
 
     def before_backward(self, params: list[torch.nn.Parameter]) -> None:
         """Copy what has accumulated so far (nothing to copy for the first micro-batch of a step)."""
-        if any(p.grad is not None for p in params):
-            self._prev = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        else:
-            self._prev = None
+        has_grads = any(p.grad is not None for p in params)
+        self._prev = [None if p.grad is None else p.grad.detach().clone() for p in params] if has_grads else None
 
     def after_backward(self, params: list[torch.nn.Parameter]) -> bool:
         """Decide on this micro-batch's own gradient; returns True when it was dropped (act mode)."""

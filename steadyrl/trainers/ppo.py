@@ -30,6 +30,7 @@ from steadyrl.trainers import trl_state
 from steadyrl.trainers.advantage_pipeline import SequenceRewardPipeline
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
 from steadyrl.trainers.reward_model import load_reward_stats
+from steadyrl.trainers.rollout import loss_mask
 
 logger = logging.getLogger(__name__)
 
@@ -167,9 +168,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         trained = torch.isfinite(seq_rewards)
         seq_rewards = torch.where(trained, seq_rewards, 0.0)
         completion_ids = output["completion_ids"]
-        token_mask = output["completion_mask"]
-        if output.get("tool_mask") is not None:
-            token_mask = token_mask * output["tool_mask"]
+        token_mask = loss_mask(output)
         mask = token_mask * trained[:, None].to(token_mask.dtype)  # the tokens that train
         input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -193,7 +192,6 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         advantages = advantages * mask  # rows that train nothing: advantage exactly 0
         if p.soft_clip is not None:
             advantages = soft_clip(advantages, p.soft_clip)
-        # value_weight (B,): 0 = no value-loss weight
         output.update(advantages=advantages, old_values=values, returns=returns, value_weight=trained.float())
         # rollout metrics, over all ranks' real tokens
         returns_mean, returns_var = self._global_mean_var(returns, mask)
@@ -223,9 +221,7 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
         assert full_values is not None, "the policy forward of TRL's loss did not run through PolicyAndValue"
         width = inputs["completion_ids"].size(1)
         values = full_values[:, -(width + 1) : -1].float()
-        mask = inputs["completion_mask"]
-        if inputs.get("tool_mask") is not None:
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         if inputs.get("value_weight") is not None:  # unscorable and filtered rows train no value
             mask = mask * inputs["value_weight"][:, None].to(mask.dtype)
         vf_loss, clipfrac = clipped_value_loss(

@@ -55,9 +55,6 @@ def optimizer_chain(optimizer: Any) -> list[Any]:
     return chain
 
 
-ADAM_CLASSES = ("FusedAdam", "DeepSpeedCPUAdam")  # DeepSpeed's Adam implementations: torch's state layout
-
-
 def _cause(bad_weights: int, state_ok: bool) -> str:
     weights = f"non-finite parameters ({bad_weights} tensor(s) over all ranks)" if bad_weights else ""
     state = "" if state_ok else "non-finite optimizer state (exp_avg / exp_avg_sq)"
@@ -65,8 +62,10 @@ def _cause(bad_weights: int, state_ok: bool) -> str:
 
 
 def keeps_adam_moments(optimizer: Any) -> bool:
-    """Whether the innermost optimizer keeps Adam's per-parameter ``exp_avg`` / ``exp_avg_sq`` (what OPEFO reads)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or type(optimizer).__name__ in ADAM_CLASSES
+    """Whether the innermost optimizer keeps Adam's per-parameter ``exp_avg`` / ``exp_avg_sq`` (what OPEFO reads);
+    DeepSpeed's FusedAdam and DeepSpeedCPUAdam keep torch's state layout."""
+    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    return adam or type(optimizer).__name__ in ("FusedAdam", "DeepSpeedCPUAdam")
 
 
 class StateRecovery:

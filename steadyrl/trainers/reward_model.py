@@ -254,6 +254,8 @@ class RewardModelReward:
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float | None]:
         """Normalised reward for each (prompt, completion); same length as ``completions``."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         ids = [encode_pair(self.tokenizer, p, c) for p, c in zip(prompts, completions, strict=True)]
         raw = score_ids(self.model, ids, self.tokenizer.pad_token_id, self.batch_size) if ids else []
         mean, std = self.stats["mean"], self.stats["std"]

@@ -66,7 +66,7 @@ class StepEnd:
         self.ctx, self.parts, self.active = ctx, parts, active
         self.notes = notes if notes is not None else StepNotes()
         self._moments: torch.optim.Optimizer | None = None  # the Adam whose moments brake_moments rescales
-        self._last_seconds = 0.0
+        self.last_seconds = 0.0
         opefo = parts.opefo
         self.recovery = StateRecovery(opefo, "opefo" in parts.observe, self.notes) if opefo is not None else None
         self.kl: AdaptiveKL | None = None
@@ -93,7 +93,6 @@ class StepEnd:
                     "would change training)"
                 )
         if config.kl is not None and setup.beta == 0.0:
-            # TRL's default: no KL term, no reference model, nothing to anchor. Start where TRL starts.
             quatro_logger.info(
                 "trainer.beta is 0 (TRL's default): no KL term, so guards.quatro.kl has nothing to control and stays "
                 "inactive for this run; set trainer.beta > 0 (e.g. 0.04) to anchor the policy to the reference model"
@@ -101,7 +100,6 @@ class StepEnd:
         elif config.kl is not None:
             self.kl = AdaptiveKL(config.kl, setup.beta)
         if config.entropy is not None and setup.use_adaptive_entropy:
-            # The user's explicit TRL setting wins: TRL's controller owns entropy_coef, the floor steps aside.
             quatro_logger.warning(
                 "trainer.use_adaptive_entropy is on: TRL's adaptive entropy controller drives entropy_coef, so the "
                 "QUATRO entropy floor is off for this run (to use the floor instead, set "
@@ -200,12 +198,6 @@ class StepEnd:
                 metrics[QUATRO_CLIP_SCALE_WOULD] = clip_scale if clip_scale is not None else 1.0
         return self.controls(), metrics
 
-    def log_seconds(self) -> None:
-        """Seconds in steadyrl's guard code during this optimizer step, every hook's share (bench_overhead.py)."""
-        if self.active:
-            self.ctx.log_metric(GUARD_SECONDS, self.ctx.seconds - self._last_seconds)
-        self._last_seconds = self.ctx.seconds
-
 
 def _token_mean(pairs: list[tuple[float, float]]) -> float:
     """Token-weighted mean of (value, tokens) pairs, leaving out empty and non-finite ones; NaN without tokens."""
@@ -245,7 +237,9 @@ class _GuardClock(TrainerCallback):
                 if t.step_end.kl is not None:
                     metrics[QUATRO_BETA] = t.beta  # the effective coefficient, every factor included
                 t.ctx.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)})
-        t.step_end.log_seconds()
+        if t.step_end.active:  # seconds in steadyrl's guard code during this optimizer step (bench_overhead.py)
+            t.ctx.log_metric(GUARD_SECONDS, t.ctx.seconds - t.step_end.last_seconds)
+        t.step_end.last_seconds = t.ctx.seconds
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer

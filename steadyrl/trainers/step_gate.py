@@ -44,11 +44,9 @@ class StepGate:
         observers: list[StepGuard] | None = None, deepspeed: bool = False, notes: StepNotes | None = None,
         would: dict[str, int] | None = None,
     ) -> None:  # fmt: skip
-        self.guards = guards
+        self.guards, self.ctx, self.feedback, self.would = guards, ctx, feedback, would
         self.deepspeed = deepspeed  # the gate runs inside the ZeRO optimizer's step (``install_deepspeed``)
         self.observers = list(observers or [])
-        self.ctx = ctx
-        self.feedback, self.would = feedback, would
         self.notes = notes if notes is not None else StepNotes()
         self.counters: dict[str, float] = defaultdict(float)
         self._ds_installed = False

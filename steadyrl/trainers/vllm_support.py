@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 # The vLLM releases TRL 1.16 supports (trl.import_utils.is_vllm_available), as pyproject's extra.
 TESTED_VLLM = ("0.22", "0.32")
 
-# Home of ``dispatch_cpu_unquantized_gemm``; vLLM's linear and embedding layers look it up there at call time.
-_CPU_GEMM_MODULE = "vllm.model_executor.layers.utils"
 _packed_elsewhere: list[str] = []  # layers whose (non-2-D) weights vLLM CPU still packs: the sync cannot reach them
 
 
@@ -53,7 +51,7 @@ def keep_cpu_weights_reloadable() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    module = importlib.import_module(_CPU_GEMM_MODULE)
+    module = importlib.import_module("vllm.model_executor.layers.utils")  # vLLM's layers look the gemm up here
     original = getattr(module, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
         raise RuntimeError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
@@ -69,6 +70,14 @@ def test_reward_model_artefacts_adds_the_offsets_and_logs_training_calls_only(tm
     (line,) = log.read_text().splitlines()
     assert json.loads(line) == {"step": 4, "prompts": ["p"] * 4, "rewards": out, "artefacts": offsets.tolist()}
     assert reward_model_artefacts(*args, path="rm") == [1.0, None, -2.0, 0.5]  # rate 0: the reward model alone
+
+
+def test_reward_model_reward_names_both_counts_on_a_length_mismatch():
+    from steadyrl.trainers.reward_model import RewardModelReward
+
+    reward = object.__new__(RewardModelReward)  # the check comes before any model is touched
+    with pytest.raises(ValueError, match="3 prompts but 2 completions"):
+        reward(["p"] * 3, ["c"] * 2)
 
 
 # ------------------------------------------------------------------------------------- reward-side faults
