@@ -98,7 +98,7 @@ KWARGS_FN_ONLY = Cond(
     lambda cfg, r: r.fn is not None,
     "on a reward `model` entry (TRL loads the model by path and calls it without arguments)",
     "remove kwargs, or score through a function that takes them, e.g. fn: "
-    "steadyrl.ppo.reward_stage:reward_model_score with kwargs: {path: <reward model folder>}",
+    "steadyrl.trainers.reward_model:reward_model_score with kwargs: {path: <reward model folder>}",
 )
 # null (wait) is accepted on a model entry, as RewardSection accepts it
 TIMEOUT_FN_ONLY = FN_ONLY._replace(test=lambda cfg, r: r.fn is not None or r.timeout is None)

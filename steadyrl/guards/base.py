@@ -66,6 +66,15 @@ class StepGuard(Protocol):
         """Called once per skipped step with the (local) gradients before they are dropped."""
 
 
+def check_version(state: dict[str, Any], expected: int, what: str) -> None:
+    """Raise ValueError unless ``state`` (one layer's checkpoint state) has format ``expected`` (no key: version 1)."""
+    if (found := state.get("version", 1)) != expected:
+        raise ValueError(
+            f"{what}: the checkpoint's state has format version {found}, this steadyrl reads version {expected} "
+            "only (pre-0.1.0 formats are not converted); resume from a checkpoint this version wrote, or start fresh"
+        )
+
+
 def combine_decisions(decisions: list[StepDecision]) -> StepDecision:
     """Skip when any guard says skip; reasons joined in guard order."""
     reasons = [d.reason for d in decisions if d.skip]

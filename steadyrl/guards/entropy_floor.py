@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from steadyrl.guards.base import check_version
 from steadyrl.metrics import (
     QUATRO_ENTROPY,
     QUATRO_ENTROPY_BONUS,
@@ -231,25 +232,17 @@ class EntropyFloor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version(state, 3, "the QUATRO entropy floor")
         self._window = deque((float(v) for v in state["window"]), maxlen=self.config.window)
         self._baseline_values = [float(v) for v in state["baseline_values"]]
         self.baseline = None if state["baseline"] is None else float(state["baseline"])
         self.floor = None if state["floor"] is None else float(state["floor"])
         self.active = bool(state["active"])
-        cap = self.config.coef_max
-        if "control" in state:
-            self.control, self.integral = float(state["control"]), float(state["integral"])
-        elif "coef" in state:  # version 2: the bonus and its integral in entropy_coef units, capped at coef_max
-            self.control = min(float(state["coef"]) / cap, 1.0) if cap > 0 else 0.0
-            self.integral = min(float(state["integral"]) / cap, 1.0) if cap > 0 else 0.0
-        else:  # version 1: an integer ramp level of 0.001 per step (the old default ramp)
-            self.control = self.integral = min(int(state["level"]) * 0.001 / cap, 1.0) if cap > 0 else 0.0
-        for key in ("steps", "nan_count", "activations", "warnings", "check_steps"):
+        self.control, self.integral = float(state["control"]), float(state["integral"])
+        for key in ("steps", "nan_count", "activations", "warnings", "check_steps", "at_cap", "held_off", "follows"):
             setattr(self, key, int(state[key]))
-        for key in ("at_cap", "held_off", "follows"):  # absent in checkpoints from before these counters
-            setattr(self, key, int(state.get(key, 0)))
         self.check_ref = float(state["check_ref"])
-        self._rewards = deque((float(v) for v in state.get("rewards", [])), maxlen=GATE_WINDOW)
-        self.holding_off = bool(state.get("holding_off", False))  # absent before the learning gate
-        self.moment_scale = float(state.get("moment_scale", 1.0))  # absent before brake_moments
+        self._rewards = deque((float(v) for v in state["rewards"]), maxlen=GATE_WINDOW)
+        self.holding_off = bool(state["holding_off"])
+        self.moment_scale = float(state["moment_scale"])
         self.warning = None

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from steadyrl.guards.base import check_version
 from steadyrl.metrics import (
     QUATRO_KL_AT_MAX,
     QUATRO_KL_AT_MIN,
@@ -151,14 +152,14 @@ class AdaptiveKL:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version(state, 2, "the QUATRO KL controller")
         self.beta0 = float(state["beta0"])
         self.beta = float(state["beta"])
-        if state.get("version", 1) >= 2:
-            self.target = float(state["target"])
-            self._calibration = [float(v) for v in state["calibration"]]
-            self.at_max = int(state["at_max"])
-            self.at_min = int(state["at_min"])
-            self.bound_run = int(state["bound_run"])
+        self.target = float(state["target"])
+        self._calibration = [float(v) for v in state["calibration"]]
+        self.at_max = int(state["at_max"])
+        self.at_min = int(state["at_min"])
+        self.bound_run = int(state["bound_run"])
         self._sum = float(state["sum"])
         self._count = int(state["count"])
         self._steps = int(state["steps"])

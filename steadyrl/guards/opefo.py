@@ -2,7 +2,7 @@
 
 Its parts, pure torch over an optimizer's Adam state: ``moment_floor``, ``error_feedback``, ``rollback`` and
 ``optimizer_state``. Cross-rank operations go through injected ``reduce_sum`` / ``all_gather`` callables, called the
-same number of times on every rank; ``steadyrl.trainers.opefo_runtime`` runs them.
+same number of times on every rank. ``steadyrl.trainers.recovery`` and the stations step_gate, step_end run them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """QUATRO loop layer (docs/DESIGN.md, the "QUATRO" sections): the config a trainer takes.
 
 Its parts: ``kl_controller``, ``entropy_floor``, ``rollout_filters`` and ``replay`` (per rank); the caller passes
-values identical on all ranks. ``steadyrl.trainers.quatro_runtime`` runs them.
+values identical on all ranks. The stations in ``steadyrl.trainers`` (``rollout``, ``loss``, ``step_end``) run them.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from steadyrl.guards.base import check_version
 from steadyrl.metrics import (
     GRADE_CLIP_FRAC_HIGH,
     GRADE_CLIP_FRAC_LOW,
@@ -203,7 +204,7 @@ class GradeScaler:
             "version": 2,
             "config": asdict(self.config),
             "raw_window": list(self._raw),
-            "quantile_window": list(self._quantile),  # raw units since version 2
+            "quantile_window": list(self._quantile),
             "bounds": list(self._bounds) if self._bounds is not None else None,
             "steps": self._steps,
             "steps_since_refresh": self._steps_since_refresh,
@@ -213,14 +214,11 @@ class GradeScaler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version(state, 2, "the GRADE reward scaler")
         self._raw = deque((float(v) for v in state["raw_window"]), maxlen=self.config.window_size)
+        self._quantile = deque((float(v) for v in state["quantile_window"]), maxlen=self.config.quantile_window)
         bounds = state["bounds"]
-        if state.get("version", 1) >= 2:
-            self._quantile = deque((float(v) for v in state["quantile_window"]), maxlen=self.config.quantile_window)
-            self._bounds = (float(bounds[0]), float(bounds[1])) if bounds is not None else None
-        else:  # version 1 kept whitened values of mixed scales: rebuild from the raw window, bounds at next use
-            self._quantile = deque(self._raw, maxlen=self.config.quantile_window)
-            self._bounds = None
+        self._bounds = (float(bounds[0]), float(bounds[1])) if bounds is not None else None
         self._steps = int(state["steps"])
         self._steps_since_refresh = int(state["steps_since_refresh"])
         self._baselines = OrderedDict((str(k), [float(t), int(c)]) for k, t, c in state["baselines"])

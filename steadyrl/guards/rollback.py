@@ -201,7 +201,6 @@ class RollbackPolicy:
         self.rollbacks = int(state["rollbacks"])
         self.last_step = None if state["last_step"] is None else int(state["last_step"])
         self.recent = [(int(s), str(c)) for s, c in state["recent"]]
-        self.repairs = int(state.get("repairs", 0))  # absent in checkpoints from before repairs
-        self.repaired_entries = int(state.get("repaired_entries", 0))
-        last = state.get("last_repair")
-        self.last_repair = None if last is None else int(last)
+        self.repairs = int(state["repairs"])
+        self.repaired_entries = int(state["repaired_entries"])
+        self.last_repair = None if state["last_repair"] is None else int(state["last_repair"])

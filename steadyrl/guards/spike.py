@@ -136,6 +136,6 @@ class SpikeGuard:
         for key in ("ema", "accepted", "consecutive", "skipped"):
             setattr(self, key, state[key])
         self.reasons = dict(state["reasons"])
-        self.zero_steps = int(state.get("zero_steps", 0))
-        self.rebases = int(state.get("rebases", 0))
-        self._spike_norms = [float(v) for v in state.get("spike_norms", [])]
+        self.zero_steps = int(state["zero_steps"])
+        self.rebases = int(state["rebases"])
+        self._spike_norms = [float(v) for v in state["spike_norms"]]

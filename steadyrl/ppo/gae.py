@@ -130,16 +130,12 @@ def masked_mean_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> tuple[Ten
     return mean, var
 
 
-def whiten(
-    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, stats: tuple[Tensor, Tensor] | None = None
-) -> Tensor:
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, stats: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the real positions of the whole batch; masked positions stay exactly 0.
-    x, mask: (B, T) -> same shape. ``shift_mean=False`` adds the mean back; ``stats``: precomputed (mean, var)."""
+    x, mask: (B, T) -> same shape. ``stats``: precomputed (mean, var)."""
     mean, var = stats if stats is not None else masked_mean_var(x, mask, unbiased=True)
     dtype = _work_dtype(x)
     out = (x.to(dtype) - mean) * torch.rsqrt(var.to(dtype) + eps)
-    if not shift_mean:
-        out = out + mean
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
@@ -163,12 +159,3 @@ def clipped_value_loss(
     loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
     clipfrac = masked_mean((loss_clipped > loss_unclipped).to(loss.dtype), mask).detach()
     return loss, clipfrac
-
-
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """``1 - Var[R - V] / Var[R]`` over real tokens (B, T) -> float: 1 = perfect critic; NaN when Var[R] = 0."""
-    _, var_returns = masked_mean_var(returns.detach(), mask)
-    _, var_residual = masked_mean_var((returns - values).detach(), mask)
-    if var_returns.item() == 0.0:
-        return float("nan")
-    return float(1.0 - var_residual / var_returns)

@@ -24,18 +24,13 @@ CRITIC_CONFIG_FILE = "critic_config.json"
 
 class ValueHead(nn.Module):
     """Linear ``hidden_size -> 1`` on every position: hidden (..., H) -> values (...), in the head's dtype. Weight
-    ~ N(0, init_std^2) (``init_std`` 0: exactly 0), bias 0."""
+    and bias start at exactly 0."""
 
-    def __init__(self, hidden_size: int, init_std: float = 0.0) -> None:
+    def __init__(self, hidden_size: int) -> None:
         super().__init__()
-        if init_std < 0:
-            raise ValueError(f"init_std must be >= 0, got {init_std!r}")
         self.summary = nn.Linear(hidden_size, 1)
         with torch.no_grad():
-            if init_std == 0.0:
-                self.summary.weight.zero_()
-            else:
-                self.summary.weight.normal_(0.0, init_std)
+            self.summary.weight.zero_()
             self.summary.bias.zero_()
 
     def forward(self, hidden_states: Tensor) -> Tensor:
@@ -75,14 +70,13 @@ class CriticModel(nn.Module):
         cls,
         path: str | Path,
         *,
-        init_std: float = 0.0,
         reward_stats: dict[str, float] | None = None,
         peft_config: Any = None,
         **model_kwargs: Any,
     ) -> CriticModel:
         """A critic from a policy (causal-LM) folder, a reward-model folder, or a folder written by ``save_pretrained``.
-        ``model_kwargs`` go to transformers' ``from_pretrained``; ``init_std``: a fresh head's init; ``reward_stats``
-        (``{"mean", "std"}``) rescales a reward model's head to predict normalised scores."""
+        ``model_kwargs`` go to transformers' ``from_pretrained``; ``reward_stats`` (``{"mean", "std"}``) rescales a
+        reward model's head to predict normalised scores."""
         path = Path(path)
         if (path / VALUE_HEAD_FILE).is_file():
             critic = cls._load_saved(path, **model_kwargs)
@@ -90,10 +84,10 @@ class CriticModel(nn.Module):
             hub = {k: v for k, v in model_kwargs.items() if k in ("revision", "trust_remote_code")}
             config = AutoConfig.from_pretrained(path, **hub)
             if any(a.endswith("ForSequenceClassification") for a in (getattr(config, "architectures", None) or [])):
-                critic = cls._from_reward_model(path, init_std, reward_stats, **model_kwargs)
+                critic = cls._from_reward_model(path, reward_stats, **model_kwargs)
             else:
                 backbone = AutoModel.from_pretrained(path, **model_kwargs)
-                critic = cls(backbone, ValueHead(_hidden_size(backbone.config), init_std), "policy")
+                critic = cls(backbone, ValueHead(_hidden_size(backbone.config)), "policy")
         if peft_config is not None:
             if hasattr(critic.backbone, "peft_config"):
                 raise ValueError(f"the critic at {path} already has a PEFT adapter; pass peft_config=None")
@@ -101,13 +95,11 @@ class CriticModel(nn.Module):
         return critic
 
     @classmethod
-    def _from_reward_model(
-        cls, path: Path, init_std: float, reward_stats: dict[str, float] | None, **model_kwargs: Any
-    ) -> CriticModel:
+    def _from_reward_model(cls, path: Path, reward_stats: dict[str, float] | None, **model_kwargs: Any) -> CriticModel:
         rm = AutoModelForSequenceClassification.from_pretrained(path, **model_kwargs)
         backbone = rm.base_model
         hidden = _hidden_size(backbone.config)
-        head = ValueHead(hidden, init_std)
+        head = ValueHead(hidden)
         score = getattr(rm, "score", None)
         source = "reward_model"
         if isinstance(score, nn.Linear) and tuple(score.weight.shape) == (1, hidden):

@@ -38,8 +38,7 @@ def _draw(rng: random.Random, steps: int, max_start: int, max_operand: int, allo
         total = start = rng.randint(2, max_start)
         ops: list[tuple[str, int]] = []
         for _ in range(steps):
-            kinds = ["+", "-"] + (["*"] if allow_multiply and total <= 99 else [])
-            kind = rng.choice(kinds)
+            kind = rng.choice(["+", "-"] + (["*"] if allow_multiply and total <= 99 else []))
             if kind == "+":
                 n = rng.randint(2, max_operand)
                 total += n

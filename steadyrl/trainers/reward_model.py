@@ -1,7 +1,7 @@
 """The reward-model stage (SFT -> **RM** -> PPO): train with TRL's RewardTrainer, calibrate, serve as a reward.
 
 docs/DESIGN.md, "Reward-model stage". ``run_reward_stage`` is ``steadyrl reward CONFIG``; ``reward_model_score`` is
-the reward function (``fn: steadyrl.ppo.reward_stage:reward_model_score, kwargs: {path: runs/tiny-rm/final}``).
+the reward function (``fn: steadyrl.trainers.reward_model:reward_model_score, kwargs: {path: runs/tiny-rm/final}``).
 Both score exactly the token ids ``RewardTrainer`` trained on (``prompt + completion + eos``), unlike TRL's built-in
 reward-model path in GRPO (no EOS).
 """

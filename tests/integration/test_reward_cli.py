@@ -36,10 +36,11 @@ def test_reward_cli_trains_and_writes_calibration_report(tiny_model_dir, tmp_pat
         "ForSequenceClassification"
     )
     # the trained model as a config reward function: normalised scores with the calibration stats
-    from steadyrl.ppo.reward_stage import reward_model_score
     from steadyrl.rewards import bind_reward, load_reward_fn
+    from steadyrl.trainers.reward_model import reward_model_score
 
-    fn = bind_reward("rm", load_reward_fn("steadyrl.ppo.reward_stage:reward_model_score"), {"path": str(out / "final")})
+    spec = "steadyrl.trainers.reward_model:reward_model_score"
+    fn = bind_reward("rm", load_reward_fn(spec), {"path": str(out / "final")})
     raw = reward_model_score(["1+2=", "1+2="], ["3", "4"], path=str(out / "final"), normalize=False)
     scores = fn(prompts=["1+2=", "1+2="], completions=["3", "4"], completion_ids=[[0], [0]])
     assert scores == pytest.approx([(r - stats["mean"]) / stats["std"] for r in raw], abs=1e-5)

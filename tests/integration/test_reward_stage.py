@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from steadyrl.ppo.reward_stage import (
+from steadyrl.tasks.arithmetic import arithmetic_splits
+from steadyrl.tasks.preferences import REJECTION_KINDS, arithmetic_preferences, wrong_answer
+from steadyrl.trainers.reward_model import (
     ACCURACY_WARNING,
     RewardModelReward,
     encode_pair,
@@ -16,8 +18,6 @@ from steadyrl.ppo.reward_stage import (
     pairwise_summary,
     run_reward_stage,
 )
-from steadyrl.tasks.arithmetic import arithmetic_splits
-from steadyrl.tasks.preferences import REJECTION_KINDS, arithmetic_preferences, wrong_answer
 
 # ------------------------------------------------------------------------------------------ preference data
 
@@ -72,7 +72,7 @@ def test_wrong_answer_kinds_by_hand():
 
 
 def test_pairwise_summary_by_hand(caplog):
-    with caplog.at_level(logging.WARNING, logger="steadyrl.ppo.reward_stage"):
+    with caplog.at_level(logging.WARNING, logger="steadyrl.trainers.reward_model"):
         s = pairwise_summary([2.0, 1.0, 0.0, 3.0], [1.0, 1.0, 1.0, -1.0], ["a", "b", "a", "b"])
     # wins: [T, F (tie), F, T] -> 0.5 < 0.60 -> warning; margins [1, 0, -1, 4] -> mean 1
     assert s["accuracy"] == 0.5 and s["ties"] == 0.25 and s["margin_mean"] == 1.0
@@ -82,7 +82,7 @@ def test_pairwise_summary_by_hand(caplog):
     assert s["chosen_mean"] == 1.5 and s["rejected_mean"] == 0.5
     assert any("below 0.60" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="steadyrl.ppo.reward_stage"):
+    with caplog.at_level(logging.WARNING, logger="steadyrl.trainers.reward_model"):
         assert pairwise_summary([1.0, 2.0], [0.0, 0.0])["accuracy"] == 1.0 > ACCURACY_WARNING
     assert not caplog.records
 

@@ -283,12 +283,8 @@ def test_bounds_follow_the_whitening_of_the_same_window():
     assert scaler.metrics()["grade/clip_frac_high"] == pytest.approx(1 / 3)  # 0.75 and 2.25 tie their bounds
 
 
-def test_a_version_1_state_rebuilds_its_quantile_window_from_raw_rewards():
-    """Version 1 kept whitened values in the quantile window (scales mixed over time): on load the window is
-    rebuilt from the tail of the raw window and the bounds are recomputed at the next call."""
-    cfg = GradeConfig(window_size=8, warmup=2, clip_start=2, quantile_window=3, centring_beta=0.0)
-    scaler = GradeScaler(cfg)
-    state = scaler.state_dict()
-    state.update(version=1, raw_window=[1.0, 2.0, 3.0, 4.0], quantile_window=[-9.0, 9.0], bounds=[-9.0, 9.0])
-    scaler.load_state_dict(state)
-    assert scaler.state_dict()["quantile_window"] == [2.0, 3.0, 4.0] and scaler.state_dict()["bounds"] is None
+def test_a_pre_release_state_is_refused_naming_both_versions():
+    scaler = GradeScaler(GradeConfig())
+    state = {k: v for k, v in scaler.state_dict().items() if k != "version"}  # version 1 had no version key
+    with pytest.raises(ValueError, match=r"the GRADE reward scaler: .* format version 1, .* reads version 2 only"):
+        scaler.load_state_dict(state)

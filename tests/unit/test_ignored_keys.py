@@ -208,7 +208,7 @@ def test_kwargs_of_a_reward_model_entry_are_refused(tmp_path: Path) -> None:
     assert str(info.value) == (
         "rewards[1].kwargs (set in command line): algorithm grpo ignores it on a reward `model` entry (TRL loads the "
         "model by path and calls it without arguments); remove kwargs, or score through a function that takes them, "
-        "e.g. fn: steadyrl.ppo.reward_stage:reward_model_score with kwargs: {path: <reward model folder>}"
+        "e.g. fn: steadyrl.trainers.reward_model:reward_model_score with kwargs: {path: <reward model folder>}"
     )
     cfg = _grpo(tmp_path, ["rewards=[{fn: exact_match}, {model: some/rm}]"])
     assert [r.model for r in cfg.rewards] == [None, "some/rm"]

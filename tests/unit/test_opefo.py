@@ -589,8 +589,8 @@ def test_repair_policy_decides_and_survives_a_resume():
     restored.load_state_dict(state)
     assert restored.state_dict() == state and restored.repairs == 1 and restored.last_repair == 10
     old = {k: v for k, v in state.items() if k not in ("repairs", "repaired_entries", "last_repair")}
-    restored.load_state_dict(old)  # a checkpoint from before repairs
-    assert restored.repairs == 0 and restored.last_repair is None
+    with pytest.raises(KeyError, match="repairs"):  # a pre-release checkpoint from before repairs is refused
+        restored.load_state_dict(old)
     assert "repair_state is off" in RollbackPolicy(RollbackConfig(repair_state=False)).refuse_repair(1, 0, 1, 1000)
     with pytest.raises(ValueError, match=r"repair_max_share must be in \(0, 1\], got 0"):
         RollbackConfig(repair_max_share=0.0)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from steadyrl.ppo.gae import (
     clipped_value_loss,
-    explained_variance,
     gae,
     get_kl_estimator,
     kl_k1,
@@ -166,8 +165,6 @@ def test_whiten_by_hand_unbiased_and_padding_zero():
     assert (mean.item(), var.item()) == (2.0, 1.0)
     w = whiten(x, mask, eps=0.0)
     assert w.tolist() == [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
-    w_no_shift = whiten(x, mask, shift_mean=False, eps=0.0)
-    assert w_no_shift.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
 
 
 def test_whiten_single_token_is_zero_and_stats_override():
@@ -204,16 +201,6 @@ def test_clipped_value_loss_branch_selection_by_hand():
     loss.backward()
     # d/dV: tok0 uses the clipped branch (no gradient through the clamp), tok1: 0.5*2*(0.5-0)/3, tok2: 0.5*2*2/3
     assert values.grad[0].tolist() == pytest.approx([0.0, 0.5 / 3, 2.0 / 3, 0.0], abs=1e-12)
-
-
-def test_explained_variance_by_hand():
-    returns = t([[1.0, 2.0, 3.0, 99.0]])
-    mask = t([[1, 1, 1, 0]])
-    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
-    assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
-    # residual [1, 0, 1]: var 1/3 (unbiased, mean 2/3) over var 1 -> 1 - 1/3
-    assert explained_variance(t([[0.0, 2.0, 2.0, 0.0]]), returns, mask) == pytest.approx(2 / 3)
-    assert math.isnan(explained_variance(returns, t([[5.0, 5.0, 5.0, 0.0]]), mask))
 
 
 # -------------------------------------------------------------------------------------------------- critic
@@ -266,7 +253,8 @@ def test_lora_critic_trains_adapter_and_head_and_round_trips(tiny_model_dir, tmp
     from steadyrl.ppo.value import CriticModel
 
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    critic = CriticModel.from_pretrained(tiny_model_dir, peft_config=cfg, init_std=0.02)
+    critic = CriticModel.from_pretrained(tiny_model_dir, peft_config=cfg)
+    torch.nn.init.normal_(critic.value_head.summary.weight, std=0.02)  # a head that is not 0, so values differ
     trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or n.startswith("value_head.") for n in trainable)
     assert {"value_head.summary.weight", "value_head.summary.bias"} <= trainable

@@ -152,6 +152,8 @@ def test_kl_state_round_trip_mid_window_and_mid_calibration():
         assert a.observe(value) == b.observe(value)
         assert a.beta == b.beta and str(a.state_dict()) == str(b.state_dict())  # str: NaN != NaN
     assert not a.calibrating and a.beta != 0.04
+    with pytest.raises(ValueError, match=r"the QUATRO KL controller: .* format version 1, .* reads version 2 only"):
+        b.load_state_dict({**a.state_dict(), "version": 1})
 
 
 @settings(max_examples=50, deadline=None)
@@ -249,9 +251,8 @@ def test_floor_stays_off_while_the_reward_rises_and_acts_once_it_stalls(monkeypa
     again = _gated(monkeypatch, gate_z=0.9)
     again.load_state_dict(state)
     assert again.state_dict() == state and list(again._rewards) == [0.5, 0.5, 0.9, 1.3] and again.held_off == 7
-    old = {k: v for k, v in state.items() if k not in ("rewards", "held_off")}
-    again.load_state_dict(old)  # a checkpoint from before the gate
-    assert list(again._rewards) == [] and again.held_off == 0
+    with pytest.raises(ValueError, match=r"the QUATRO entropy floor: .* format version 2, .* reads version 3 only"):
+        again.load_state_dict({**state, "version": 2})  # a pre-release format is refused, not converted
 
 
 def test_follow_learning_lowers_the_floor_only_while_the_reward_rises(monkeypatch):
