@@ -106,13 +106,9 @@ def logp_gap_verdict(
     floor: float,
     allowance: float | None,
 ) -> GapVerdict | None:
-    """The two vLLM-gap rules over (step, gap) points, shared by the live monitor and ``steadyrl doctor``.
-
-    problem: the median of the last ``window`` finite values (at least 3) is above ``gap_max + allowance``.
-    warning: with exact sampling (``allowance`` 0) and at least two windows of values, that median is above ``floor``
-    and at least ``rise_ratio`` x the median of the first window (an allowance moves with the entropy, so above 0
-    there is no rise rule). ``allowance`` None: no verdict.
-    """
+    """The vLLM-gap rules over (step, gap) points, for the live monitor and ``steadyrl doctor``. problem: the median
+    of the last ``window`` finite values (at least 3) is above ``gap_max + allowance``; warning (``allowance`` 0 only,
+    two windows of values): it is above ``floor`` and ``rise_ratio`` x the first window's. ``allowance`` None: none."""
     points = [(s, v) for s, v in points if math.isfinite(v)]
     late = points[-window:]
     if allowance is None or len(late) < 3:  # medians of at least 3: one noisy step does not decide
