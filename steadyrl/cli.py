@@ -79,8 +79,7 @@ def _evidence(args: argparse.Namespace) -> int:
 
     findings = diagnose(history, doctor_config_for(args.run_dir))
     print(format_findings(findings, history), end="")
-    observed = format_observe_summary(history, args.run_dir)  # layers in mode: observe, what they would have done
-    if observed:
+    if observed := format_observe_summary(history, args.run_dir):  # layers in mode: observe, what they would do
         print("\n" + observed, end="")
     return 1 if findings else 0
 

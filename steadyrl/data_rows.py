@@ -1,9 +1,8 @@
 """Bad data rows, found before training (``data.on_bad_row: error | skip``).
 
-A GRPO/PPO row is bad when its prompt is empty or whitespace (a chat prompt: every message's text is), when a
-column that a reward function needs is ``None``, or when the prompt plus ``trainer.max_completion_length`` tokens do
-not fit the model's context (TRL does not truncate prompts). ``error`` (default) stops naming the source, the row
-(0-based, after ``data.max_samples``) and the column; ``skip`` drops such rows and logs how many, per reason.
+A row is bad when its prompt is empty or whitespace, a column a reward needs is ``None``, or the prompt plus
+``trainer.max_completion_length`` tokens do not fit the model's context (TRL does not truncate prompts). ``error``
+names the source, row and column; ``skip`` drops such rows and logs how many, per reason.
 """
 
 from __future__ import annotations

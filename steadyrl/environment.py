@@ -1,9 +1,6 @@
 """What a run was computed with: the versions of the packages that decide its numbers, steadyrl's commit and the
 machine (``OUTPUT_DIR/environment.json``; ``packages`` and ``machine`` in every ``docs/results/*.json``).
-
-An upstream release changes results while steadyrl's code stays the same, and so does the CPU: the same SFT command
-with the same package versions gave 0.385 on an Intel Xeon and 0.540 on an AMD EPYC (both AVX512), 0.550 on an AMD
-EPYC whose torch picked AVX2 kernels (2026-12-02).
+An upstream release or another CPU changes results while steadyrl's code stays the same.
 """
 
 from __future__ import annotations

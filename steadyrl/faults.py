@@ -2,11 +2,9 @@
 
 Reward-side faults are reward functions (``rewards: [{fn: "steadyrl.faults:NAME", kwargs: {...}}]``) seeded by
 ``(seed, global_step)``. Trainer-side faults are ``TrainerCallback``s (``callbacks: ["steadyrl.faults:NAME"]``) that
-take what their arguments leave out from the environment: ``STEADYRL_FAULT_STEP`` the 1-based optimizer step hit (at
-whose end ``global_step`` becomes k; default 3), ``STEADYRL_FAULT_RANK`` the only ``RANK`` that injects (unset:
-every process), ``STEADYRL_FAULT_VALUE`` the value written into the optimizer state (inf), ``STEADYRL_FAULT_SCALE``
-the gradient multiplier (1e4). Each appends a JSON line to ``<output_dir>/faults.jsonl`` when it fires, so a benchmark
-can tell "the guard held" from "the fault never happened". Left out: faults in generation or the reference model.
+take what their arguments leave out from ``STEADYRL_FAULT_STEP`` (1-based optimizer step, default 3), ``_RANK`` (the
+only ``RANK`` that injects), ``_VALUE`` (inf) and ``_SCALE`` (1e4). Each appends a JSON line to ``faults.jsonl`` in
+the output dir when it fires, so a benchmark can tell "the guard held" from "the fault never happened".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``steadyrl preflight CONFIG [overrides]``: calibrate the guard layers on the user's own model before a real run.
 
-1. **baseline**: the user's config for ``--steps`` (20) with every layer in ``mode: observe``;
-2. **calibration** from its logs: ``guards.quatro.kl.target``, ``guards.gepo.spike.abs_threshold``,
-   ``guards.quatro.entropy.floor_ratio``, and a note on truncation;
-3. **drills**: ``--drill-steps`` (6) of the calibrated config with the layers acting and one ``steadyrl.faults``
-   fault at step 3 (``NanLossAtStep``, ``InfExpAvgSqAtStep``), each judged held or not.
+A baseline of ``--steps`` with every layer in ``mode: observe``; ``calibrate`` proposes values from its logs; then
+``--drill-steps`` of the calibrated config per fault drill (layers acting, a ``steadyrl.faults`` fault at step 3).
 
 Writes ``OUT/preflight.yaml`` (``extends:`` the user's config; validated first), ``OUT/report.md``, ``OUT/report.json``
 and the runs under ``OUT/runs``. Exit 0 when every drill held, 1 when one did not, 2 when the baseline failed.
@@ -154,23 +151,18 @@ class Preflight:
         return text
 
 
-def _finite(history: History, name: str) -> np.ndarray:
-    _, values = history.series(name)
-    return values[np.isfinite(values)]
-
-
 def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(measured values, proposed ``dotted.key: value``) from a baseline run's history."""
     measured: dict[str, Any] = {"steps logged": history.last_step}
     proposed: dict[str, Any] = {}
-    kl = _finite(history, M.KL)
+    kl = history.finite(M.KL)[1]
     if len(kl) >= 2 and float(cfg.trainer.get("beta", 0.0)) > 0:
         tail = kl[len(kl) // 2 :]
         measured["per-token KL (first / last logged)"] = f"{kl[0]:.3g} / {kl[-1]:.3g}"
         measured["per-token KL, second-half mean"] = float(tail.mean())
         target = max(KLConfig().target_ratio * float(tail.mean()), TARGET_MIN)
         proposed["guards.quatro.kl.target"] = float(f"{target:.3g}")
-    norms = _finite(history, M.GRAD_NORM)
+    norms = history.finite(M.GRAD_NORM)[1]
     norms = norms[norms > ZERO_NORM]
     if len(norms) >= 3:
         p95 = float(np.percentile(norms, 95))
@@ -180,7 +172,7 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
         notes.append(f"only {len(norms)} baseline step(s) had a non-zero gradient (groups without reward variance "
                      "carry no signal): the spike threshold is left at its default; run a longer baseline (--steps) or "
                      "check the reward")  # fmt: skip
-    entropy = _finite(history, M.ENTROPY)
+    entropy = history.finite(M.ENTROPY)[1]
     if len(entropy) >= 4:
         w = max(1, len(entropy) // 4)
         early, late = float(entropy[:w].mean()), float(entropy[-w:].mean())
@@ -191,8 +183,8 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
             notes.append(f"entropy fell to {late / early:.0%} of its start within the baseline: at floor_ratio "
                          f"{default} the entropy floor would switch on at once; the proposed ratio leaves it for a "
                          "collapse beyond this")  # fmt: skip
-    clipped = _finite(history, M.COMPLETIONS_CLIPPED_RATIO)
-    lengths = _finite(history, M.COMPLETIONS_MEAN_LENGTH)
+    clipped = history.finite(M.COMPLETIONS_CLIPPED_RATIO)[1]
+    lengths = history.finite(M.COMPLETIONS_MEAN_LENGTH)[1]
     if len(lengths):
         measured["completion length (mean of step means)"] = float(lengths.mean())
     if len(clipped):
@@ -202,7 +194,7 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
                          f"{cfg.trainer.get('max_completion_length')}: raise it, or reward shorter answers; cut "
                          "completions carry no final answer for a verifier to score")  # fmt: skip
     for name in sorted(m for m in history.metrics if "/would_" in m):  # what the observing layers would have done
-        values = _finite(history, name)
+        values = history.finite(name)[1]
         if not len(values):
             continue
         if name.startswith(CUMULATIVE_WOULD):
@@ -233,7 +225,7 @@ def judge(drill: Drill, rc: int, run_dir: Path, cfg: Any) -> None:
         history = None
 
     def last(name: str) -> float:
-        values = _finite(history, name) if history is not None else np.array([])
+        values = history.finite(name)[1] if history is not None else np.array([])
         return float(values[-1]) if len(values) else 0.0
 
     skipped, rollbacks, repairs = last(M.GEPO_SKIPPED_STEPS), last(M.OPEFO_ROLLBACKS), last(M.OPEFO_REPAIRS)

@@ -1,10 +1,8 @@
 """Declared ranges of config fields, and the one checker that enforces them (imports nothing from steadyrl).
 
-A field declares its range, ``window: int = bounded(5, ge=1)`` (or ``field(..., metadata=bounds(ge=1))``), and its
-class subclasses ``Checked``, whose ``__post_init__`` raises one ``RangeError`` naming every field out of its range:
-``window must be >= 1, got 0``. A field whose annotation admits None may be None; a list or tuple field is checked
-item by item (``beta_range[1] must be ...``) and its length against ``min_len`` / ``max_len``. NaN fails every
-numeric bound. Checks across fields stay code in the class, after ``super().__post_init__()``.
+A field declares its range, ``window: int = bounded(5, ge=1)``, and its class subclasses ``Checked``, whose
+``__post_init__`` raises one ``RangeError`` naming every field out of its range (``window must be >= 1, got 0``).
+None passes where the annotation admits it; lists are checked item by item and by length; NaN fails every bound.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """MetricsLog: every logged row and guard event, one JSON line each, in ``<output_dir>/metrics.jsonl``.
 
-The Trainer writes ``log_history`` only with a checkpoint; this appends each row as it is logged (fsync'd, main
-process only), so a run that dies between checkpoints keeps the rows that explain why:
-
-    {"step": 12, "loss": 0.031, "grad_norm": "nan", "reward": 0.42, ...}
-    {"step": 13, "event": "skip", "reason": "nonfinite"}
-
+Each row is appended (fsync'd, main process only) as it is logged, so a run that dies between checkpoints keeps
+its rows: ``{"step": 12, "grad_norm": "nan", ...}``, ``{"step": 13, "event": "skip", "reason": "nonfinite"}``.
 Non-finite floats are written as ``"nan"``, ``"inf"``, ``"-inf"``; a line cut short by a crash is started afresh by
 the next write. A row that cannot be written (``OSError``: a full disk) is counted and warned about and the run goes
 on; once writing works again, a ``{"event": "metrics_rows_lost", "rows": n}`` row marks the gap.

@@ -82,13 +82,11 @@ class PeriodicEval(TrainerCallback):
     eval_dataset: held-out rows with a ``prompt`` column (text or messages) and the columns the rewards need.
     reward_fns: name -> TRL-style reward function; each one's mean is logged as ``eval/reward/<name>``.
     metric: the reward logged as ``eval/accuracy`` (the task's exact-match); None takes the first reward.
-    reward_weights: name -> weight; when given ``eval/reward`` is the weighted sum of the reward means (what
-        GRPO's training ``reward`` is), otherwise the mean of ``metric``.
-    max_samples: score the first ``max_samples`` rows only (taken before sharding, so the scored set does
-        not depend on the number of ranks).
+    reward_weights: name -> weight; when given ``eval/reward`` is the weighted sum of the reward means, otherwise
+        the mean of ``metric``.
+    max_samples: score the first ``max_samples`` rows only (taken before sharding).
     num_samples_to_log: prompt -> completion pairs from rank 0's shard written to the ``steadyrl.eval`` log.
-    log_fn: called with each eval row on every rank; pass ``trainer_log_fn(trainer)``. Without it the row is
-        appended to ``state.log_history`` only (no ``on_log``: report_to and ``MetricsLog`` do not see it).
+    log_fn: called with each eval row on every rank (``trainer_log_fn(trainer)``); None: ``state.log_history`` only.
     eval_on_start: also evaluate before the first optimizer step (step 0).
     """
 

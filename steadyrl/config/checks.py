@@ -177,8 +177,7 @@ def _check_guards(cfg: Any) -> None:
 
 def _check_quatro(cfg: Any) -> None:
     """QUATRO's settings against the trainer's: a non-negative beta, the entropy gate's reward, a replay share that
-    is neither 0 nor the whole micro-batch (replay works with any steps_per_generation, num_iterations and vLLM's
-    importance sampling correction: docs/DESIGN.md)."""
+    is neither 0 nor the whole micro-batch."""
     q, t = cfg.guards.quatro, cfg.trainer
     if not q.enabled:
         return

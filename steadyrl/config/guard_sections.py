@@ -1,9 +1,7 @@
 """The ``guards`` sections: one shape per layer.
 
-A section is its guard's own config dataclass plus ``enabled`` (it subclasses the config, so a new option of the
-guard is a config key without touching this file); ``to_config()`` gives the guard's config back. GEPO and QUATRO
-are groups of guards, so their sections hold one such section per guard (``steadyrl.trainers.layers`` turns
-sections into trainer arguments).
+A section subclasses its guard's own config dataclass and adds ``enabled`` (a new guard option is a config key
+without touching this file); ``to_config()`` gives the guard's config back. GEPO and QUATRO hold one per guard.
 """
 
 from __future__ import annotations
@@ -127,7 +125,7 @@ class QuatroFiltersSection(FilterConfig, GuardSection):
 @dataclass
 class QuatroReplaySection(ReplayConfig, GuardSection):
     """Rollout replay: each training micro-batch holds round_half_up(``replay_ratio`` x per_device_train_batch_size)
-    rows of the last ``capacity`` micro-batches (off by default; see ``steadyrl.trainers.quatro_runtime``)."""
+    rows of the last ``capacity`` micro-batches (off by default; see ``steadyrl.trainers.rollout.RolloutStation``)."""
 
     enabled: bool = False
 

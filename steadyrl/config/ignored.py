@@ -1,11 +1,9 @@
 """Keys a run would accept and never read, refused before anything loads: an option that is not wired is a config
 error, never a silent no-op.
 
-``READ_BY`` is the one table: for each key (or section, whose row covers its keys without a row of their own) the
-algorithms whose code path reads it, why the others do not, the fix, and the conditions under which it is read at
-all (``eval.on_start`` only with ``eval.every > 0``). A key that differs from its default and that this
-run does not read raises a ConfigError naming the key, the algorithm and the fix. tests/unit/test_ignored_keys.py
-walks every key for every algorithm, so a key no row covers fails there.
+``READ_BY``: for each key (or section) the algorithms that read it, why the others do not, the fix, and when it is
+read at all. A key that differs from its default and that this run does not read raises a ConfigError naming the key,
+the algorithm and the fix.
 
 A section switched off with ``enabled: false`` in the config keeps its other settings (ablations, preflight's
 calibrated values). Under a section that is off by default and that the config never switches, a setting is refused.
@@ -67,9 +65,11 @@ SFT_EVAL = "SFT calls its rewards only to score the eval split after training"
 RL_PERIODIC = "SFT evaluates once, after training (TRL's SFTTrainer gets no periodic eval)"
 NO_SIGNALS = "the reward stage installs no signal handler"
 
+BUILTIN_TINY = "builtin:tiny-llama"  # trainers.build imports it
+
 # the conditions under which a key is read at all: (test on the config and the key's section, why not, fix)
 TINY_MODEL = Cond(
-    lambda cfg, m: m.path == "builtin:tiny-llama",
+    lambda cfg, m: m.path == BUILTIN_TINY,
     "unless model.path is builtin:tiny-llama (the model it builds)",
     "set model.path=builtin:tiny-llama, or remove it",
 )
@@ -197,10 +197,8 @@ class SetKey:
 
 
 def set_keys(obj: Any, prefix: str = "", row_prefix: str = "", ancestors: list | None = None) -> Iterator[SetKey]:
-    """Every key of the dataclass ``obj`` that differs from its default, walking sections and lists of sections.
-
-    A present optional section (``peft``) or list of sections (``rewards``) counts as set itself, then its keys are
-    walked (list entries as ``rewards[0].weight``)."""
+    """Every key of the dataclass ``obj`` that differs from its default, walking sections and lists of sections (a
+    present optional section or list counts as set itself; list entries as ``rewards[0].weight``)."""
     ancestors = [*(ancestors or []), (prefix, obj)]
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -256,9 +254,8 @@ def ignored_reason(cfg: Any, key: SetKey, tree: dict[str, Any]) -> str | None:
 
 
 def check_ignored_keys(cfg: Any, tree: dict[str, Any], origins: Origins | None = None) -> None:
-    """Refuse every key this run would accept and never read (``READ_BY``), all of them in one ConfigError.
-
-    ``tree``: the merged config tree; a section's ``enabled: false`` found there keeps its settings."""
+    """Refuse every key this run would accept and never read (``READ_BY``) in one ConfigError; ``tree``: the merged
+    config tree (a section's ``enabled: false`` there keeps its settings)."""
     origins = origins or {}
     reasons = ((key, ignored_reason(cfg, key, tree)) for key in set_keys(cfg))
     errors = [_where(key.dotted, origins) + reason for key, reason in reasons if reason is not None]

@@ -1,10 +1,7 @@
 """The packages a config needs at run time, checked when it is validated, not after the model loaded.
 
-``check_requirements`` names every missing package at once, what needs it, and the command that installs it: the
-``report_to`` backends, reward functions with known optional dependencies, ``peft`` for a ``peft`` section, and
-``deepspeed`` when the run is (or will be) launched with DeepSpeed (``trainer.deepspeed``,
-``ACCELERATE_USE_DEEPSPEED=true``, or an accelerate config with ``distributed_type: DEEPSPEED`` given to ``steadyrl
-validate --accelerate-config``). A user's own reward module is imported at validation, so its imports are checked.
+``check_requirements`` names every missing package at once (``report_to`` backends, rewards' optional dependencies,
+``peft``, ``deepspeed`` for a DeepSpeed launch), what needs it, and the command that installs it.
 """
 
 from __future__ import annotations
@@ -51,11 +48,6 @@ def installed(module: str) -> bool:
         return False
 
 
-def _report_backends(report_to: Any) -> list[str]:
-    names = [] if report_to is None else [report_to] if isinstance(report_to, str) else list(report_to)
-    return [] if "all" in names else [n for n in names if n != "none"]  # all: whatever is installed
-
-
 def deepspeed_accelerate_config(path: str | Path) -> bool:
     """Whether an accelerate config file launches DeepSpeed (``distributed_type: DEEPSPEED``)."""
     import yaml
@@ -67,7 +59,9 @@ def deepspeed_accelerate_config(path: str | Path) -> bool:
 def check_requirements(cfg: Any, accelerate_config: str | Path | None = None) -> None:
     """ConfigError listing every missing package (in config order) with what needs it and how to install it."""
     out: list[Missing] = []
-    for name in _report_backends(cfg.trainer.get("report_to")):
+    report_to = cfg.trainer.get("report_to")
+    names = [] if report_to is None else [report_to] if isinstance(report_to, str) else list(report_to)
+    for name in [] if "all" in names else [n for n in names if n != "none"]:  # all: whatever is installed
         module, install = REPORT_BACKENDS.get(name, ("", ""))
         if module and not installed(module):
             out.append(Missing(module, f"trainer.report_to: {name}", install))

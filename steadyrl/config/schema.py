@@ -1,15 +1,9 @@
 """The config tree: ``RunConfig`` (typed sections, strict validation, contradiction checks).
 
-The pieces live beside it: ``sections`` (model, data, rewards, peft, eval, ppo), ``guard_sections`` (one shape per
-guard layer), ``typed`` (tree -> dataclasses, the ``trainer`` keys against TRL), ``ignored`` (which algorithm reads
-which key), ``checks`` (contradictions); this module re-exports the names the rest of steadyrl imports from it.
-
-``RunConfig.from_tree`` turns a merged YAML tree into typed sections. Unknown keys, wrong types, keys the run would
-never read (``ignored``) and contradictions raise ``ConfigError`` naming the key, the file that set it and the fix,
-before any model or dataset is loaded. The ``trainer`` section is passed through unchanged to TRL's ``GRPOConfig``
-(``SFTConfig`` for ``algorithm: sft``, ``RewardConfig`` for ``algorithm: reward``, steadyrl's ``SteadyPPOConfig`` --
-GRPOConfig that accepts ``num_generations: 1`` -- for ``algorithm: ppo``); its keys are checked against that class's
-fields.
+``RunConfig.from_tree`` turns a merged YAML tree into typed sections (``sections``, ``guard_sections``, ``typed``);
+unknown keys, wrong types, keys the run would never read (``ignored``) and contradictions (``checks``) raise
+``ConfigError`` naming the key, the file that set it and the fix, before anything loads. The ``trainer`` section goes
+unchanged to the algorithm's TRL config class, whose fields its keys are checked against.
 """
 
 from __future__ import annotations

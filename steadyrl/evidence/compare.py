@@ -1,10 +1,7 @@
 """``steadyrl compare RUN_A RUN_B ...``: several runs' logs overlaid, one PNG per metric, and a table of final values.
 
-Each run is a ``trainer.output_dir`` read with ``load_history`` (a run that died is compared up to its last logged
-step), labelled by its folder name (with the parent's where two share one). A metric is drawn when any run logged it;
-non-finite values are red crosses along the top edge. Output (default ``./compare``): ``<metric>.png`` per drawn
-metric and ``compare.md`` with, per run: steps, finished or not, eval accuracy (last, best), GEPO skips, OPEFO
-rollbacks, and the last value of every drawn metric.
+Each run is a ``trainer.output_dir``, labelled by its folder name. A metric is drawn when any run logged it
+(non-finite values as red crosses along the top). Output: ``<metric>.png`` per drawn metric and ``compare.md``.
 """
 
 from __future__ import annotations
@@ -32,12 +29,6 @@ METRICS = (
     (M.QUATRO_FILTERED_SHARE, "QUATRO filtered share"),
     (M.GRADE_SCALED_STD, "GRADE scaled reward std"),
 )
-
-
-def run_labels(run_dirs: list[Path]) -> list[str]:
-    """Folder names, with the parent's name added where two runs share one."""
-    names = [p.resolve().name for p in run_dirs]
-    return [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(run_dirs, names, strict=True)]
 
 
 def _file_name(metric: str) -> str:
@@ -95,7 +86,9 @@ def write_comparison(run_dirs: list[str | os.PathLike[str]], out_dir: str | os.P
     paths = [Path(p) for p in run_dirs]
     if len(paths) < 2:
         raise ValueError(f"compare needs at least two runs, got {len(paths)}")
-    histories = {label: load_history(p) for label, p in zip(run_labels(paths), paths, strict=True)}
+    names = [p.resolve().name for p in paths]  # the folder's name, with its parent's where two runs share one
+    labels = [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(paths, names, strict=True)]
+    histories = {label: load_history(p) for label, p in zip(labels, paths, strict=True)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drawn = []

@@ -1,14 +1,8 @@
 """``steadyrl doctor``: which way a finished (or dead) run is failing, from its logged metrics alone.
 
-Failure modes (docs/DESIGN.md, "Why GRPO runs die" and "Early warnings and the doctor"):
-- ``hard_crash``: inf/NaN loss or grad norm, and its precursors (grad-norm jumps, non-finite counts, rising
-  advantage std, GEPO skips, OPEFO rollbacks and repairs);
-- ``entropy_collapse``: entropy falls while KL rises, reward stays flat or falls, or repetition rises;
-- ``reward_hacking``: training reward rises while eval accuracy falls or completion length/truncation drifts;
-- ``off_policy_rollouts``: vLLM's log-probs of its own samples drift from the policy's (a weight sync that fails);
-- ``saturated_controller``: a guard held at its bound (``steadyrl.evidence.saturation``).
-Each diagnosis is one row of ``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode. Trends
-compare an early window of logged rows with a late one; only large, sustained changes count.
+Failure modes are ``MODES`` (docs/DESIGN.md, "Early warnings and the doctor"). Each diagnosis is one row of
+``RULES``; ``diagnose`` evaluates them in order and merges the hits per mode. Trends compare an early window of logged
+rows with a late one; only large, sustained changes count.
 """
 
 from __future__ import annotations

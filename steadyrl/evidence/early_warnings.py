@@ -46,11 +46,8 @@ def recent(history: Sequence[dict[str, Any]], key: str, window: int) -> list[tup
 
 def logp_gap_allowance(top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,
                        repetition_penalty: float = 1.0) -> float | None:  # fmt: skip
-    """The vLLM-policy log-prob gap that sampling settings alone put there; None: unbounded (no gap check).
-
-    vLLM's log-probs are after its logit processing; nucleus sampling renormalises over a mass >= ``top_p``, so the
-    gap is at most -log(top_p); top-k, min-p and a repetition penalty move them by amounts no setting bounds.
-    """
+    """The vLLM-policy log-prob gap that sampling settings alone put there: at most -log(``top_p``) (nucleus sampling
+    renormalises); None (no gap check) with top-k, min-p or a repetition penalty, which no setting bounds."""
     if (top_k or 0) > 0 or (min_p or 0.0) > 0.0 or repetition_penalty != 1.0:
         return None
     return -math.log(top_p) if 0.0 < top_p < 1.0 else 0.0
@@ -59,10 +56,8 @@ def logp_gap_allowance(top_p: float = 1.0, top_k: int | None = 0, min_p: float |
 def early_warnings(
     history: Sequence[dict[str, Any]], config: MonitorConfig, gap_allowance: float | None = 0.0
 ) -> list[str]:
-    """Warning lines (empty when healthy) naming the metric, step range and values.
-
-    gap_allowance: :func:`logp_gap_allowance` of the run's sampling settings (see :func:`logp_gap_verdict`).
-    """
+    """Warning lines (empty when healthy) naming the metric, step range and values; ``gap_allowance``:
+    :func:`logp_gap_allowance` of the run's sampling settings."""
     warnings = []
     adv = recent(history, GEPO_ADV_STD, config.window)
     if len(adv) == config.window:
@@ -111,13 +106,9 @@ def logp_gap_verdict(
     floor: float,
     allowance: float | None,
 ) -> GapVerdict | None:
-    """The two vLLM-gap rules over (step, gap) points, shared by the live monitor and ``steadyrl doctor``.
-
-    problem: the median of the last ``window`` finite values (at least 3) is above ``gap_max + allowance``.
-    warning: with exact sampling (``allowance`` 0) and at least two windows of values, that median is above ``floor``
-    and at least ``rise_ratio`` x the median of the first window (an allowance moves with the entropy, so above 0
-    there is no rise rule). ``allowance`` None: no verdict.
-    """
+    """The vLLM-gap rules over (step, gap) points, for the live monitor and ``steadyrl doctor``. problem: the median
+    of the last ``window`` finite values (at least 3) is above ``gap_max + allowance``; warning (``allowance`` 0 only,
+    two windows of values): it is above ``floor`` and ``rise_ratio`` x the first window's. ``allowance`` None: none."""
     points = [(s, v) for s, v in points if math.isfinite(v)]
     late = points[-window:]
     if allowance is None or len(late) < 3:  # medians of at least 3: one noisy step does not decide

@@ -1,10 +1,8 @@
 """Read a run's logged metrics back: ``load_history(run_dir) -> History``.
 
-Sources, first found wins: ``RUN_DIR/metrics.jsonl`` (``MetricsLog``: every row, even of a run that died between
-checkpoints; a garbled line is skipped and counted), else the ``log_history`` of ``checkpoint-N/trainer_state.json``
-with the largest N, or of ``RUN_DIR/trainer_state.json`` when that one is at least as far along. A resumed run logs
-the steps after its checkpoint again: a row whose step goes back replaces the earlier rows from that step on (events
-are kept). ``trainer_state.json`` holds no events: skips and rollbacks then come from the counters alone.
+Sources, first found wins: ``RUN_DIR/metrics.jsonl`` (garbled lines skipped and counted), else the ``log_history``
+of the furthest ``trainer_state.json`` (no events: skips and rollbacks then come from the counters). A row whose step
+goes back (a resumed run) replaces the earlier rows from that step on.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``steadyrl doctor``'s observe-mode summary: what each layer in ``mode: observe`` would have done, in counts.
 
-A layer in observe mode (docs/DESIGN.md, "Observe mode") logs its decisions under ``would`` names and changes
-nothing; this says, per observing layer, what it would have done and whether that is an intervention. Which layers
-observed comes from ``RUN_DIR/resolved_config.yaml``; without it, from the metrics only observe mode logs (GRADE has
-none: it is only found through the config). Per-step counts are reported as means per logged step (they are means
-over a logging interval), cumulative counters as their last value.
+Which layers observed comes from ``RUN_DIR/resolved_config.yaml``, else from the ``would`` metrics (GRADE logs
+none). Per-step counts are reported as means per logged step, cumulative counters as their last value.
 """
 
 from __future__ import annotations

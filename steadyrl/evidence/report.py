@@ -1,9 +1,7 @@
 """``steadyrl report RUN_DIR``: PNG plots of a run's logs and a ``report.md`` that embeds them.
 
-Output goes to ``RUN_DIR/report/``: one PNG per panel and ``report.md`` with a summary table (steps, first/last/
-best values, GEPO skips, OPEFO rollbacks, whether the run finished) and the doctor's diagnosis; a panel whose
-metrics were never logged is skipped with a note. Matplotlib draws through the Agg canvas (no pyplot), so it needs no
-display and leaves the caller's matplotlib state alone. Non-finite values are red crosses along the top edge.
+Output goes to ``RUN_DIR/report/``: one PNG per panel (a panel whose metrics were never logged is skipped with a
+note) and ``report.md`` with a summary table and the doctor's diagnosis. Drawn through the Agg canvas (no pyplot).
 """
 
 from __future__ import annotations

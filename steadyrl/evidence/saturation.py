@@ -1,14 +1,7 @@
-"""Controllers at a bound: the doctor's ``saturated_controller`` checks (issue 13: no controller may sit at a bound
-silently). Each reads counters the guards log and names the key to change:
-- the adaptive KL coefficient wanted past the high (``quatro/kl_at_max``) or low (``quatro/kl_at_min``) end of
-  ``beta_range`` on a large share of the late window's steps;
-- the entropy floor's control sat at 1 (``quatro/entropy_control``; for runs from before the control, the bonus at
-  the largest value logged) while the floor stayed active through the late window;
-- the quality filters (every reason but ``zero_variance``) dropped more than ``max_filter_share`` of the late rows;
-- the spike guard skipped ``min_skip_streak`` or more steps in a row, or re-anchored its baseline
-  (``gepo/spike_rebases``);
-- GRADE's tail clip (``grade/clip_frac_low`` + ``_high``) touched more than ``max_clip_share`` of the late rows (by
-  design about 2 x ``tau`` = 6% on a continuous reward, 0 on a discrete one).
+"""Controllers at a bound: the doctor's ``saturated_controller`` checks (no controller may sit at a bound silently).
+Each reads counters the guards log over the late window (KL coefficient at an end of ``beta_range``, the entropy
+floor's control at 1, the quality filters' drop share, spike-skip streaks and rebases, GRADE's tail-clip share) and
+names the key to change.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ class SaturationConfig:
     window: int = 20  # late window, in logged rows
     max_filter_share: float = 0.3  # quality filters dropping more than this share of rows (late-window mean)
     min_skip_streak: int = 3  # consecutive skipped optimizer steps worth reporting
-    max_clip_share: float = 0.15  # GRADE's tail clip touching more than this share of rows (late-window mean)
+    max_clip_share: float = 0.15  # GRADE's tail clip above this share of rows (late mean; by design ~2 tau = 6%)
 
 
 @dataclass
