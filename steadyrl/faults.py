@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,21 +39,6 @@ def exact_match_cauchy(completions: Sequence[Any], answer: Sequence[str], scale:
     rng = np.random.default_rng([seed, step])
     noise = scale * rng.standard_cauchy(len(completions))
     return [r + float(n) for r, n in zip(exact_match(completions, answer), noise, strict=True)]
-
-
-def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
-    """Make the loss of micro-batch ``micro_step`` (``trainer._step``, from 0) of a ``trl.GRPOTrainer`` NaN (its
-    advantages times NaN). Returns a function that removes the fault."""
-    original = trainer._prepare_inputs
-
-    def poisoned(generation_batch: Any) -> Any:
-        inputs = original(generation_batch)
-        if trainer.model.training and trainer._step == micro_step:
-            inputs = {**inputs, "advantages": inputs["advantages"] * float("nan")}
-        return inputs
-
-    trainer._prepare_inputs = poisoned
-    return lambda: setattr(trainer, "_prepare_inputs", original)
 
 
 class CorruptOptimizerState(TrainerCallback):

@@ -65,7 +65,7 @@ SFT_EVAL = "SFT calls its rewards only to score the eval split after training"
 RL_PERIODIC = "SFT evaluates once, after training (TRL's SFTTrainer gets no periodic eval)"
 NO_SIGNALS = "the reward stage installs no signal handler"
 
-BUILTIN_TINY = "builtin:tiny-llama"  # trainers.build imports it
+BUILTIN_TINY = "builtin:tiny-llama"
 
 # the conditions under which a key is read at all: (test on the config and the key's section, why not, fix)
 TINY_MODEL = Cond(

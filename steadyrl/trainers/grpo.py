@@ -1,7 +1,7 @@
 """SteadyGRPOTrainer: ``trl.GRPOTrainer`` plus the guard layers' parts, with state that survives resume.
 
 Without guard parts it *is* ``trl.GRPOTrainer``: every hook calls the parent and returns its result untouched
-(tests/integration/test_equivalence.py). Each overridden hook (listed in ``steadyrl.trainers.hooks``; no TRL body is
+(tests/integration/test_equivalence.py). Each overridden hook (listed in ``tests/unit/trl_contract.py``; no TRL body is
 copied) calls one station of the step (docs/ARCHITECTURE.md): ``rollout`` (rewards -> advantages), ``loss``,
 ``step_gate`` (skip or clip), ``step_end`` (between steps); ``checkpoints`` for saving and resuming. Only
 ``trl_state`` writes TRL's state.

@@ -1,6 +1,6 @@
 """The only place where the guard layers' decisions are written into TRL's trainer state (or read from TRL's
 private state); the stations return what should change. Why writing these attributes between steps is safe is in
-``steadyrl.trainers.hooks`` (``internals_problems`` checks it).
+``tests/unit/trl_contract.py`` (``internals_problems`` checks it).
 """
 
 from __future__ import annotations

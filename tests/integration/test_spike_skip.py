@@ -4,13 +4,14 @@ spike is skipped on the pre-clip norm."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOTrainer
 
-from steadyrl.faults import inject_nan_loss
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 from steadyrl.trainers import SteadyGRPOTrainer
 from steadyrl.trainers.layers import GuardParts
@@ -19,6 +20,21 @@ from tests.integration.helpers import assert_same_weights, byte_mean, grpo_args,
 pytestmark = pytest.mark.slow
 POISONED_MICRO_STEP = 1  # the second backward pass
 SPIKE_STEP = 3  # the fourth optimizer step (after a 2-step warm-up and one more accepted step)
+
+
+def inject_nan_loss(trainer: Any, micro_step: int) -> Callable[[], None]:
+    """Make the loss of micro-batch ``micro_step`` (``trainer._step``, from 0) of a ``trl.GRPOTrainer`` NaN (its
+    advantages times NaN). Returns a function that removes the fault."""
+    original = trainer._prepare_inputs
+
+    def poisoned(generation_batch: Any) -> Any:
+        inputs = original(generation_batch)
+        if trainer.model.training and trainer._step == micro_step:
+            inputs = {**inputs, "advantages": inputs["advantages"] * float("nan")}
+        return inputs
+
+    trainer._prepare_inputs = poisoned
+    return lambda: setattr(trainer, "_prepare_inputs", original)
 
 
 def _trainer(cls, model_dir, out, **kwargs):

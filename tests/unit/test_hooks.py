@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import trl
+from trl_contract import HOOKED_METHODS, TESTED_TRL, hook_signature_mismatches, internals_problems
 
 from steadyrl.trainers import SteadyGRPOTrainer
-from steadyrl.trainers.hooks import HOOKED_METHODS, TESTED_TRL, hook_signature_mismatches, internals_problems
 
 
 def test_installed_trl_is_the_tested_minor_release():
@@ -38,5 +38,5 @@ def test_mismatch_is_reported():
 
 
 def test_accelerate_and_deepspeed_internals_are_as_relied_on():
-    """The LR-schedule flag and the ZeRO step order the step guards depend on (see trainers/hooks.py)."""
+    """The LR-schedule flag and the ZeRO step order the step guards depend on (see trl_contract.py)."""
     assert internals_problems() == []

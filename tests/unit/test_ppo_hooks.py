@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from steadyrl.trainers.hooks import PPO_HOOKED_METHODS, hook_signature_mismatches, ppo_internals_problems
+from trl_contract import PPO_HOOKED_METHODS, hook_signature_mismatches, ppo_internals_problems
+
 from steadyrl.trainers.ppo import SteadyPPOTrainer
 
 

@@ -1,6 +1,7 @@
-"""Every TRL / transformers method steadyrl overrides (``PPO_HOOKED_METHODS``: ``SteadyPPOTrainer``'s), with the
-signature it was written against, and the private details of TRL, accelerate and DeepSpeed it relies on:
-``tests/unit/test_hooks.py`` checks both (``internals_problems``), so a TRL upgrade that moves one fails in CI.
+"""The contract with TRL, checked in CI: every TRL / transformers method steadyrl overrides (``PPO_HOOKED_METHODS``:
+``SteadyPPOTrainer``'s), with the signature it was written against, and the private details of TRL, accelerate and
+DeepSpeed it relies on. ``test_hooks.py`` and ``test_ppo_hooks.py`` check both (``internals_problems``), so a TRL
+upgrade that moves one fails in CI.
 
 Relied on: TRL's ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates and serves
 ``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present, unsqueezes only 1-D
