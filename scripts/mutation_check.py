@@ -187,8 +187,56 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_quatro.py::test_kl_auto_target_is_calibrated_from_the_runs_own_kl_at_the_users_beta",),
     ),
     Mutant(
+        "spike_without_ratio_floor",
+        "the spike test is the z-score alone: a run with a tiny spread skips healthy 2x steps",
+        (("steadyrl/guards/spike.py", "margin = math.log(c.min_ratio)", "margin = 0.0"),),
+        ("tests/unit/test_spike.py::test_the_ratio_floor_holds_where_the_spread_is_tiny",),
+    ),
+    Mutant(
+        "spike_noisy_window_hides_spikes",
+        "a noisy window lifts the spike threshold without bound (no max_ratio): a x1e4 gradient goes through",
+        (
+            (
+                "steadyrl/guards/spike.py",
+                "min(c.z_threshold * self._spread(median), math.log(c.max_ratio))",
+                "c.z_threshold * self._spread(median)",
+            ),
+        ),
+        ("tests/unit/test_spike.py::test_a_noisy_window_never_lifts_the_threshold_past_max_ratio",),
+    ),
+    Mutant(
+        "spike_blind_in_warm_up",
+        "no spike test before warmup_steps norms: a x1e4 gradient early in the run goes through",
+        (
+            (
+                "steadyrl/guards/spike.py",
+                "if not self.window or not c.tests_spikes:",
+                "if len(self.window) < c.warmup_steps or not c.tests_spikes:",
+            ),
+        ),
+        ("tests/unit/test_spike.py::test_warm_up_has_the_ratio_floor_only_from_the_first_norm",),
+    ),
+    Mutant(
+        "ledger_never_closes_a_step",
+        "the trainer never ends a step in the interventions ledger: nothing counted, the summary says 0 steps",
+        (("steadyrl/trainers/step_end.py", "        t.close_ledger_step()\n", ""),),
+        (f"{IT}/test_spike_skip.py::test_the_interventions_ledger_counts_the_skip_and_nothing_else",),
+    ),
+    Mutant(
+        "length_filter_on_percentiles",
+        "the length filter drops every length outside the rolling quartiles (no fences): healthy rows dropped",
+        (("steadyrl/guards/rollout_filters.py", "LENGTH_FENCE = 3.0", "LENGTH_FENCE = 0.0"),),
+        ("tests/unit/test_quatro.py::test_the_rolling_length_range_is_tukeys_far_out_fences",),
+    ),
+    Mutant(
+        "kl_controller_on_by_default",
+        "the adaptive KL controller steers beta by default, on healthy runs too",
+        (("steadyrl/guards/kl_controller.py", "    enabled: bool = False", "    enabled: bool = True"),),
+        ("tests/unit/test_config.py::test_quatro_section_builds_its_parts",),
+    ),
+    Mutant(
         "spike_zero_steps_in_ema",
-        "no-signal (zero-norm) steps enter the spike guard's EMA, which then locks out healthy steps",
+        "no-signal (zero-norm) steps enter the spike guard's baseline, which then locks out healthy steps",
         (("steadyrl/guards/spike.py", "if norm <= ZERO_NORM:", "if False:"),),
         ("tests/unit/test_spike.py::test_zero_gradient_stretch_does_not_lock_out_healthy_steps",),
     ),

@@ -79,6 +79,10 @@ def _evidence(args: argparse.Namespace) -> int:
 
     findings = diagnose(history, doctor_config_for(args.run_dir))
     print(format_findings(findings, history), end="")
+    from steadyrl.evidence.interventions import format_table, load_summary
+
+    if ledger := load_summary(args.run_dir, history):  # what the guard layers changed, per kind
+        print("\n" + format_table(ledger))
     if observed := format_observe_summary(history, args.run_dir):  # layers in mode: observe, what they would do
         print("\n" + observed, end="")
     return 1 if findings else 0

@@ -52,11 +52,12 @@ GEPO_ADV_MAX_ABS = "gepo/adv_max_abs"
 GEPO_SKIPPED_STEPS = "gepo/skipped_steps"  # cumulative
 GEPO_ZERO_GRAD_STEPS = "gepo/zero_grad_steps"  # cumulative: no-signal steps kept out of the spike baseline
 GEPO_SPIKE_REBASES = "gepo/spike_rebases"  # cumulative: spike streaks taken as a level shift
-GEPO_SPIKE_EMA = "gepo/spike_ema"  # the spike guard's grad-norm baseline
+GEPO_SPIKE_MEDIAN = "gepo/spike_median"  # the spike guard's baseline: median grad norm of its window
+GEPO_SPIKE_Z = "gepo/spike_z"  # the last step's robust z-score of log grad norm against that window
 GEPO_SKIPPED_PREFIX = "gepo/skipped_"  # gepo/skipped_<reason>, cumulative per reason (spike, nonfinite)
 # guards.gepo.spike.granularity: micro_batch (steadyrl/trainers/micro_batch_gate.py)
 GEPO_DROPPED_MICRO_BATCHES = "gepo/dropped_micro_batches"  # cumulative, every rank: micro-batches left out of a step
-GEPO_MICRO_SPIKE_EMA = "gepo/micro_spike_ema"  # the micro-batch guard's own-gradient-norm baseline (rank 0's)
+GEPO_MICRO_SPIKE_MEDIAN = "gepo/micro_spike_median"  # the micro-batch guard's own-gradient-norm baseline (rank 0's)
 
 
 def gepo_skipped(reason: str) -> str:
@@ -112,6 +113,7 @@ QUATRO_FLOOR_HELD_OFF = "quatro/floor_held_off"  # 1: entropy under the floor, b
 QUATRO_FILTERED_PREFIX = "quatro/filtered/"  # quatro/filtered/<reason>, rows dropped per filter
 QUATRO_FILTERED_SHARE = "quatro/filtered_share"
 QUATRO_ZERO_VARIANCE_GROUPS = "quatro/zero_variance_groups"
+QUATRO_ROWS = "quatro/rows"  # rows of the generation batch the filters saw
 QUATRO_REPLAY_FRAC = "quatro/replay_frac"
 QUATRO_REPLAY_AGE_MEAN = "quatro/replay_age_mean"
 QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
@@ -183,6 +185,21 @@ PPO_CRITIC_GRAD_NORM = "ppo/critic_grad_norm"
 
 # ----------------------------------------------------------------------------------- steadyrl, periodic eval
 GUARD_SECONDS = "steadyrl/guard_seconds"
+# the interventions ledger (steadyrl/evidence/interventions.py): 1 on a step where the kind acted, else 0
+LEDGER_PREFIX = "steadyrl/interventions/"
+LEDGER_WOULD_PREFIX = would(LEDGER_PREFIX)  # observe mode: what it would have done
+
+
+def ledger(kind: str) -> str:
+    """1 on an optimizer step where intervention ``kind`` (``skipped_step``, ``beta_moved``, ...) acted, else 0."""
+    return f"{LEDGER_PREFIX}{kind}"
+
+
+def ledger_would(kind: str) -> str:
+    """Observe mode: 1 on a step where ``kind`` would have acted."""
+    return f"{LEDGER_WOULD_PREFIX}{kind}"
+
+
 # parts of the guard seconds (RuntimeContext.timer(part), OUTPUT_DIR/guard_cost.json "seconds_by_part"): the layer,
 # then the mechanism whose code ran; "grade", "pipeline", "checks" and "ppo" have no mechanism part
 GUARD_PART_GEPO_ADVANTAGES = "gepo/advantages"

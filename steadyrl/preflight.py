@@ -9,6 +9,7 @@ and the runs under ``OUT/runs``. Exit 0 when every drill held, 1 when one did no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
 
 from steadyrl import metrics as M
@@ -27,13 +29,13 @@ from steadyrl.evidence.history import History, HistoryNotFoundError, load_histor
 from steadyrl.experiments import Outcome, launch, train_command
 from steadyrl.faults import FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log
 from steadyrl.guards.kl_controller import TARGET_MIN, KLConfig
-from steadyrl.guards.spike import ZERO_NORM
+from steadyrl.guards.spike import ZERO_NORM, SpikeConfig, SpikeGuard
 
 LAYERS = ("gepo", "opefo", "quatro", "grade")
 DRILL_STEP = 3
 SHORT_RUN = ("trainer.logging_steps=1", 'trainer.save_strategy="no"', "trainer.resume_from_checkpoint=null",  # all runs
              "trainer.report_to=[]", "eval.enabled=false")  # fmt: skip
-SPIKE_NORM_MULTIPLE = 3.0  # abs_threshold = this x the 95th percentile of calm norms
+SPIKE_MARGIN = 3.0  # the spike guard's min_ratio should sit this far above a calm run's largest norm / baseline
 CUMULATIVE_WOULD = (M.GEPO_WOULD_SKIP_PREFIX, M.GEPO_WOULD_STOP, M.GEPO_WOULD_DROP_MICRO_BATCHES,  # running totals
                     M.OPEFO_WOULD_ROLLBACK, M.OPEFO_WOULD_REPAIR, M.OPEFO_WOULD_FLOOR_ENTRIES,
                     M.OPEFO_WOULD_FEED_BACK)  # fmt: skip
@@ -151,6 +153,20 @@ class Preflight:
         return text
 
 
+def calm_spike_margin(norms: list[float], config: SpikeConfig) -> tuple[float, float]:
+    """(largest norm / the spike guard's baseline, largest robust z of log norm) as the guard would have seen a calm
+    run's ``norms`` with a ratio floor too high to skip any: how close the run came to the spike test."""
+    probe = SpikeGuard(dataclasses.replace(config, min_ratio=1e30, max_ratio=math.inf))
+    ratio, z = 0.0, -math.inf
+    for step, norm in enumerate(norms):
+        if probe.baseline is not None:
+            ratio = max(ratio, norm / probe.baseline)
+        probe.decide(torch.tensor(norm), step)
+        if math.isfinite(probe.last_z):
+            z = max(z, probe.last_z)
+    return ratio, z
+
+
 def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(measured values, proposed ``dotted.key: value``) from a baseline run's history."""
     measured: dict[str, Any] = {"steps logged": history.last_step}
@@ -165,12 +181,17 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
     norms = history.finite(M.GRAD_NORM)[1]
     norms = norms[norms > ZERO_NORM]
     if len(norms) >= 3:
-        p95 = float(np.percentile(norms, 95))
-        measured["grad norm (median / p95 / max)"] = f"{np.median(norms):.3g} / {p95:.3g} / {norms.max():.3g}"
-        proposed["guards.gepo.spike.abs_threshold"] = float(f"{SPIKE_NORM_MULTIPLE * p95:.3g}")
+        ratio, z = calm_spike_margin(norms.tolist(), cfg.guards.gepo.spike.to_config())
+        measured["grad norm (median / max)"] = f"{np.median(norms):.3g} / {norms.max():.3g}"
+        measured["largest grad norm / spike baseline (calm run)"] = float(f"{ratio:.3g}")
+        measured["largest robust z of log grad norm (calm run)"] = float(f"{z:.3g}") if math.isfinite(z) else None
+        if SPIKE_MARGIN * ratio > cfg.guards.gepo.spike.min_ratio:
+            proposed["guards.gepo.spike.min_ratio"] = float(f"{SPIKE_MARGIN * ratio:.3g}")
+            notes.append(f"a calm step reached {ratio:.3g} x the spike guard's baseline: min_ratio "
+                         f"{cfg.guards.gepo.spike.min_ratio:g} leaves less than {SPIKE_MARGIN:g}x margin")  # fmt: skip
     else:
         notes.append(f"only {len(norms)} baseline step(s) had a non-zero gradient (groups without reward variance "
-                     "carry no signal): the spike threshold is left at its default; run a longer baseline (--steps) or "
+                     "carry no signal): the spike margin was not measured; run a longer baseline (--steps) or "
                      "check the reward")  # fmt: skip
     entropy = history.finite(M.ENTROPY)[1]
     if len(entropy) >= 4:
@@ -206,7 +227,7 @@ def calibrate(history: History, cfg: Any, notes: list[str]) -> tuple[dict[str, A
     g = cfg.guards
     off = {  # a value for a guard the config leaves off would be an ignored key (a config error): not proposed
         "guards.quatro.kl.target": not (g.quatro.enabled and g.quatro.kl.enabled),
-        "guards.gepo.spike.abs_threshold": not g.gepo.enabled,
+        "guards.gepo.spike.min_ratio": not g.gepo.enabled,
         "guards.quatro.entropy.floor_ratio": not (g.quatro.enabled and g.quatro.entropy.enabled),
     }
     for key in [k for k in proposed if off.get(k)]:

@@ -152,7 +152,7 @@ def _check_guards(cfg: Any) -> None:
                 "guards.gepo.spike.granularity=micro_batch judges each micro-batch's own gradient between backward "
                 "passes, but DeepSpeed ZeRO reduces every micro-batch into its gradient partitions inside the "
                 "backward pass, where no micro-batch can be taken out again. Use granularity=step under DeepSpeed "
-                "(with many accumulation steps, lower guards.gepo.spike.spike_factor: docs/DESIGN.md, GEPO: spike skip)"
+                "(with many accumulation steps, lower guards.gepo.spike.min_ratio: docs/DESIGN.md, GEPO: spike skip)"
             )
         if t.get("fp16"):
             raise ConfigError(

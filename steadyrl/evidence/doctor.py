@@ -395,8 +395,8 @@ def _saturated(history: History, config: DoctorConfig) -> Iterator[Hit]:
 
 # fmt: off
 CHANGE_SPIKE = ("guards.gepo.enabled: true and guards.gepo.spike.enabled: true: skip a step whose gradient norm is "
-    "non-finite or above guards.gepo.spike.spike_factor (5.0; lower it for smaller jumps) x its EMA (docs/DESIGN.md: "
-    "GEPO: spike skip)")
+    "non-finite or above guards.gepo.spike.min_ratio (100; lower it for smaller jumps) x the median of its recent "
+    "norms and z_threshold (6) robust spreads above it (docs/DESIGN.md: GEPO: spike skip)")
 CHANGE_LR = "trainer.learning_rate: lower it 2-3x (NaN loss -> lower the learning rate, clip gradients)"
 CHANGE_CLIP = "trainer.max_grad_norm: 1.0 (clip what the spike guard lets through)"
 CHANGE_LOGPROB = ("guards.gepo.logprob_min: -100: a -inf log-prob makes the ratio NaN (docs/DESIGN.md: GEPO: "

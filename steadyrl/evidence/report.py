@@ -20,6 +20,7 @@ from matplotlib.ticker import MaxNLocator
 from steadyrl import metrics as M
 from steadyrl.evidence.doctor import DoctorConfig, diagnose, doctor_config_for, format_findings
 from steadyrl.evidence.history import History, load_history
+from steadyrl.evidence.interventions import format_table, load_summary
 
 STEP = "optimizer step"
 NONFINITE = "non-finite (NaN/inf)"
@@ -240,6 +241,12 @@ def _markdown(run_dir: Path, history: History, drawn: dict[str, str | None]) -> 
         f"| events | {len(history.events)} |",
         "",
         *_summary_rows(history),
+        "",
+        "## What steadyrl changed (interventions ledger)",
+        "",
+        "```text",
+        format_table(ledger).rstrip() if (ledger := load_summary(run_dir, history)) else "no ledger in this run's logs",
+        "```",
         "",
         "## Diagnosis (`steadyrl doctor`)",
         "",

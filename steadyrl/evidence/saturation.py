@@ -140,15 +140,15 @@ def _spike_checks(history: History, c: SaturationConfig) -> list[SaturationCheck
                 best, start = run, run_start
         if best >= c.min_skip_streak:
             change = "guards.gepo.spike.rebase_after (4): a streak this long is a level shift the guard should take as "
-            change += "the new normal; check guards.gepo.spike.abs_threshold against the logged grad_norm"
+            change += "the new normal; check guards.gepo.spike.min_ratio against grad_norm / gepo/spike_median"
             detail, summary = f"{best} optimizer steps in a row were skipped", "spike guard skipped steps in a row"
             out.append(SaturationCheck(summary, M.GEPO_SKIPPED_STEPS, start, start + best - 1, detail, change))
     steps, rebases = _late(history, M.GEPO_SPIKE_REBASES, 10**9)
     if len(rebases) and rebases[-1] > 0:
         first, summary = int(steps[np.argmax(rebases > 0)]), "spike guard re-anchored its baseline"
         detail = f"{rebases[-1]:.0f} streak(s) of spikes were a level shift (the guard took them as the new normal)"
-        change = "guards.gepo.spike.abs_threshold / spike_factor: set them from the grad_norm of a calm stretch "
-        change += "(steadyrl preflight proposes values)"
+        change = "guards.gepo.spike.min_ratio / z_threshold: set them from the grad_norm of a calm stretch "
+        change += "(steadyrl preflight measures the margin)"
         out.append(SaturationCheck(summary, M.GEPO_SPIKE_REBASES, first, int(steps[-1]), detail, change))
     return out
 

@@ -46,8 +46,8 @@ _STATE = (
 class EntropyConfig(Checked):
     enabled: bool = True
     baseline_steps: int = bounded(10, ge=1)  # optimizer steps whose mean entropy is the baseline
-    floor_ratio: float = bounded(0.8, gt=0, le=1)  # floor = floor_ratio x baseline
-    window: int = bounded(5, ge=1)  # rolling window (steps) compared with the floor
+    floor_ratio: float = bounded(0.15, gt=0, le=1)  # floor = floor_ratio x baseline
+    window: int = bounded(10, ge=1)  # rolling window (steps) compared with the floor
     ki: float = bounded(0.1, gt=0, finite=True)  # integral gain: control change per step at a relative gap of 1
     kp: float = bounded(0.4, ge=0, finite=True)  # proportional gain: control per unit relative gap
     coef_max: float = bounded(0.01, ge=0, finite=True)  # entropy bonus at control 1 (TRL's entropy_coef)

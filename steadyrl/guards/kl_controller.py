@@ -1,5 +1,6 @@
-"""Adaptive KL coefficient (QUATRO, ``guards.quatro.kl``): keep the mean per-token KL to the reference near a
-target by scaling beta (docs/DESIGN.md, "QUATRO: adaptive KL").
+"""Adaptive KL coefficient (QUATRO, ``guards.quatro.kl``, off by default): keep the mean per-token KL to the
+reference near a target by scaling beta (docs/DESIGN.md, "QUATRO: adaptive KL": a learning run's KL grows 10-50x
+past its early level, so no default target tells drift from learning; a controller that acts must be asked for).
 
 With ``target: auto`` (the default) beta stays at ``trainer.beta`` for the first ``calibration_steps`` updates; the
 target is then ``target_ratio`` x the mean KL of the second half of that window (at least ``TARGET_MIN``). A number
@@ -33,7 +34,7 @@ TARGET_MIN = 1e-4  # floor of a calibrated target (a run whose KL is still ~0)
 
 @dataclass
 class KLConfig(Checked):
-    enabled: bool = True
+    enabled: bool = False
     # mean per-token KL to the reference, or "auto": calibrated from this run
     target: float | str = bounded(AUTO, gt=0, finite=True, choices=(AUTO,))
     calibration_steps: int = bounded(20, ge=2)  # auto: updates at trainer.beta before the target is set

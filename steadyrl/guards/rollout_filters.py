@@ -18,16 +18,19 @@ from typing import Any
 
 import torch
 
-from steadyrl.metrics import QUATRO_FILTERED_SHARE, QUATRO_ZERO_VARIANCE_GROUPS, quatro_filtered
+from steadyrl.metrics import QUATRO_FILTERED_SHARE, QUATRO_ROWS, QUATRO_ZERO_VARIANCE_GROUPS, quatro_filtered
 from steadyrl.ranges import Checked, bounded
 
 DROPPED_ROWS = ("zero_advantage", "exclude")
 # A dropped row is counted under the first of these that dropped it (the order the filters run in).
 FILTER_REASONS = ("zscore", "length", "parrot", "repetition", "zero_variance")
 MIN_DISTINCT = 3  # the z-score filter is skipped when the finite rewards take fewer distinct values (pass/fail)
-# the length filter's rolling range: [LENGTH_PERCENTILES] of the last LENGTH_HISTORY completion lengths, once
-# LENGTH_MIN_HISTORY of them are remembered
-LENGTH_PERCENTILES = (1.0, 99.0)
+# the length filter's rolling range: Tukey's far-out fences, the quartiles (LENGTH_PERCENTILES) of the last
+# LENGTH_HISTORY completion lengths widened by LENGTH_FENCE x their spread (at least LENGTH_MIN_SPREAD tokens), once
+# LENGTH_MIN_HISTORY of them are remembered: a healthy run's lengths stay inside (percentiles alone drop 2 % by design)
+LENGTH_PERCENTILES = (25.0, 75.0)
+LENGTH_FENCE = 3.0
+LENGTH_MIN_SPREAD = 1.0
 LENGTH_HISTORY = 2048
 LENGTH_MIN_HISTORY = 256
 PARROT_N = 4  # the parrot filter's n-gram size, in tokens
@@ -44,7 +47,7 @@ class LengthConfig(Checked):
     enabled: bool = True
     min_tokens: int = bounded(0, ge=0)
     max_tokens: int | None = bounded(None, ge=0)  # >= min_tokens
-    rolling: bool = True  # also drop lengths outside the rolling range of recent ones (LENGTH_PERCENTILES)
+    rolling: bool = True  # also drop lengths far outside the recent ones (Tukey's far-out fences, LENGTH_FENCE)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -287,7 +290,16 @@ class FilterResult:
         out = {quatro_filtered(reason): float(count) for reason, count in self.reasons.items()}
         out[QUATRO_FILTERED_SHARE] = (n - int(self.keep.sum())) / n if n else 0.0
         out[QUATRO_ZERO_VARIANCE_GROUPS] = float(self.zero_variance_groups.sum())
+        out[QUATRO_ROWS] = float(n)
         return out
+
+
+def fences(low: float, high: float) -> tuple[float, float]:
+    """[low, high] widened by ``LENGTH_FENCE`` x max(high - low, ``LENGTH_MIN_SPREAD``) on each side."""
+    if LENGTH_FENCE == 0:
+        return low, high
+    margin = LENGTH_FENCE * max(high - low, LENGTH_MIN_SPREAD)
+    return low - margin, high + margin
 
 
 class RolloutFilter:
@@ -318,11 +330,11 @@ class RolloutFilter:
         self.dropped = dict.fromkeys(FILTER_REASONS, 0)  # totals over all calls
 
     def length_range(self) -> tuple[float, float] | None:
-        """The rolling [p_low, p_high] of the remembered lengths, or None before ``LENGTH_MIN_HISTORY`` of them."""
+        """The rolling fences of the remembered lengths (module constants), or None before ``LENGTH_MIN_HISTORY``."""
         if not self.config.length.rolling or len(self._lengths) < LENGTH_MIN_HISTORY:
             return None
         low, high = self._lengths.quantiles([p / 100.0 for p in LENGTH_PERCENTILES])
-        return low, high
+        return fences(low, high)
 
     def __call__(
         self,

@@ -18,6 +18,7 @@ from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
 from steadyrl.config.guard_sections import GuardsSection
+from steadyrl.evidence.interventions import Ledger
 from steadyrl.metrics import GRADE_BETA, GRADE_KL_FACTOR, GUARD_PART_QUATRO_REPLAY
 from steadyrl.trainers import checkpoints, trl_state
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline
@@ -51,6 +52,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
             raise ValueError("kl_compensation needs a reward processor with kl_compensation() and beta > 0")
         self.beta_base, self.beta_factors = self.beta, {}
         self.scratch, self.notes = HookScratch(), StepNotes()
+        self.ledger: Ledger | None = None  # the interventions ledger (set below when any guard part runs)
         acc = self.accelerator
         distributed = acc.num_processes > 1  # else accelerate's collectives return their input
         self.ctx = RuntimeContext(
@@ -94,6 +96,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 missing = "the checkpoint has no QUATRO %s buffer for this rank: it starts empty"
                 per_rank["quatro"] = SavedTogether({"replay": self.rollout.replay}, missing)
         self.guard_state = GuardState.register(layers, p.stateful, self.gate.counters, per_rank=per_rank)
+        guarded = active or p.finite_checks or p.opefo is not None
+        self.ledger = Ledger(self.gate.counters, self.beta_base, p.observe) if guarded else None
         if p.kl_compensation is not None or q is not None:  # factors of beta set between steps: checkpointed
             self.guard_state.stateful.setdefault("beta_factors", trl_state.BetaFactors(self))
         self._epsilon0: tuple[float, float] | None = None
@@ -123,6 +127,14 @@ class SteadyGRPOTrainer(GRPOTrainer):
     def _guard_metric(self, name: str, value: float) -> None:
         """Averaged over the logging interval and logged with TRL's own metrics (report_to sees them)."""
         self._metrics["train" if self.model.training else "eval"][name].append(value)
+        if self.ledger is not None and self.model.training:
+            self.ledger.see(name, value)
+
+    def close_ledger_step(self) -> None:
+        """End the optimizer step in the interventions ledger and log its per-kind flags."""
+        if self.ledger is not None:
+            for name, value in self.ledger.close().items():
+                self._metrics["train"][name].append(value)
 
     # ------------------------------------------------------------------ station 1: rewards -> advantages
 

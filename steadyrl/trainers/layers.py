@@ -93,9 +93,9 @@ def gepo_layer(section: GepoSection) -> dict[str, Any]:
         out["advantage_fn"] = GEPOAdvantage.from_config(section.advantage.to_config())
     spike = section.spike.to_config()
     if not section.spike.enabled:  # finite checks stay: a non-finite gradient norm still skips the step
-        spike = dataclasses.replace(spike, spike_factor=math.inf)
+        spike = dataclasses.replace(spike, min_ratio=math.inf)
     out.update({"logprob_min": section.logprob_min, "step_guards": [SpikeGuard(spike)]})
-    if spike.granularity == "micro_batch":  # a second guard, own EMA, on each micro-batch's own gradient
+    if spike.granularity == "micro_batch":  # a second guard, own baseline, on each micro-batch's own gradient
         out["micro_batch_guard"] = SpikeGuard(spike)
     if section.observing:
         logger.info(
@@ -110,7 +110,7 @@ def opefo_layer(section: OpefoSection) -> dict[str, Any]:
     Adam's moments)."""
     if not section.enabled:
         return {}
-    nonfinite_only = SpikeGuard(SpikeConfig(spike_factor=math.inf))
+    nonfinite_only = SpikeGuard(SpikeConfig(min_ratio=math.inf))
     out: dict[str, Any] = {"opefo": section.to_config(), "finite_checks": True, "nonfinite_guard": nonfinite_only}
     if section.observing and section.rollback.enabled and section.rollback.storage == "disk":
         logger.info("guards.opefo.rollback.storage=disk: no snapshot is written in observe mode")

@@ -21,7 +21,7 @@ from steadyrl.guards.spike import SpikeGuard, SpikeSkipError
 from steadyrl.metrics import (
     EVENT_MICRO_BATCH_DROP,
     GEPO_DROPPED_MICRO_BATCHES,
-    GEPO_MICRO_SPIKE_EMA,
+    GEPO_MICRO_SPIKE_MEDIAN,
     GEPO_WOULD_DROP_MICRO_BATCHES,
     GUARD_PART_GEPO_SPIKE,
 )
@@ -101,7 +101,7 @@ class MicroBatchGate:
         logger.warning(
             "step %d: micro-batch %d dropped (%s, its own grad norm %.4g, baseline %s)",
             step + 1, self._seen, decision.reason, float(norm),
-            "none" if self.guard.ema is None else format(self.guard.ema, ".4g"),
+            "none" if self.guard.baseline is None else format(self.guard.baseline, ".4g"),
         )  # fmt: skip
         self.ctx.emit_event(
             EVENT_MICRO_BATCH_DROP, step=step + 1, micro_batch=self._seen, reason=decision.reason, grad_norm=float(norm)
@@ -141,8 +141,8 @@ class MicroBatchGate:
         self.dropped_total += dropped_all
         name = GEPO_WOULD_DROP_MICRO_BATCHES if self.observe else GEPO_DROPPED_MICRO_BATCHES
         self.ctx.log_metric(name, self.dropped_total)
-        ema = self.guard.ema
-        self.ctx.log_metric(GEPO_MICRO_SPIKE_EMA, math.nan if ema is None else float(ema))
+        baseline = self.guard.baseline
+        self.ctx.log_metric(GEPO_MICRO_SPIKE_MEDIAN, math.nan if baseline is None else baseline)
         return kept == 0 and seen > 0 and not self.observe
 
     # ------------------------------------------------------------------ state (per rank: each judges its own)

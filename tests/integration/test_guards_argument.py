@@ -22,8 +22,8 @@ def test_guard_parts_expand_the_yaml_section_and_validate_it() -> None:
     assert filled == [
         "advantage_fn", "finite_checks", "logprob_min", "opefo", "quatro", "reward_processor", "step_guards",
     ]  # fmt: skip
-    only_gepo = guard_parts({"gepo": {"enabled": True, "spike": {"spike_factor": 7.0}}})
-    assert only_gepo.quatro is None and only_gepo.step_guards[0].config.spike_factor == 7.0
+    only_gepo = guard_parts({"gepo": {"enabled": True, "spike": {"min_ratio": 7.0}}})
+    assert only_gepo.quatro is None and only_gepo.step_guards[0].config.min_ratio == 7.0
     assert guard_parts(None) == GuardParts() and guard_parts(only_gepo) is only_gepo
     with pytest.raises(ConfigError, match=r"guards.gepo.enabld: unknown key 'enabld'. Did you mean 'enabled'"):
         guard_parts({"gepo": {"enabld": True}})

@@ -137,6 +137,7 @@ def test_ddp_two_processes_with_quatro_filters_kl_entropy_and_replay(tiny_model_
         tiny_model_dir,
         out,
         "guards.quatro.enabled=true",
+        "guards.quatro.kl.enabled=true",
         "trainer.beta=0.04",
         "trainer.max_completion_length=16",  # 4 random bytes rarely repeat one; 16 often do
         "guards.quatro.filters.repetition.n=1",

@@ -46,6 +46,7 @@ def observing_guards() -> GuardsSection:
     g.opefo.floor.interval = 1
     g.opefo.rollback.check_interval = 1  # the inf written into exp_avg_sq at step 2 is a would-rollback
     g.quatro.enabled, g.quatro.mode = True, "observe"
+    g.quatro.kl.enabled = True
     g.quatro.kl.target = 1e-9  # any KL is above it: the would-be coefficient climbs away from beta
     g.quatro.kl.beta_range = [0.25, 4.0]  # two-sided, so step 1 (KL 0) lowers it
     g.quatro.entropy.baseline_steps = 1

@@ -74,7 +74,7 @@ def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, cap
     LR runs at 0.3x for the next 2 steps, the run ends finite. Without OPEFO the inf stays in the moment forever."""
     fault = CorruptOptimizerState(step=2, value=float("inf"))
     opefo = _opefo(repair_state=False)  # the rollback path (one bad entry would otherwise be repaired in place)
-    guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
+    guards = [SpikeGuard(SpikeConfig(min_ratio=float("inf")))]
     trainer, after = _trainer(tiny_model_dir, tmp_path / "opefo", guards, opefo, [fault], max_steps=6)
     with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
         trainer.train()
@@ -110,7 +110,7 @@ def test_inf_in_exp_avg_sq_is_repaired_in_place_with_no_lost_step_and_no_lr_cut(
     finite."""
     fault = CorruptOptimizerState(step=2, value=float("inf"))
     opefo = _opefo()
-    guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
+    guards = [SpikeGuard(SpikeConfig(min_ratio=float("inf")))]
     trainer, after = _trainer(tiny_model_dir, tmp_path / "repair", guards, opefo, [fault], max_steps=6)
     with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
         trainer.train()
@@ -135,7 +135,7 @@ def test_recovery_lr_factor_scales_the_current_schedule_not_the_snapshot(tiny_mo
     """Linear decay over 6 steps, rollback at step 3 to the step-2 snapshot: the recovery steps 4 and 5 run at 0.3 x
     the schedule's LR of *their* step (restoring the snapshot's optimizer state must not bring back its LR)."""
     fault = CorruptOptimizerState(step=2, value=float("inf"))
-    guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf")))]
+    guards = [SpikeGuard(SpikeConfig(min_ratio=float("inf")))]
     trainer, after = _trainer(
         tiny_model_dir,
         tmp_path / "linear",
@@ -156,7 +156,7 @@ def test_error_feedback_reinjects_a_skipped_gradient_and_rejects_a_nonfinite_one
     """Step 1: inf gradient -> skipped, moments untouched, nothing kept. Step 3: vetoed finite gradient -> kept
     and fed back over steps 4..7 with weights 0.3, 0.3, 0.2, 0.2."""
     opefo = _opefo()
-    guards = [SpikeGuard(SpikeConfig(spike_factor=float("inf"))), SkipAt({3})]
+    guards = [SpikeGuard(SpikeConfig(min_ratio=float("inf"))), SkipAt({3})]
     trainer, after = _trainer(tiny_model_dir, tmp_path / "ef", guards, opefo, max_steps=8)
     param = next(p for p in trainer.model.parameters() if p.requires_grad)
     param.register_hook(lambda g: g * float("inf") if trainer._step == 1 else g)

@@ -131,7 +131,7 @@ def _quatro_kl(**kl) -> dict:
     from steadyrl.guards.quatro import QuatroConfig
 
     kl = {"target": 1e-9, "up": 1.5, "down": 0.5, "beta_range": [0.25, 4.0], **kl}  # two-sided: rollout 1 lowers beta
-    return {"quatro": QuatroConfig(kl=KLConfig(**kl))}
+    return {"quatro": QuatroConfig(kl=KLConfig(enabled=True, **kl))}
 
 
 def _spy_on_placed_beta(monkeypatch) -> list[float]:
@@ -294,6 +294,7 @@ def test_cli_ppo_with_every_guard_layer_that_applies(tiny_model_dir, tmp_path):
         "guards.opefo.enabled=true",
         "guards.grade.enabled=true",
         "guards.quatro.enabled=true",
+        "guards.quatro.kl.enabled=true",
         "guards.quatro.kl.target=1e-9",
         "guards.quatro.filters.zero_variance.enabled=false",
     )

@@ -61,7 +61,7 @@ def _trainer(model_dir, out, quatro, reward=byte_mean, observe=False, **args):
 def test_adaptive_kl_moves_beta_toward_the_target_and_composes_with_grade(tiny_model_dir, tmp_path):
     """Target 1e-9: step 1's KL is 0 (policy == reference) -> beta x 0.8; afterwards KL > target -> x 1.2 each
     step. The effective beta is beta_base x quatro_kl x grade at every step."""
-    quatro = QuatroConfig(kl=KLConfig(target=1e-9, beta_range=[0.25, 4.0]))
+    quatro = QuatroConfig(kl=KLConfig(enabled=True, target=1e-9, beta_range=[0.25, 4.0]))
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=[byte_mean],
@@ -232,7 +232,10 @@ def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path, dr
 def _all_on():
     entropy = EntropyConfig(baseline_steps=2, window=2, floor_ratio=1.0, ki=0.01)
     return QuatroConfig(
-        kl=KLConfig(target=1e-3), entropy=entropy, filters=_only_repetition(), replay=ReplayConfig(capacity=2)
+        kl=KLConfig(enabled=True, target=1e-3),
+        entropy=entropy,
+        filters=_only_repetition(),
+        replay=ReplayConfig(capacity=2),
     )
 
 

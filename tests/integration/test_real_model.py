@@ -161,7 +161,8 @@ def test_two_lora_grpo_steps_with_every_layer(smollm2_cache: Path, tmp_path: Pat
     assert resolved["peft"]["r"] == 16
     rows = [r for r in load_history(out).rows if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("gepo/adv_std", "grade/raw_std", "quatro/kl_coef", "opefo/rollbacks", "steadyrl/guard_seconds"):
+    keys = ("gepo/adv_std", "grade/raw_std", "quatro/entropy", "opefo/rollbacks", "steadyrl/guard_seconds")
+    for key in (*keys, "steadyrl/interventions/skipped_step"):
         assert all(key in r for r in rows), key
     assert all(r["opefo/rollbacks"] == 0 and r["gepo/skipped_steps"] == 0 for r in rows)
 

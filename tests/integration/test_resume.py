@@ -166,6 +166,6 @@ def test_resume_is_exact_with_every_stateful_guard(tiny_model_dir, tmp_path):
     assert resumed.beta_factors == straight.beta_factors and resumed.beta == straight.beta
     assert resumed.parts.step_guards[0].state_dict() == straight.parts.step_guards[0].state_dict()
     assert resumed.parts.reward_processor.state_dict() == straight.parts.reward_processor.state_dict()
-    assert straight.parts.step_guards[0].accepted == 4 and straight.parts.step_guards[0].ema is not None
+    assert straight.parts.step_guards[0].accepted == 4 and straight.parts.step_guards[0].baseline is not None
     assert_same_weights(weights(resumed.model), weights(straight.model))
     assert _logs_from(resumed.state.log_history, 3) == _logs_from(straight.state.log_history, 3)

@@ -4,6 +4,7 @@ spike is skipped on the pre-clip norm."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -84,7 +85,7 @@ class AfterStep(TrainerCallback):
 def test_finite_spike_is_skipped_on_the_pre_clip_norm(tiny_model_dir, tmp_path):
     """Single process: a finite gradient 1000x its usual size at step 4 is skipped (weights and Adam moments
     bit-identical across it). The guard decides on the pre-clip norm: after clipping at max_grad_norm=1 the spike
-    would be a norm of 1, below abs_threshold=5, and would go through."""
+    would be a norm of 1, under 100 x the baseline (min_ratio), and would go through."""
     guard, after = SpikeGuard(SpikeConfig(warmup_steps=2)), AfterStep()
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
@@ -106,3 +107,16 @@ def test_finite_spike_is_skipped_on_the_pre_clip_norm(tiny_model_dir, tmp_path):
     for pid, state in after.moments[SPIKE_STEP - 1].items():
         assert all(torch.equal(t, after.moments[SPIKE_STEP][pid][k]) for k, t in state.items()), pid
     assert any(not torch.equal(v, after.weights[-1][k]) for k, v in after.weights[SPIKE_STEP].items())
+
+
+def test_the_interventions_ledger_counts_the_skip_and_nothing_else(tiny_model_dir, tmp_path):
+    """Every guard layer on, the NaN loss at the second of three steps: the ledger flags that step (a skip and the
+    masked non-finite loss) and no other, and writes the run's summary."""
+    steady = _trainer(SteadyGRPOTrainer, tiny_model_dir, tmp_path, guards={"gepo": {"enabled": True}})
+    steady.train()
+    history = steady.state.log_history
+    assert per_step(history, "steadyrl/interventions/skipped_step") == [0.0, 1.0, 0.0]
+    assert per_step(history, "steadyrl/interventions/nonfinite_masked") == [0.0, 1.0, 0.0]
+    summary = json.loads((tmp_path / "interventions.json").read_text())
+    assert summary["steps"] == 3 and summary["kinds"]["skipped_step"] == {"layer": "gepo", "steps": 1, "share": 1 / 3}
+    assert {k for k, row in summary["kinds"].items() if row["steps"]} == {"skipped_step", "nonfinite_masked"}

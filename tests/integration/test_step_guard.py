@@ -109,7 +109,7 @@ def test_fp16_overflow_is_skipped_and_backs_the_loss_scale_off(tiny_model_dir, t
     (as for any fp16 overflow); no crash, weights and LR schedule untouched, training goes on."""
     from steadyrl.guards.spike import SpikeConfig, SpikeGuard
 
-    snaps, guard = Snapshots(), SpikeGuard(SpikeConfig(spike_factor=float("inf")))
+    snaps, guard = Snapshots(), SpikeGuard(SpikeConfig(min_ratio=float("inf")))
     trainer = SteadyGRPOTrainer(
         model=str(tiny_model_dir),
         reward_funcs=[byte_mean],

@@ -67,7 +67,7 @@ class ReferenceRolloutFilter(RolloutFilter):
         low, high = rollout_filters.LENGTH_PERCENTILES
         q = torch.tensor([low / 100.0, high / 100.0], dtype=torch.float64)
         low, high = torch.quantile(history, q, interpolation="linear").tolist()
-        return low, high
+        return rollout_filters.fences(low, high)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "lengths": list(self._ref_lengths), "calls": self.calls, "dropped": dict(self.dropped)}

@@ -183,15 +183,17 @@ def test_missing_resume_path(base: Path) -> None:
 
 def test_quatro_section_builds_its_parts(base: Path) -> None:
     on = ["guards.quatro.enabled=true", "trainer.beta=0.04"]
-    cfg = load_config(base, [*on, "guards.quatro.filters.repetition.n=5", "guards.quatro.kl.target=0.01"])
+    kl = ["guards.quatro.kl.enabled=true", "guards.quatro.kl.target=0.01"]
+    cfg = load_config(base, [*on, "guards.quatro.filters.repetition.n=5", *kl])
     q = cfg.guards.quatro
-    assert q.kl.target == 0.01 and q.entropy.floor_ratio == 0.8 and not q.replay.enabled
+    assert q.kl.target == 0.01 and q.entropy.floor_ratio == 0.15 and not q.replay.enabled
     filters = q.filters.to_config()
     assert type(filters).__name__ == "FilterConfig" and filters.repetition.n == 5 and filters.max_drop_share == 0.5
     from steadyrl.trainers.build import guard_parts
 
     parts = guard_parts(cfg).quatro
     assert parts.kl.target == 0.01 and parts.filters.repetition.n == 5 and parts.entropy is not None
+    assert guard_parts(load_config(base, on)).quatro.kl is None  # the adaptive KL controller is off by default
     off = load_config(base, [*on, "guards.quatro.filters.enabled=false", "guards.quatro.entropy.enabled=false"])
     assert guard_parts(off).quatro.filters is None and guard_parts(off).quatro.entropy is None
     with pytest.raises(ConfigError, match=r"filters.parrot.max_overlap \(set in command line\): must be in \[0, 1\]"):

@@ -229,7 +229,7 @@ def test_stated_defaults_match_the_dataclasses() -> None:
 
 def test_the_checks_catch_a_wrong_default_and_an_untraced_results_file() -> None:
     text = (
-        "`guards.quatro.entropy.pg_brake: 0.0` and `guards.gepo.spike.spike_factor: 5.0`\n\n"
+        "`guards.quatro.entropy.pg_brake: 0.0` and `guards.gepo.spike.min_ratio: 100.0`\n\n"
         "| key | default |\n|---|---|\n| `guards.quatro.entropy.brake_moments` | `0` |\n| `guards.nope.x` | `1` |\n"
         "```yaml\nguards.quatro.entropy.pg_brake: 0.5\n```\n`guards.quatro.entropy.pg_brake=0` is a setting\n"
     )

@@ -415,6 +415,6 @@ def test_spike_streaks_and_rebases_are_reported():
         r["gepo/spike_rebases"] = float(r["step"] >= 44)
     changes = _saturation(rows)
     assert any(c.startswith("guards.gepo.spike.rebase_after") for c in changes)
-    assert any(c.startswith("guards.gepo.spike.abs_threshold") for c in changes)
+    assert any(c.startswith("guards.gepo.spike.min_ratio") for c in changes)
     text = format_findings(diagnose(History(rows)), History(rows))
     assert "gepo/skipped_steps, steps 41-43: 3 optimizer steps in a row were skipped" in text

@@ -48,6 +48,10 @@ CONTEXT: dict[str, dict[str, Any]] = {  # what else a key needs to be read at al
     "rewards[].retries": {"rewards.0.on_error": "retry"},
     "rewards[].backoff": {"rewards.0.on_error": "retry"},
     "rewards[].max_consecutive_errors": {"rewards.0.on_error": "skip"},
+    **{  # the adaptive KL controller is off by default
+        f"guards.quatro.kl.{key}": {"guards.quatro.kl.enabled": True}
+        for key in ("target", "calibration_steps", "target_ratio", "update_every", "up", "down", "beta_range")
+    },
 }
 VALUES: dict[str, list[Any]] = {  # non-default values the generic candidates below cannot guess
     "callbacks": [["pkg.module:Callback"]],

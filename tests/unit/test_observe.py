@@ -109,7 +109,7 @@ def test_factories_fill_the_observe_keys_and_keep_opefos_acting_nonfinite_skip()
     g.opefo.mode = "act"  # GEPO observes, OPEFO acts: a non-finite gradient must still not reach Adam's moments
     parts = guard_parts(g)
     (acting,) = parts.step_guards_in(observing=False)
-    assert math.isinf(acting.config.spike_factor) and acting is parts.nonfinite_guard
+    assert math.isinf(acting.config.min_ratio) and acting is parts.nonfinite_guard
     assert parts.step_guards_in(observing=True) == parts.step_guards and "opefo" not in parts.observe
 
 
@@ -124,7 +124,7 @@ def _model_with_grad(value: float) -> torch.nn.Linear:
 
 def test_gepo_observing_spike_guard_counts_the_would_skip_and_the_step_proceeds() -> None:
     ctx = FakeContext(step=3)
-    guard = SpikeGuard(SpikeConfig(warmup_steps=1, spike_factor=5.0, abs_threshold=1.0))
+    guard = SpikeGuard(SpikeConfig(warmup_steps=1, min_ratio=5.0))
     gate = StepGate([], ctx, observers=[guard])
     for value in (1.0, 1.0, 100.0):  # norms sqrt(2), sqrt(2), 141
         model = _model_with_grad(value)
@@ -195,8 +195,8 @@ def _quatro(**parts) -> tuple[Quatro, FakeContext]:
 
 
 def test_quatro_observing_controllers_set_nothing_and_log_what_they_would() -> None:
-    kl = KLConfig(target=1e-6)
-    entropy = EntropyConfig(baseline_steps=1, window=1)
+    kl = KLConfig(enabled=True, target=1e-6)
+    entropy = EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=1)
     quatro, _ctx = _quatro(kl=kl, entropy=entropy)
     for kl_value, ent in ((0.5, 2.0), (0.5, 0.1), (0.5, 0.1)):  # KL far above target; entropy falls below the floor
         quatro.loss.record_micro_batch({"completion_mask": torch.ones(1, 4)}, kl_value, ent)

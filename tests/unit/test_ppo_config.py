@@ -37,8 +37,9 @@ def test_ppo_refuses_grpo_only_and_unwired_guards():
         load_config(PPO, ["guards.gepo.enabled=true"])  # its MAD advantage is on by default
     load_config(PPO, ["guards.gepo.enabled=true", "guards.gepo.advantage.enabled=false"])  # spike skip etc. is fine
     quatro = ["guards.quatro.enabled=true", "trainer.beta=0.04", "guards.quatro.filters.zero_variance.enabled=false"]
-    cfg = load_config(PPO, quatro)  # adaptive KL (on by default) works for PPO: it reads the rollout's KL
-    assert cfg.guards.quatro.kl.enabled and guard_parts(cfg).quatro.kl is not None
+    assert guard_parts(load_config(PPO, quatro)).quatro.kl is None  # adaptive KL: off by default
+    cfg = load_config(PPO, [*quatro, "guards.quatro.kl.enabled=true"])  # works for PPO: it reads the rollout's KL
+    assert guard_parts(cfg).quatro.kl is not None
     replay = load_config(PPO, [*quatro, "guards.quatro.replay.enabled=true"])  # replay works for PPO too
     assert guard_parts(replay).quatro.replay is not None
     with pytest.raises(ConfigError, match=r"zero_variance\.enabled=false"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
@@ -29,7 +28,7 @@ def _rows(n: int = 20) -> list[dict]:
                 "step": t,
                 "kl": 0.001 * t,  # second half (steps 11..20): mean 0.0155
                 "grad_norm": 0.0 if t == 5 else float(t),  # a zero-gradient step is left out of the percentile
-                "entropy": 1.0 - 0.04 * (t - 1),  # first quarter mean 0.92, last quarter mean 0.32
+                "entropy": 1.0 - 0.052 * (t - 1),  # first quarter mean 0.896, last quarter mean 0.116
                 "completions/clipped_ratio": 0.5,
                 "completions/mean_length": 30.0,
                 "gepo/would_skipped_steps": float(t >= 15),
@@ -41,13 +40,14 @@ def _rows(n: int = 20) -> list[dict]:
 
 def test_calibration_by_hand():
     notes: list[str] = []
-    on = _cfg("guards.gepo.enabled=true", "guards.quatro.enabled=true")
+    on = _cfg("guards.gepo.enabled=true", "guards.quatro.enabled=true", "guards.quatro.kl.enabled=true")
     measured, proposed = calibrate(History(_rows()), on, notes)
     assert proposed["guards.quatro.kl.target"] == pytest.approx(0.155)  # 10 x 0.0155, three digits
-    norms = [float(t) for t in range(1, 21) if t != 5]
-    assert proposed["guards.gepo.spike.abs_threshold"] == float(f"{3 * np.percentile(norms, 95):.3g}")
-    # entropy: last / first quarter = 0.32 / 0.92 = 0.348 < 0.8 -> floor_ratio 0.9 x 0.348 = 0.31
-    assert proposed["guards.quatro.entropy.floor_ratio"] == 0.31
+    # the guard's baseline is the median of the norms before: 6 / median(1, 2, 3, 4) = 6 / sqrt(6) is the largest
+    assert measured["largest grad norm / spike baseline (calm run)"] == 2.45
+    assert "guards.gepo.spike.min_ratio" not in proposed  # 3 x 2.45 is far under the default 100
+    # entropy: last / first quarter = 0.116 / 0.896 = 0.129 < 0.15 -> floor_ratio 0.9 x 0.129 = 0.12
+    assert proposed["guards.quatro.entropy.floor_ratio"] == 0.12
     assert measured["quatro/would_filtered/zero_variance (mean per step)"] == 0.5
     assert measured["share of completions cut at max_completion_length"] == 0.5
     assert measured["gepo/would_skipped_steps (run total)"] == 1.0
@@ -58,8 +58,17 @@ def test_calibration_by_hand():
 def test_no_value_is_proposed_for_a_guard_the_config_leaves_off():
     notes: list[str] = []
     _, proposed = calibrate(History(_rows()), _cfg("guards.gepo.enabled=true"), notes)  # QUATRO off
-    assert list(proposed) == ["guards.gepo.spike.abs_threshold"]
+    assert list(proposed) == []
     assert any("guards.quatro.kl.target measured at 0.155 but not proposed" in n for n in notes)
+
+
+def test_a_calm_run_near_the_spike_floor_gets_a_higher_min_ratio():
+    rows = [{"step": t, "grad_norm": 60.0 if t == 12 else 1.0} for t in range(1, 21)]
+    notes: list[str] = []
+    measured, proposed = calibrate(History(rows), _cfg("guards.gepo.enabled=true"), notes)
+    assert measured["largest grad norm / spike baseline (calm run)"] == 60.0
+    assert proposed == {"guards.gepo.spike.min_ratio": 180.0}  # 3x margin over what the calm run reached
+    assert any("leaves less than 3x margin" in n for n in notes)
 
 
 def test_no_kl_target_without_a_kl_term_and_no_floor_change_when_entropy_holds():
@@ -98,12 +107,14 @@ def test_drill_verdicts(tmp_path):
 
 def test_the_written_config_extends_the_users_and_validates(tmp_path):
     pre = Preflight(CONFIG, ["trainer.beta=0.04", "guards.gepo.enabled=true"], tmp_path)
-    path = pre._write_config({"guards.quatro.kl.target": 0.155, "guards.gepo.spike.abs_threshold": 42.0})
+    path = pre._write_config(
+        {"guards.quatro.kl.enabled": True, "guards.quatro.kl.target": 0.155, "guards.gepo.spike.min_ratio": 420.0}
+    )
     tree = yaml.safe_load(path.read_text())
     assert tree["extends"] == str(Path(CONFIG).resolve())
     assert tree["trainer"]["beta"] == 0.04 and tree["guards"]["gepo"]["enabled"] is True
     cfg = load_config(str(path), [])
-    assert cfg.guards.quatro.kl.target == 0.155 and cfg.guards.gepo.spike.abs_threshold == 42.0
+    assert cfg.guards.quatro.kl.target == 0.155 and cfg.guards.gepo.spike.min_ratio == 420.0
     with pytest.raises(Exception, match="target"):  # an invalid value never lands in preflight.yaml
         pre._write_config({"guards.quatro.kl.target": -1.0})
     assert load_config(str(path), []).guards.quatro.kl.target == 0.155

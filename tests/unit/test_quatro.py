@@ -52,7 +52,7 @@ def roundtrip(state: dict) -> dict:
 
 def test_kl_validation_names_the_fix():
     with pytest.raises(ValueError, match=r"Set trainer.beta > 0"):
-        AdaptiveKL(KLConfig(), 0.0)
+        AdaptiveKL(KLConfig(enabled=True), 0.0)
     with pytest.raises(ValueError, match=r"up must be finite and > 1.*down must be in \(0, 1\)"):
         KLConfig(up=1.0, down=1.0)
     with pytest.raises(ValueError, match="update_every must be >= 1"):
@@ -65,7 +65,7 @@ def test_kl_validation_names_the_fix():
 
 
 def test_kl_proportional_update_clamped_per_step():
-    kl = AdaptiveKL(KLConfig(target=0.02, beta_range=[0.25, 4.0]), beta0=0.04)
+    kl = AdaptiveKL(KLConfig(enabled=True, target=0.02, beta_range=[0.25, 4.0]), beta0=0.04)
     assert (kl.beta, kl.factor, kl.target) == (0.04, 1.0, 0.02)
     assert kl.observe(0.03)  # KL / target = 1.5 -> clamped to up = 1.2
     assert kl.beta == 0.04 * 1.2 and kl.factor == 0.04 * 1.2 / 0.04
@@ -89,7 +89,7 @@ def test_kl_proportional_update_clamped_per_step():
 
 
 def test_kl_auto_target_is_calibrated_from_the_runs_own_kl_at_the_users_beta():
-    kl = AdaptiveKL(KLConfig(calibration_steps=4, target_ratio=2.0), beta0=0.04)
+    kl = AdaptiveKL(KLConfig(enabled=True, calibration_steps=4, target_ratio=2.0), beta0=0.04)
     assert kl.calibrating and math.isnan(kl.metrics()["quatro/kl_target"])
     for value in (0.01, 0.02, 0.03):
         assert not kl.observe(value)  # calibrating: beta stays at trainer.beta
@@ -98,14 +98,14 @@ def test_kl_auto_target_is_calibrated_from_the_runs_own_kl_at_the_users_beta():
     assert kl.target == pytest.approx(0.08) and not kl.calibrating and kl.beta == 0.04
     assert kl.observe(0.096)  # 0.096 / 0.08 = 1.2
     assert kl.beta == pytest.approx(0.048)
-    floor = AdaptiveKL(KLConfig(calibration_steps=2), beta0=0.04)
+    floor = AdaptiveKL(KLConfig(enabled=True, calibration_steps=2), beta0=0.04)
     floor.observe(0.0)
     floor.observe(0.0)
     assert floor.target == TARGET_MIN == 1e-4  # a run whose KL is still 0 gets TARGET_MIN, not 0
 
 
 def test_kl_default_bounds_are_relative_to_trainer_beta_and_saturation_is_counted():
-    kl = AdaptiveKL(KLConfig(target=0.02), beta0=0.04)  # beta_range [1, 4] -> [0.04, 0.16]
+    kl = AdaptiveKL(KLConfig(enabled=True, target=0.02), beta0=0.04)  # beta_range [1, 4] -> [0.04, 0.16]
     assert (kl.beta_min, kl.beta_max) == (0.04, 0.16)
     for _ in range(3):
         kl.observe(0.001)  # far below target: would lower beta, but never below the user's (idle: not counted)
@@ -122,7 +122,7 @@ def test_kl_default_bounds_are_relative_to_trainer_beta_and_saturation_is_counte
 
 
 def test_kl_window_mean_nan_and_clamps():
-    kl = AdaptiveKL(KLConfig(target=0.02, update_every=3, beta_range=[0.5, 1.1]), beta0=0.045)
+    kl = AdaptiveKL(KLConfig(enabled=True, target=0.02, update_every=3, beta_range=[0.5, 1.1]), beta0=0.045)
     assert not kl.observe(0.01) and not kl.observe(NAN)
     assert kl.observe(0.05)  # window mean of the finite values (0.01 + 0.05) / 2 = 0.03 > 0.02
     assert kl.last_mean == (0.01 + 0.05) / 2 and kl.nan_count == 1
@@ -130,7 +130,7 @@ def test_kl_window_mean_nan_and_clamps():
     for value in (NAN, NAN, NAN):  # a window without a finite value changes nothing
         assert not kl.observe(value)
     assert kl.beta == pytest.approx(0.0495, rel=1e-12) and kl.nan_count == 4
-    kl = AdaptiveKL(KLConfig(target=0.02, beta_range=[0.9, 4.0]), beta0=0.011)
+    kl = AdaptiveKL(KLConfig(enabled=True, target=0.02, beta_range=[0.9, 4.0]), beta0=0.011)
     kl.observe(0.0)
     assert kl.beta == pytest.approx(0.0099, rel=1e-12) and kl.at_min == 1  # 0.0088 clamped up to 0.9 x 0.011
 
@@ -142,11 +142,11 @@ def test_kl_disabled_only_measures():
 
 
 def test_kl_state_round_trip_mid_window_and_mid_calibration():
-    a = AdaptiveKL(KLConfig(update_every=2, calibration_steps=3, beta_range=[0.5, 2.0]), beta0=0.04)
+    a = AdaptiveKL(KLConfig(enabled=True, update_every=2, calibration_steps=3, beta_range=[0.5, 2.0]), beta0=0.04)
     for value in (0.05, 0.01, 0.1):
         a.observe(value)
     assert a.calibrating
-    b = AdaptiveKL(KLConfig(update_every=2, calibration_steps=3, beta_range=[0.5, 2.0]), beta0=0.04)
+    b = AdaptiveKL(KLConfig(enabled=True, update_every=2, calibration_steps=3, beta_range=[0.5, 2.0]), beta0=0.04)
     b.load_state_dict(roundtrip(a.state_dict()))
     for value in (0.001, NAN, 0.3, 0.2, 0.5, 0.01, 0.0, 0.4, 0.9):
         assert a.observe(value) == b.observe(value)
@@ -159,7 +159,7 @@ def test_kl_state_round_trip_mid_window_and_mid_calibration():
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.one_of(st.floats(min_value=0.0, max_value=5.0), st.just(NAN)), max_size=60))
 def test_kl_beta_stays_in_bounds(values):
-    kl = AdaptiveKL(KLConfig(calibration_steps=3, beta_range=[0.25, 4.0]), beta0=0.04)
+    kl = AdaptiveKL(KLConfig(enabled=True, calibration_steps=3, beta_range=[0.25, 4.0]), beta0=0.04)
     for value in values:
         kl.observe(value)
         assert 0.01 - 1e-15 <= kl.beta <= 0.16 + 1e-15 and kl.factor == kl.beta / 0.04
@@ -210,7 +210,7 @@ def _gated(monkeypatch, gate_z: float = 1.0, **extra) -> EntropyFloor:
     """Baseline 1.0 after one step, floor 0.8, window 1, gate over 4 steps (two halves of 2) at ``gate_z``."""
     monkeypatch.setattr(entropy_floor, "GATE_WINDOW", 4)
     monkeypatch.setattr(entropy_floor, "GATE_Z", gate_z)
-    return EntropyFloor(EntropyConfig(baseline_steps=1, window=1, **extra))
+    return EntropyFloor(EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=1, **extra))
 
 
 def test_learning_gate_by_hand(monkeypatch):
@@ -299,7 +299,9 @@ def test_entropy_bonus_grows_until_it_holds_then_gives_back():
     """A toy collapse: each step entropy falls by 0.05 and the bonus raises it by 2 x bonus. The default PI
     controller settles where the bonus cancels the pressure (0.025) with entropy at the floor, without the
     oscillation of an integral alone; once the pressure stops, the bonus goes back to 0."""
-    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1, coef_max=0.5))  # ki 0.1, kp 0.4 of the control
+    f = EntropyFloor(
+        EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=1, coef_max=0.5)
+    )  # ki 0.1, kp 0.4 of the control
     entropy = 1.0
     f.observe(entropy)  # floor 0.8
     trace = []
@@ -316,7 +318,7 @@ def test_entropy_bonus_grows_until_it_holds_then_gives_back():
 
 
 def test_entropy_still_falling_while_active_warns_to_lower_the_kl_target():
-    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=2))
+    f = EntropyFloor(EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=2))
     f.observe(1.0)  # baseline 1, floor 0.8
     assert f.observe(0.5) is None and f.active  # window mean 0.75: on; reference 0.75
     assert f.observe(0.4) is None  # 1 step after activation
@@ -328,20 +330,20 @@ def test_entropy_still_falling_while_active_warns_to_lower_the_kl_target():
 
 
 def test_entropy_nan_is_ignored_and_disabled_never_activates():
-    f = EntropyFloor(EntropyConfig(baseline_steps=1, window=1))
+    f = EntropyFloor(EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=1))
     f.observe(NAN)
     assert (f.nan_count, f.steps, f.baseline) == (1, 0, None)
     f.observe(1.0)
     f.observe(NAN)
     assert f.window_mean() == 1.0 and f.nan_count == 2
-    off = EntropyFloor(EntropyConfig(enabled=False, baseline_steps=1, window=1))
+    off = EntropyFloor(EntropyConfig(floor_ratio=0.8, enabled=False, baseline_steps=1, window=1))
     for value in (1.0, 0.1, 0.01):
         off.observe(value)
     assert not off.active and off.bonus == 0.0 and off.floor == 0.8
 
 
 def test_entropy_state_round_trip():
-    cfg = EntropyConfig(baseline_steps=3, window=4)
+    cfg = EntropyConfig(floor_ratio=0.8, baseline_steps=3, window=4)
     a = EntropyFloor(cfg)
     for value in (2.0, 2.1, 1.9, 1.2, 1.1):
         a.observe(value)
@@ -355,7 +357,7 @@ def test_entropy_state_round_trip():
 @settings(max_examples=50, deadline=None)
 @given(st.lists(finite_or_nan, max_size=80))
 def test_entropy_bonus_stays_within_its_bounds(values):
-    cfg = EntropyConfig(baseline_steps=3, window=5, ki=0.2, kp=0.5, coef_max=0.01)
+    cfg = EntropyConfig(floor_ratio=0.8, baseline_steps=3, window=5, ki=0.2, kp=0.5, coef_max=0.01)
     f = EntropyFloor(cfg)
     for value in values:
         f.observe(value)
@@ -370,7 +372,10 @@ def test_policy_gradient_brake_by_hand(monkeypatch):
     while the learning gate holds the floor off (the control is back at 0)."""
     monkeypatch.setattr(entropy_floor, "HYSTERESIS", 1.1)
     cfg = dict(baseline_steps=2, floor_ratio=0.8, window=1, ki=2.4, kp=0.0)
-    braked, unbraked = EntropyFloor(EntropyConfig(pg_brake=0.5, **cfg)), EntropyFloor(EntropyConfig(pg_brake=0, **cfg))
+    braked, unbraked = (
+        EntropyFloor(EntropyConfig(pg_brake=0.5, **cfg)),
+        EntropyFloor(EntropyConfig(pg_brake=0, **cfg)),
+    )
     for f in (braked, unbraked):
         for value in (1.0, 1.0, 0.8):
             f.observe(value)
@@ -449,7 +454,7 @@ def test_scale_moments_is_the_state_of_scaled_gradients():
 
 def test_entropy_defaults():
     c = EntropyConfig()
-    assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.8, 5, 0.1, 0.4)
+    assert (c.baseline_steps, c.floor_ratio, c.window, c.ki, c.kp) == (10, 0.15, 10, 0.1, 0.4)
     assert (c.coef_max, c.pg_brake, c.brake_moments) == (0.01, 1.0, 0.01)
 
 
@@ -461,7 +466,9 @@ def test_entropy_config_validation():
     with pytest.raises(ValueError, match=r"coef_max and pg_brake are both 0: the floor has no lever"):
         EntropyConfig(coef_max=0.0, pg_brake=0.0)
     assert EntropyConfig(coef_max=0.0, pg_brake=1.0).pg_brake == 1.0  # the brake alone is a lever
-    inert = EntropyFloor(EntropyConfig(pg_brake=0.0, baseline_steps=1, window=1))  # brake_moments 0.01: nothing
+    inert = EntropyFloor(
+        EntropyConfig(floor_ratio=0.8, pg_brake=0.0, baseline_steps=1, window=1)
+    )  # brake_moments 0.01: nothing
     for value in (1.0, 0.5, 0.4):  # to follow without the brake (pg_scale stays 1), so the moments stay as they are
         inert.observe(value)
         assert inert.control >= 0 and inert.pg_scale == 1.0 and inert.moment_rescale() == 1.0
@@ -524,7 +531,7 @@ def test_length_fixed_and_rolling_range(monkeypatch):
     completions = [[1], [1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5]]
     assert filt(t(0, 1, 0, 1), [[9]] * 4, completions, 2).keep.tolist() == [False, True, True, False]
 
-    monkeypatch.setattr(rollout_filters, "LENGTH_PERCENTILES", (25.0, 75.0))
+    monkeypatch.setattr(rollout_filters, "LENGTH_FENCE", 0.0)  # the quartiles themselves (fences: their own test)
     monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", 10)
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 4)
     cfg = LengthConfig()
@@ -796,3 +803,18 @@ def test_replay_config_validation_and_importance_ratio_metric():
     assert replay_importance_ratio_mean(cur, old, mask, torch.tensor([True, False])) == pytest.approx(1.5)
     assert replay_importance_ratio_mean(cur, old, mask, torch.tensor([True, True])) == pytest.approx(7 / 3)
     assert math.isnan(replay_importance_ratio_mean(cur, old, mask, torch.tensor([False, False])))
+
+
+def test_the_rolling_length_range_is_tukeys_far_out_fences(monkeypatch):
+    """Quartiles 3 and 5 of the remembered lengths: fences 3 - 3 x 2 = -3 and 5 + 3 x 2 = 11, so a healthy run's
+    usual spread is never cut; equal lengths still leave LENGTH_MIN_SPREAD (1 token) x 3 on each side."""
+    monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", 8)
+    monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 4)
+    filt = RolloutFilter(only(length=LengthConfig()))
+    filt(t(0, 1, 0, 1), [[9]] * 4, [[1] * n for n in (3, 3, 5, 5)], 2)
+    assert filt.length_range() == (-3.0, 11.0)
+    kept = filt(t(0, 1, 0, 1, 0, 1), [[9]] * 6, [[1] * n for n in (1, 11, 12, 4, 3, 5)], 2).keep.tolist()
+    assert kept == [True, True, False, True, True, True]  # only 12 tokens is far out
+    same = RolloutFilter(only(length=LengthConfig()))
+    same(t(0, 1, 0, 1), [[9]] * 4, [[1] * 4] * 4, 2)
+    assert same.length_range() == (1.0, 7.0)

@@ -109,6 +109,7 @@ def random_config(rng: random.Random, monkeypatch: pytest.MonkeyPatch) -> Filter
     low = rng.choice((1.0, 10.0, 25.0))
     monkeypatch.setattr(rollout_filters, "MIN_DISTINCT", rng.randint(1, 4))
     monkeypatch.setattr(rollout_filters, "LENGTH_PERCENTILES", (low, rng.choice((75.0, 90.0, 99.0, 99.99999999))))
+    monkeypatch.setattr(rollout_filters, "LENGTH_FENCE", rng.choice((0.0, 0.5, 3.0)))
     monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", rng.choice((64, 200)))
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", rng.choice((8, 40)))
     monkeypatch.setattr(rollout_filters, "PARROT_N", rng.randint(1, 5))
@@ -328,6 +329,7 @@ def test_zscore_length_and_no_signal_by_hand(monkeypatch: pytest.MonkeyPatch) ->
 
     # the length range is a float a float32 comparison would round: 1 + 2 * 0.9999999999 = 2.9999999998
     monkeypatch.setattr(rollout_filters, "LENGTH_PERCENTILES", (0.0, 99.99999999))
+    monkeypatch.setattr(rollout_filters, "LENGTH_FENCE", 0.0)
     monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", 8)
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 2)
     cfg = FilterConfig(

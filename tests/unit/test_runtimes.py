@@ -45,7 +45,7 @@ def _micro_batch(tokens_per_row: list[int], width: int = 4) -> dict[str, torch.T
 
 def test_quatro_kl_controller_observes_the_token_weighted_step_mean() -> None:
     ctx = FakeContext(step=1)
-    q = Quatro(QuatroConfig(kl=KLConfig(target=0.02)), ctx=ctx)
+    q = Quatro(QuatroConfig(kl=KLConfig(enabled=True, target=0.02)), ctx=ctx)
     assert q.end.controls() == Controls(kl_factor=1.0)
     q.loss.record_micro_batch(_micro_batch([3, 3]), kl=0.05, entropy=math.nan)  # 6 tokens
     q.loss.record_micro_batch(_micro_batch([2, 0]), kl=0.01, entropy=math.nan)  # 2 tokens
@@ -57,7 +57,7 @@ def test_quatro_kl_controller_observes_the_token_weighted_step_mean() -> None:
 
 def test_quatro_ppo_observes_once_per_generation_batch() -> None:
     setup = TrainerSettings(beta=0.04, seed=0, pad_token_id=0, loss_type="dapo", kl_from_rollouts=True)
-    q = Quatro(QuatroConfig(kl=KLConfig(target=0.02, beta_range=[0.25, 4.0])), setup)
+    q = Quatro(QuatroConfig(kl=KLConfig(enabled=True, target=0.02, beta_range=[0.25, 4.0])), setup)
     q.notes.record_rollout_kl(0.01, tokens=10.0)
     controls, _ = q.end.control_step()
     assert controls.kl_factor == pytest.approx(0.8) and q.end.kl.updates == 1
@@ -67,7 +67,7 @@ def test_quatro_ppo_observes_once_per_generation_batch() -> None:
 
 @pytest.mark.parametrize(("loss_type", "clip_scale"), [("grpo", 0.5), ("cispo", None)])
 def test_quatro_entropy_floor_returns_bonus_and_clip_scale(loss_type: str, clip_scale: float | None) -> None:
-    cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
+    cfg = EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
     q = Quatro(QuatroConfig(entropy=cfg), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type=loss_type))
     for entropy in (1.0, 0.5):  # baseline 1.0 -> floor 0.8; then 0.5 < floor: active
         q.loss.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=entropy)
@@ -80,13 +80,13 @@ def test_quatro_entropy_floor_returns_bonus_and_clip_scale(loss_type: str, clip_
 def test_trls_adaptive_entropy_set_by_the_user_wins_over_the_floor(caplog: pytest.LogCaptureFixture) -> None:
     setup = TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", use_adaptive_entropy=True)
     with caplog.at_level("WARNING"):
-        q = Quatro(QuatroConfig(entropy=EntropyConfig()), setup)
+        q = Quatro(QuatroConfig(entropy=EntropyConfig(floor_ratio=0.8, window=5)), setup)
     assert q.end.entropy is None and q.end.controls() == Controls()  # entropy_coef left to TRL
     assert "entropy floor is off for this run" in caplog.text and "use_adaptive_entropy=false" in caplog.text
 
 
 def test_a_users_entropy_coef_is_kept_and_the_floors_bonus_adds_to_it() -> None:
-    cfg = EntropyConfig(baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
+    cfg = EntropyConfig(floor_ratio=0.8, baseline_steps=1, window=1, ki=0.2, kp=0.0, clip_factor=0.5)  # coef_max 0.01
     q = Quatro(QuatroConfig(entropy=cfg), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo",
                                                             entropy_coef=0.5))  # fmt: skip
     assert q.end.controls().entropy_coef == 0.5  # the floor is idle: exactly the user's coefficient
@@ -98,7 +98,9 @@ def test_a_users_entropy_coef_is_kept_and_the_floors_bonus_adds_to_it() -> None:
 
 def test_trls_default_beta_0_leaves_the_kl_controller_inactive(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO"):
-        q = Quatro(QuatroConfig(kl=KLConfig()), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo"))
+        q = Quatro(
+            QuatroConfig(kl=KLConfig(enabled=True)), TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo")
+        )
     assert q.end.kl is None and q.end.controls().kl_factor is None
     assert "trainer.beta is 0 (TRL's default)" in caplog.text
     q.loss.record_micro_batch(_micro_batch([4]), kl=math.nan, entropy=1.0)
@@ -113,16 +115,16 @@ def test_quatro_gate_reads_the_named_reward_column() -> None:
     weights = torch.tensor([1.0, 0.0])  # the verifier (column 1) trains nothing
     names = ("proxy", "verifier")
     setup = TrainerSettings(beta=0.0, seed=0, pad_token_id=0, loss_type="dapo", reward_names=names)
-    plain = Quatro(QuatroConfig(entropy=EntropyConfig()), setup).rollout
+    plain = Quatro(QuatroConfig(entropy=EntropyConfig(floor_ratio=0.8, window=5)), setup).rollout
     assert plain.gate_column is None
     assert plain.gate_rewards(rewards, weights).tolist() == [1.0, 0.5, 0.0]
-    named = Quatro(QuatroConfig(entropy=EntropyConfig(gate_reward="verifier")), setup)
+    named = Quatro(QuatroConfig(entropy=EntropyConfig(floor_ratio=0.8, gate_reward="verifier")), setup)
     gate = named.rollout.gate_rewards(rewards, weights)
     assert named.rollout.gate_column == 1 and gate[:2].tolist() == [0.0, 1.0] and math.isnan(gate[2])
     named.rollout.record_reward(gate)
     assert named.notes.rewards == [0.5]  # the NaN row is unscorable: mean of the finite ones
     with pytest.raises(ValueError, match=r"gate_reward='verfier' is not one of .* \['proxy', 'verifier'\]"):
-        Quatro(QuatroConfig(entropy=EntropyConfig(gate_reward="verfier")), setup)
+        Quatro(QuatroConfig(entropy=EntropyConfig(floor_ratio=0.8, gate_reward="verfier")), setup)
 
 
 def _only_repetition() -> FilterConfig:
