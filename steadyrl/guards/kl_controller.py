@@ -1,6 +1,6 @@
 """Adaptive KL coefficient (QUATRO, ``guards.quatro.kl``, off by default): keep the mean per-token KL to the
-reference near a target by scaling beta (docs/DESIGN.md, "QUATRO: adaptive KL": a learning run's KL grows 10-50x
-past its early level, so no default target tells drift from learning; a controller that acts must be asked for).
+reference near a target by scaling beta (docs/DESIGN.md, "QUATRO: adaptive KL": a healthy run's KL ends 0.6-46x its
+early level depending on the learning rate, so no default target tells drift from learning; it must be asked for).
 
 With ``target: auto`` (the default) beta stays at ``trainer.beta`` for the first ``calibration_steps`` updates; the
 target is then ``target_ratio`` x the mean KL of the second half of that window (at least ``TARGET_MIN``). A number
