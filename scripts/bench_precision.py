@@ -158,7 +158,8 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
     if args.only in ("all", "healthy"):
         for setting in args.settings:
             model, extra = SETTINGS[setting]
-            for variant, flags in VARIANTS.items():
+            for variant in args.variants:
+                flags = VARIANTS[variant]
                 for seed in seeds:
                     out = Path(args.out) / f"healthy-{setting}" / f"{variant}-s{seed}"
                     cmd = command(model, args.sft, out, seed, args.steps, (*extra, *flags))
@@ -169,7 +170,8 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
         for fault in args.faults:
             callback, overrides, env = FAULTS[fault]
             for step in args.fault_steps or FAULT_STEPS[model]:
-                for variant, flags in VARIANTS.items():
+                for variant in args.variants:
+                    flags = VARIANTS[variant]
                     for seed in seeds[: args.plain_fault_seeds] if variant == "plain" else seeds:
                         scenario = f"fault-{fault}-{step}"
                         out = Path(args.out) / scenario / f"{variant}-s{seed}"
@@ -288,6 +290,7 @@ def main() -> None:
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
     ap.add_argument("--fault-steps", nargs="+", type=int, default=None)
     ap.add_argument("--only", choices=("all", "healthy", "faults"), default="all")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="in run order")
     ap.add_argument("--steps", type=int, default=None, help="healthy runs' max_steps (default: the config's)")
     ap.add_argument("--out", default="runs/precision")
     ap.add_argument("--results", default=None)

@@ -229,6 +229,42 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_quatro.py::test_the_rolling_length_range_is_tukeys_far_out_fences",),
     ),
     Mutant(
+        "gepo_robust_on_every_group",
+        "GEPO puts every group on median/MAD with the tanh clip: a bounded reward's small differences muted",
+        (
+            (
+                "steadyrl/guards/robust_advantage.py",
+                "    if outlier_z == 0:\n        return enough",
+                "    return enough",
+            ),
+        ),
+        ("tests/unit/test_gepo.py::test_a_bounded_reward_keeps_trls_advantage_and_its_small_differences",),
+    ),
+    Mutant(
+        "degenerate_filters_drop_unpaid_rows",
+        "the parrot and repetition filters drop rows below their group's mean too: negative signal thrown away",
+        (
+            (
+                "steadyrl/guards/rollout_filters.py",
+                "    return (torch.isfinite(values) & (values > mean))",
+                "    return (torch.isfinite(values) | (values > mean))",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_parrot_repetition_and_reason_order",),
+    ),
+    Mutant(
+        "zscore_filter_on_by_default",
+        "the reward z-score filter runs by default: the rare right answer of a sparse reward is dropped",
+        (
+            (
+                "steadyrl/guards/rollout_filters.py",
+                "    enabled: bool = False  # off: on a sparse",
+                "    enabled: bool = True  # off: on a sparse",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_zscore_drops_only_the_outlier_and_ignores_nan",),
+    ),
+    Mutant(
         "kl_controller_on_by_default",
         "the adaptive KL controller steers beta by default, on healthy runs too",
         (("steadyrl/guards/kl_controller.py", "    enabled: bool = False", "    enabled: bool = True"),),

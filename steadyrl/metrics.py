@@ -49,6 +49,7 @@ GEPO_NONFINITE_RATIOS = "gepo/nonfinite_ratios"
 GEPO_NONFINITE_LOSS = "gepo/nonfinite_loss"
 GEPO_ADV_STD = "gepo/adv_std"
 GEPO_ADV_MAX_ABS = "gepo/adv_max_abs"
+GEPO_ROBUST_GROUPS = "gepo/robust_groups"  # per step: groups with a far outlier, on median/MAD instead of mean/std
 GEPO_SKIPPED_STEPS = "gepo/skipped_steps"  # cumulative
 GEPO_ZERO_GRAD_STEPS = "gepo/zero_grad_steps"  # cumulative: no-signal steps kept out of the spike baseline
 GEPO_SPIKE_REBASES = "gepo/spike_rebases"  # cumulative: spike streaks taken as a level shift
@@ -72,6 +73,7 @@ GEPO_WOULD_DROP_MICRO_BATCHES = would(GEPO_DROPPED_MICRO_BATCHES)  # cumulative,
 GEPO_WOULD_STOP = would("gepo/stop")  # cumulative: would-skips past max_consecutive_skips (act mode stops the run)
 GEPO_WOULD_CLAMP_LOGPROBS = would("gepo/clamp_logprobs")  # per-token log-probs below logprob_min, per step
 GEPO_WOULD_CLIP_ROWS = would("gepo/clip_rows")  # rows whose median/MAD z-score the tanh clip shrinks by > 10 %
+GEPO_WOULD_ROBUST_GROUPS = would(GEPO_ROBUST_GROUPS)
 GEPO_WOULD_ADV_DIFF_MEAN = would("gepo/adv_diff_mean")  # mean |GEPO advantage - trained advantage| over rows
 
 

@@ -128,9 +128,9 @@ def _check_guards(cfg: Any) -> None:
         from steadyrl.guards.robust_advantage import GEPOAdvantage
 
         try:
-            GEPOAdvantage(gepo.advantage.clip_scale, mad_zero_centre=gepo.advantage.mad_zero_centre)
+            GEPOAdvantage.from_config(gepo.advantage.to_config())
         except ValueError as exc:
-            key = "clip_scale" if "clip_scale" in str(exc) else "mad_zero_centre"
+            key = next(k for k in ("clip_scale", "outlier_z", "mad_zero_centre") if k in str(exc))
             raise ConfigError(f"guards.gepo.advantage.{key}: {exc}") from exc
     grade = cfg.guards.grade
     if grade.enabled and grade.kl_compensation:

@@ -48,7 +48,7 @@ class GuardSection(Checked):
 
 @dataclass
 class GepoAdvantageSection(AdvantageConfig, GuardSection):
-    """Median/MAD group advantages with tanh soft clipping (replaces TRL's mean/std advantage)."""
+    """TRL's mean/std group advantage, median/MAD with tanh soft clipping on groups with a far outlier."""
 
     enabled: bool = True
 

@@ -58,6 +58,9 @@ KINDS: dict[str, Kind] = {
             (M.GEPO_NONFINITE_REWARDS, M.GEPO_NONFINITE_LOGPROBS, M.GEPO_NONFINITE_RATIOS, M.GEPO_NONFINITE_LOSS),
         ),
     ),
+    "robust_advantage": Kind(
+        "gepo", Rule("above", (M.GEPO_ROBUST_GROUPS,)), Rule("above", (M.GEPO_WOULD_ROBUST_GROUPS,))
+    ),
     "rollback": Kind("opefo", Rule("rose", (M.OPEFO_ROLLBACKS,)), Rule("rose", (M.OPEFO_WOULD_ROLLBACK,))),
     "state_repair": Kind("opefo", Rule("rose", (M.OPEFO_REPAIRS,)), Rule("rose", (M.OPEFO_WOULD_REPAIR,))),
     "lr_cut": Kind("opefo", Rule("above", (M.OPEFO_RECOVERY_ACTIVE,))),

@@ -1,7 +1,10 @@
-"""GEPO robust group advantages: median/MAD centring and scaling with tanh soft clipping (docs/DESIGN.md, "GEPO:
-robust advantages").
+"""GEPO robust group advantages: TRL's mean/std advantage on every group without a far outlier, median/MAD
+centring and scaling with tanh soft clipping on the groups with one (docs/DESIGN.md, "GEPO: robust advantages").
 
-For each prompt's group of G rewards::
+A group has a far outlier when its MAD is > 0 and some reward lies more than ``outlier_z`` x 1.4826 x MAD from its
+median (``outlier_groups``). A group whose MAD is 0 (a majority shares one value: the sparse right answer) has none:
+there the robust scale would blow every other value up to the clip and mute their differences. ``outlier_z: 0``
+puts every group on the robust rule. On those groups, for the G rewards::
 
     centre = median(r)                      # the mean of the two middle values for an even count
     mad    = median(|r - centre|)
@@ -20,6 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from steadyrl.guards.advantages import group_normalized_advantages
+
+OUTLIER_Z = 10.0  # a reward this many robust spreads from its group's median makes the group robust
 CLIP_SCALE_RANGE = (2.5, 4.0)
 MAD_ZERO_CENTRES = ("mean", "median")
 
@@ -35,6 +41,25 @@ def _validate(clip_scale: float, mad_zero_centre: str) -> None:
 def nan_median(values: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """True median along ``dim`` ignoring NaN: mean of the two middle values for an even count; all-NaN -> NaN."""
     return torch.nanquantile(values, 0.5, dim=dim, keepdim=keepdim, interpolation="linear")
+
+
+def outlier_groups(
+    grouped_rewards: torch.Tensor, outlier_z: float = OUTLIER_Z, mad_scale: float = 1.4826
+) -> torch.Tensor:
+    """(P,) bool: groups with MAD > 0 and a finite reward more than ``outlier_z`` x ``mad_scale`` x MAD from the
+    median; every group with at least 2 finite rewards when ``outlier_z`` is 0. grouped_rewards: (P, G), NaN/inf =
+    unscorable."""
+    r = grouped_rewards.to(torch.float64)
+    scorable = torch.isfinite(r)
+    r = torch.where(scorable, r, torch.full_like(r, float("nan")))
+    enough = scorable.sum(dim=1) >= 2
+    if outlier_z == 0:
+        return enough
+    centre = nan_median(r, dim=1, keepdim=True)
+    deviation = (r - centre).abs()
+    mad = nan_median(deviation, dim=1, keepdim=True)
+    far = (deviation > outlier_z * mad_scale * mad) & scorable
+    return enough & (mad.squeeze(1) > 0) & far.any(dim=1)
 
 
 def robust_group_advantages(
@@ -87,27 +112,40 @@ class AdvantageConfig:
     """``guards.gepo.advantage``: the tanh soft-clip bound of the median/MAD advantages (checked by GEPOAdvantage)."""
 
     clip_scale: float = 3.0
-    mad_zero_centre: str = "median"  # centre of a group whose MAD is 0 (a majority shares one value): mean | median
+    mad_zero_centre: str = "median"  # centre of a robust group whose MAD is 0 (only with outlier_z 0): mean | median
+    outlier_z: float = OUTLIER_Z  # robust spreads that make a group robust; 0: every group (the design notes' rule)
 
 
 @dataclass(eq=False)
 class GEPOAdvantage:
-    """``AdvantageFunction`` wrapping :func:`robust_group_advantages` with fixed hyper-parameters; stateless."""
+    """``AdvantageFunction``: TRL's advantage (``scale_rewards``) on groups without a far outlier, the robust one on
+    the others (module docstring). ``robust_groups``: how many groups of the last call took the robust rule."""
 
     clip_scale: float = 3.0
     mad_scale: float = 1.4826
     eps: float = 1e-8
     mad_zero_centre: str = "median"
+    outlier_z: float = OUTLIER_Z
+    scale_rewards: str = "group"  # TRL's GRPOConfig.scale_rewards, set by the advantage pipeline
+    robust_groups: int = 0
 
     def __post_init__(self) -> None:
         _validate(self.clip_scale, self.mad_zero_centre)
         if self.mad_scale <= 0 or self.eps <= 0:
             raise ValueError(f"mad_scale and eps must be > 0, got mad_scale={self.mad_scale!r}, eps={self.eps!r}")
+        if not (self.outlier_z == 0 or 1 <= self.outlier_z < float("inf")):
+            raise ValueError(f"outlier_z must be 0 (every group robust) or finite and >= 1, got {self.outlier_z!r}")
 
     @classmethod
     def from_config(cls, config: AdvantageConfig) -> GEPOAdvantage:
-        return cls(config.clip_scale, mad_zero_centre=config.mad_zero_centre)
+        return cls(config.clip_scale, mad_zero_centre=config.mad_zero_centre, outlier_z=config.outlier_z)
 
     def __call__(self, grouped_rewards: torch.Tensor) -> torch.Tensor:
         """grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages (num_prompts, G)."""
-        return robust_group_advantages(grouped_rewards, self.clip_scale, self.mad_scale, self.eps, self.mad_zero_centre)
+        robust = outlier_groups(grouped_rewards, self.outlier_z, self.mad_scale)
+        self.robust_groups = int(robust.sum())
+        trl = group_normalized_advantages(grouped_rewards, self.scale_rewards)
+        if not self.robust_groups:
+            return trl
+        gepo = robust_group_advantages(grouped_rewards, self.clip_scale, self.mad_scale, self.eps, self.mad_zero_centre)
+        return torch.where(robust[:, None].to(trl.device), gepo.to(trl.dtype), trl)

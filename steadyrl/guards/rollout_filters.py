@@ -38,7 +38,7 @@ PARROT_N = 4  # the parrot filter's n-gram size, in tokens
 
 @dataclass
 class ZScoreConfig(Checked):
-    enabled: bool = True
+    enabled: bool = False  # off: on a sparse reward the rare right answer is the outlier (docs/DESIGN.md)
     max_abs_z: float = bounded(3.5, gt=0, finite=True)  # |r - mean| / std over the whole generation batch
 
 
@@ -236,6 +236,13 @@ def parrot_shares(prompts: TokenBatch, completions: TokenBatch, n: int) -> torch
     return (hits.double() / grams.sum(dim=1)).nan_to_num_(nan=0.0)  # as Python's int / int; 0 where no n-grams
 
 
+def reinforced(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """(N,) bool: a finite reward above the mean of its group's finite rewards (a positive advantage in GRPO)."""
+    values = rewards.view(-1, num_generations)
+    mean = torch.nanmean(torch.where(torch.isfinite(values), values, math.nan), dim=1, keepdim=True)
+    return (torch.isfinite(values) & (values > mean)).reshape(-1)
+
+
 def no_signal_groups(rewards: torch.Tensor, kept: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(P,) bool: groups whose kept rows have fewer than 2 finite rewards, or all-equal ones. rewards, kept: (N,)."""
     shape = (rewards.numel() // num_generations, num_generations)
@@ -313,8 +320,9 @@ class RolloutFilter:
       std == 0 or with fewer than ``MIN_DISTINCT`` distinct finite values). NaN rewards never drop.
     - length: outside [``min_tokens``, ``max_tokens``], or (``rolling``) outside ``length_range()`` of the lengths
       before this batch; every row's length then enters the history.
-    - parrot: ``parrot_shares(prompt, completion, PARROT_N) > max_overlap``.
-    - repetition: ``repeat_shares(completion, n) > max_repeat_share``.
+    - parrot: ``parrot_shares(prompt, completion, PARROT_N) > max_overlap`` on a row the reward would reinforce
+      (``reinforced``: above its group's mean); a degenerate row below it keeps its negative advantage.
+    - repetition: ``repeat_shares(completion, n) > max_repeat_share`` on a reinforced row, likewise.
     - zero_variance: a group whose kept rows have fewer than 2 finite rewards, or all-equal ones (no learning
       signal); its kept rows are dropped. ``zero_variance_groups`` flags these groups even when this filter is off.
 
@@ -364,12 +372,13 @@ class RolloutFilter:
         lengths = completions.lengths
         if cfg.length.enabled:
             own.append(("length", self._length_hits(lengths)))
-        if cfg.parrot.enabled:
+        paid = reinforced(r, num_generations)
+        if cfg.parrot.enabled and bool(paid.any()):
             shares = parrot_shares(prompts, completions, PARROT_N)
-            own.append(("parrot", shares > cfg.parrot.max_overlap))
-        if cfg.repetition.enabled and _can_repeat_over(lengths, cfg.repetition.n, cfg.repetition.max_repeat_share):
-            repeats = repeat_shares(completions, cfg.repetition.n) > cfg.repetition.max_repeat_share
-            own.append(("repetition", repeats))
+            own.append(("parrot", paid & (shares > cfg.parrot.max_overlap)))
+        repeat = cfg.repetition
+        if repeat.enabled and bool(paid.any()) and _can_repeat_over(lengths, repeat.n, repeat.max_repeat_share):
+            own.append(("repetition", paid & (repeat_shares(completions, repeat.n) > repeat.max_repeat_share)))
         for name, hits in reversed(own):  # the last write wins: the earliest filter's
             reason.masked_fill_(hits, FILTER_REASONS.index(name) + 1)
         no_signal = no_signal_groups(r, reason == 0, num_generations)

@@ -2,8 +2,8 @@
 
 1. ``scale(batch)``: (N, num_funcs) -> (N,): TRL's weighted sum, rows the filters dropped NaN, then the reward
    processor (GRADE; its KL factor of beta comes out here). NaN marks an unscorable row.
-2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per group of G rows, the advantage function (GEPO's median/MAD,
-   else TRL's mean/std normalisation); filtered rows leave their group and get 0.
+2. ``advantages(rewards, keep, G)``: (N,) -> (N,): per group of G rows, the advantage function (GEPO's: TRL's
+   mean/std, median/MAD on groups with a far outlier; else TRL's); filtered rows leave their group and get 0.
 
 Observe mode: ``observe_rewards``: the processor runs and logs, the raw rewards go on; ``observe_advantages``: the
 advantage function is only compared with TRL's normalisation, which trains. PPO's ``SequenceRewardPipeline``: step
@@ -12,6 +12,7 @@ advantage function is only compared with TRL's normalisation, which trains. PPO'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -20,13 +21,16 @@ import torch
 
 from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor
+from steadyrl.guards.robust_advantage import GEPOAdvantage
 from steadyrl.guards.rollout_filters import masked_group_advantages
 from steadyrl.metrics import (
     GEPO_ADV_MAX_ABS,
     GEPO_ADV_STD,
     GEPO_NONFINITE_REWARDS,
+    GEPO_ROBUST_GROUPS,
     GEPO_WOULD_ADV_DIFF_MEAN,
     GEPO_WOULD_CLIP_ROWS,
+    GEPO_WOULD_ROBUST_GROUPS,
     GRADE_KL_FACTOR_WOULD,
 )
 
@@ -76,6 +80,8 @@ class AdvantagePipeline:
             raise ValueError("kl_compensation needs a reward processor with kl_compensation()")
         self.reward_processor = reward_processor
         self.trl_advantages = partial(group_normalized_advantages, scale_rewards=scale_rewards)
+        if isinstance(advantage_fn, GEPOAdvantage):  # its groups without a far outlier get TRL's advantage
+            advantage_fn = dataclasses.replace(advantage_fn, scale_rewards=scale_rewards)
         self.advantage_fn = advantage_fn or partial(group_normalized_advantages, scale_rewards=scale_rewards)
         self.kl_compensation = kl_compensation
         self.observe_rewards, self.observe_advantages = observe_rewards, observe_advantages
@@ -111,6 +117,9 @@ class AdvantagePipeline:
             GEPO_ADV_STD: float(advantages.std()) if advantages.numel() > 1 else 0.0,
             GEPO_ADV_MAX_ABS: float(advantages.abs().max()),
         }
+        if isinstance(self.advantage_fn, GEPOAdvantage):
+            robust = float(self.advantage_fn.robust_groups)
+            metrics[GEPO_WOULD_ROBUST_GROUPS if self.observe_advantages else GEPO_ROBUST_GROUPS] = robust
         if self.observe_advantages:
             metrics.update(compare_advantages(computed, advantages, getattr(self.advantage_fn, "clip_scale", None)))
         return advantages, metrics

@@ -190,27 +190,34 @@ def _only_repetition(n: int = 1, share: float = 0.0, dropped_rows: str = "zero_a
 @pytest.mark.parametrize("dropped_rows", ["zero_advantage", "exclude"])
 def test_repetition_filter_drops_and_counts_exactly(tiny_model_dir, tmp_path, dropped_rows):
     """Repetition filter alone (n=1, share > 0: any token twice): the per-step count equals the number of completions
-    with a repeated token (recomputed here from the token ids); those rows train with advantage 0. Under
+    with a repeated token and a reward above their group's mean (recomputed here from the token ids and the
+    rewards); those rows train with advantage 0. Under
     ``zero_advantage`` (default) they keep their completion mask and count in num_items_in_batch, so the kept rows'
     weight is that of an unfiltered batch; under ``exclude`` their mask is 0 and num_items_in_batch counts only the
     kept rows' tokens."""
     quatro = QuatroConfig(filters=_only_repetition(dropped_rows=dropped_rows))
     trainer, _ = _trainer(tiny_model_dir, tmp_path / "rep", quatro, max_steps=4, max_completion_length=16)
     recorder = Recorder(trainer)
-    ids_per_step = []
+    ids_per_step, paid_per_step = [], []
     original = trainer._calculate_rewards
 
     def calc(inputs, prompts, completions, completion_ids_list):
         ids_per_step.append([list(ids) for ids in completion_ids_list])
-        return original(inputs, prompts, completions, completion_ids_list)
+        rewards_per_func = original(inputs, prompts, completions, completion_ids_list)
+        rewards = (rewards_per_func * trainer.reward_weights.to(rewards_per_func.device)).sum(dim=1).tolist()
+        means = [sum(rewards[g : g + 4]) / 4 for g in range(0, len(rewards), 4)]
+        paid_per_step.append([r > means[i // 4] for i, r in enumerate(rewards)])
+        return rewards_per_func
 
     trainer._calculate_rewards = calc
     trainer.train()
     counts = per_step(trainer.state.log_history, "quatro/filtered/repetition")
-    expected = [sum(repeat_share(ids, 1) > 0.0 for ids in step) for step in ids_per_step]
+    repeats = [[repeat_share(ids, 1) > 0.0 for ids in step] for step in ids_per_step]
+    expected = [sum(a and b for a, b in zip(r, p, strict=True)) for r, p in zip(repeats, paid_per_step, strict=True)]
     assert counts == expected and sum(expected) > 0 and all(c < 8 for c in expected), expected
-    for ids, out in zip(ids_per_step, recorder.outputs, strict=True):
-        dropped = torch.tensor([repeat_share(c, 1) > 0.0 for c in ids])
+    assert sum(map(sum, repeats)) > sum(expected)  # repeated rows below their group's mean keep their signal
+    for ids, paid, out in zip(ids_per_step, paid_per_step, recorder.outputs, strict=True):
+        dropped = torch.tensor([repeat_share(c, 1) > 0.0 and up for c, up in zip(ids, paid, strict=True)])
         lengths = torch.tensor([len(c) for c in ids])
         assert torch.all(out["advantages"][dropped] == 0)
         kept_lengths = out["completion_mask"][~dropped].sum(dim=1)

@@ -131,13 +131,14 @@ def test_grade_kl_compensation_scales_beta(tiny_model_dir, tmp_path):
 
 
 def test_trl_loss_receives_gepo_advantages_element_by_element(tiny_model_dir, tmp_path, monkeypatch):
-    """Every advantage TRL's loss receives is GEPO's median/MAD advantage of the row's reward, element by element;
-    and on these rewards TRL's mean/std advantage differs, so a trainer that ignored GEPO would fail here."""
+    """Every advantage TRL's loss receives is GEPO's median/MAD advantage of the row's reward, element by element
+    (``outlier_z: 0``: every group on the robust rule); and on these rewards TRL's mean/std advantage differs, so a
+    trainer that ignored GEPO would fail here."""
     from steadyrl.guards.advantages import group_normalized_advantages
     from steadyrl.guards.robust_advantage import GEPOAdvantage
 
     spy = TrainedOn(monkeypatch)
-    gepo = GEPOAdvantage(clip_scale=2.5)
+    gepo = GEPOAdvantage(clip_scale=2.5, outlier_z=0)
     trainer = tiny_grpo_trainer(tiny_model_dir, tmp_path / "gepo", {"advantage_fn": gepo}, max_steps=3)
     trainer.train()
     G = trainer.num_generations

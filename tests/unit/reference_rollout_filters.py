@@ -120,15 +120,22 @@ class ReferenceRolloutFilter(RolloutFilter):
                 ],
                 "length",
             )
-        if cfg.parrot.enabled:
-            n, p = rollout_filters.PARROT_N, cfg.parrot
-            mark([parrot_share(a, b, n) > p.max_overlap for a, b in zip(prompts, completions, strict=True)], "parrot")
-        if cfg.repetition.enabled:
-            rep = cfg.repetition
-            mark([repeat_share(c, rep.n) > rep.max_repeat_share for c in completions], "repetition")
-
         values = r.tolist()
         num_groups = n_rows // num_generations
+        paid = []  # above the mean of the group's finite rewards
+        for g in range(num_groups):
+            group = values[g * num_generations : (g + 1) * num_generations]
+            scored = [v for v in group if math.isfinite(v)]
+            paid += [bool(scored) and math.isfinite(v) and v > sum(scored) / len(scored) for v in group]
+        if cfg.parrot.enabled:
+            n, p = rollout_filters.PARROT_N, cfg.parrot
+            shares = [parrot_share(a, b, n) for a, b in zip(prompts, completions, strict=True)]
+            mark([up and share > p.max_overlap for up, share in zip(paid, shares, strict=True)], "parrot")
+        if cfg.repetition.enabled:
+            rep = cfg.repetition
+            shares = [repeat_share(c, rep.n) for c in completions]
+            mark([up and share > rep.max_repeat_share for up, share in zip(paid, shares, strict=True)], "repetition")
+
         no_signal = [False] * num_groups
         for g in range(num_groups):
             rows = range(g * num_generations, (g + 1) * num_generations)

@@ -9,8 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.base import AdvantageFunction
-from steadyrl.guards.robust_advantage import AdvantageConfig, GEPOAdvantage, nan_median, robust_group_advantages
+from steadyrl.guards.robust_advantage import (
+    AdvantageConfig,
+    GEPOAdvantage,
+    nan_median,
+    outlier_groups,
+    robust_group_advantages,
+)
 
 NAN = float("nan")
 
@@ -63,8 +70,8 @@ def test_mad_zero_median_centre_gives_the_majority_zero():
     # adv = [0, 0, 0, 3 * tanh((-1 / 0.5) / 3)] = [0, 0, 0, -1.7483]
     assert adv[0, :3].tolist() == [0.0, 0.0, 0.0]
     assert adv[0, 3].item() == pytest.approx(-1.7483, abs=1e-4)
-    assert torch.equal(GEPOAdvantage()(torch.tensor([[1.0, 1.0, 1.0, 0.0]])), adv)
-    mean = GEPOAdvantage.from_config(AdvantageConfig(mad_zero_centre="mean"))
+    assert torch.equal(GEPOAdvantage(outlier_z=0)(torch.tensor([[1.0, 1.0, 1.0, 0.0]])), adv)
+    mean = GEPOAdvantage.from_config(AdvantageConfig(mad_zero_centre="mean", outlier_z=0))
     assert torch.equal(
         mean(torch.tensor([[1.0, 1.0, 1.0, 0.0]])),
         robust_group_advantages(torch.tensor([[1.0, 1.0, 1.0, 0.0]]), mad_zero_centre="mean"),
@@ -120,9 +127,54 @@ def test_invalid_clip_scale_raises():
 def test_class_matches_function_and_interface():
     fn = GEPOAdvantage(clip_scale=2.5)
     assert isinstance(fn, AdvantageFunction)
+    # group 0: median 2.5, MAD 1, 40 is 37.5 / 1.4826 = 25.3 spreads out: robust; group 1: MAD 0: TRL's
     r = torch.tensor([[1.0, 2.0, 3.0, 40.0], [0.0, 1.0, 1.0, 1.0]])
-    assert torch.equal(fn(r), robust_group_advantages(r, clip_scale=2.5))
-    assert fn(r).shape == r.shape and fn(r).dtype == r.dtype
+    out = fn(r)
+    assert fn.robust_groups == 1 and out.shape == r.shape and out.dtype == r.dtype
+    assert torch.equal(out[0], robust_group_advantages(r, clip_scale=2.5)[0])
+    assert torch.equal(out[1], group_normalized_advantages(r)[1])
+    assert torch.equal(GEPOAdvantage(clip_scale=2.5, outlier_z=0)(r), robust_group_advantages(r, clip_scale=2.5))
+
+
+def test_outlier_groups_by_hand():
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0, 10.0], [1.0, 2.0, 3.0, 4.0, 30.0], [0.0, 0.0, 0.0, 0.0, 1e9]])
+    # median 3, MAD 1: 10 is 7 / 1.4826 = 4.7 spreads out, 30 is 27 / 1.4826 = 18.2; MAD 0: no far outlier
+    assert outlier_groups(r).tolist() == [False, True, False]
+    assert outlier_groups(r, outlier_z=4.5).tolist() == [True, True, False]
+    assert outlier_groups(r, outlier_z=0).tolist() == [True, True, True]
+    nan = torch.tensor([[1.0, NAN, NAN, NAN], [1.0, 2.0, 3.0, float("inf")]])
+    assert outlier_groups(nan, outlier_z=0).tolist() == [False, True]  # 2 finite rewards needed
+    assert outlier_groups(nan).tolist() == [False, False]  # inf is unscorable, not an outlier
+    for bad in (0.5, float("inf"), -1.0):
+        with pytest.raises(ValueError, match="outlier_z must be 0"):
+            GEPOAdvantage(outlier_z=bad)
+
+
+def test_a_bounded_reward_keeps_trls_advantage_and_its_small_differences():
+    """The SmolLM2 case: a 0.25-weight format reward on top of a 0/1 verifier. No far outlier, so GEPO gives TRL's
+    advantage exactly; the robust rule would centre on 0.25 with scale 1.4826 * 0.125 and push both right answers
+    into the tanh's flat end, where 1.25 is barely above 1.0."""
+    r = torch.tensor([[0.0, 0.0, 0.25, 0.25, 0.25, 0.25, 1.0, 1.25]], dtype=torch.float64)
+    fn = GEPOAdvantage()
+    out = fn(r)
+    assert fn.robust_groups == 0 and torch.equal(out, group_normalized_advantages(r))
+    # mean 0.40625, unbiased std sqrt(sum (r - mean)^2 / 7) = sqrt(1.4921875 / 7) = 0.461698
+    trl_gap = (1.25 - 1.0) / (math.sqrt(1.4921875 / 7) + 1e-4)
+    assert out[0, 7] - out[0, 6] == pytest.approx(trl_gap, rel=1e-6) and trl_gap == pytest.approx(0.5414, abs=1e-4)
+    robust = robust_group_advantages(r)[0]
+    # (1.0 - 0.25) / 0.18533 = 4.047, (1.25 - 0.25) / 0.18533 = 5.396 -> 3 tanh(.): 2.6302, 2.8487
+    assert robust[7] - robust[6] == pytest.approx(soft(1.0 / 0.185325) - soft(0.75 / 0.185325), abs=1e-6)
+    assert robust[7] - robust[6] < 0.45 * trl_gap
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_groups_without_an_outlier_follow_trls_scale_rewards(scale_rewards):
+    r = torch.tensor([[0.0, 1.0, 1.0, 0.5], [2.0, 0.0, 1.0, 1.0], [1.0, 2.0, 3.0, 300.0]])
+    fn = GEPOAdvantage(scale_rewards=scale_rewards)
+    out = fn(r)
+    assert fn.robust_groups == 1
+    assert torch.equal(out[:2], group_normalized_advantages(r, scale_rewards)[:2])
+    assert torch.equal(out[2], robust_group_advantages(r)[2])
 
 
 def test_saturation_stays_strictly_below_clip_scale():
@@ -209,9 +261,13 @@ def test_mad_zero_centre_from_the_config_reaches_the_advantage_function_and_a_ba
     from steadyrl.trainers.layers import gepo_layer
 
     config = Path(__file__).resolve().parents[2] / "configs/tiny/grpo-guarded.yaml"
-    cfg = load_config(config, ["guards.gepo.enabled=true", "guards.gepo.advantage.mad_zero_centre=mean"])
+    every_group = ["guards.gepo.advantage.outlier_z=0"]
+    cfg = load_config(config, ["guards.gepo.enabled=true", "guards.gepo.advantage.mad_zero_centre=mean", *every_group])
     fn = gepo_layer(cfg.guards.gepo)["advantage_fn"]
     r = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     assert fn.mad_zero_centre == "mean" and torch.equal(fn(r), robust_group_advantages(r, mad_zero_centre="mean"))
+    assert gepo_layer(load_config(config).guards.gepo)["advantage_fn"].outlier_z == 10.0
     with pytest.raises(ConfigError, match=r"guards\.gepo\.advantage\.mad_zero_centre: mad_zero_centre must be one of"):
         load_config(config, ["guards.gepo.enabled=true", "guards.gepo.advantage.mad_zero_centre=mode"])
+    with pytest.raises(ConfigError, match=r"guards\.gepo\.advantage\.outlier_z: outlier_z must be 0 .* got 0\.5"):
+        load_config(config, ["guards.gepo.advantage.outlier_z=0.5"])

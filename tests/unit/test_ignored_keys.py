@@ -52,6 +52,7 @@ CONTEXT: dict[str, dict[str, Any]] = {  # what else a key needs to be read at al
         f"guards.quatro.kl.{key}": {"guards.quatro.kl.enabled": True}
         for key in ("target", "calibration_steps", "target_ratio", "update_every", "up", "down", "beta_range")
     },
+    "guards.quatro.filters.zscore.max_abs_z": {"guards.quatro.filters.zscore.enabled": True},  # off by default
 }
 VALUES: dict[str, list[Any]] = {  # non-default values the generic candidates below cannot guess
     "callbacks": [["pkg.module:Callback"]],

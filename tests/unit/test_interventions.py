@@ -87,6 +87,14 @@ def test_observe_mode_counts_would_kinds_from_the_would_names():
     assert doc["would"]["skipped_step"]["steps"] == 1 and "skipped_step" not in doc["kinds"]
 
 
+def test_a_robust_advantage_group_is_an_intervention_and_observe_mode_counts_it_as_would():
+    steps = [{M.GEPO_ROBUST_GROUPS: [0.0]}, {M.GEPO_ROBUST_GROUPS: [2.0]}, {M.GEPO_ROBUST_GROUPS: [0.0]}]
+    flags = _steps(Ledger({}, 0.04), steps)
+    assert [f[M.ledger("robust_advantage")] for f in flags] == [0.0, 1.0, 0.0]
+    would = _steps(Ledger({}, 0.04, observe=frozenset({"gepo"})), [{M.GEPO_WOULD_ROBUST_GROUPS: [1.0]}])
+    assert would == [{M.ledger_would("robust_advantage"): 1.0}]
+
+
 def test_no_beta_kind_without_a_kl_term():
     flags = _steps(Ledger({}, 0.0), [{M.QUATRO_BETA: [0.0]}])
     assert flags == [{M.ledger("beta_moved"): 0.0}]

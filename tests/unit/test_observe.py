@@ -227,7 +227,7 @@ def test_quatro_observing_filters_log_would_drops_and_keep_every_row() -> None:
         "prompt_mask": torch.ones(2, 2, dtype=torch.long),
         "completion_ids": torch.tensor([[1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]]),  # the second repeats its 3-grams
     }
-    keep = quatro.rollout.filter_generation(output, torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
+    keep = quatro.rollout.filter_generation(output, torch.tensor([0.0, 1.0]), torch.tensor([6, 6]), num_generations=2)
     assert keep is None  # the trainer masks nothing and computes advantages over every row
     assert ctx.last(quatro_would_filter("repetition")) == 1.0 and ctx.last(QUATRO_WOULD_FILTER_SHARE) == 0.5
     assert not any(name == quatro_filtered("repetition") for name, _ in ctx.metrics)

@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
+from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.robust_advantage import GEPOAdvantage
-from steadyrl.metrics import GEPO_ADV_MAX_ABS, GEPO_ADV_STD, GEPO_NONFINITE_REWARDS
+from steadyrl.metrics import (
+    GEPO_ADV_MAX_ABS,
+    GEPO_ADV_STD,
+    GEPO_NONFINITE_REWARDS,
+    GEPO_ROBUST_GROUPS,
+    GEPO_WOULD_ROBUST_GROUPS,
+)
 from steadyrl.trainers.advantage_pipeline import (
     AdvantagePipeline,
     RewardBatch,
@@ -80,6 +87,20 @@ def test_reward_processor_metrics_and_kl_factor_come_out_in_order() -> None:
     assert scaled.kl_factor == 2.0  # clamped to hi
     advantages, _ = pipeline.advantages(scaled.rewards, None, 2)
     assert advantages[0] < 0 < advantages[1] and advantages.abs().max() < 3.0  # tanh soft clip bound
+
+
+def test_gepo_takes_trls_scale_rewards_and_logs_its_robust_groups() -> None:
+    gepo = GEPOAdvantage(3.0)
+    pipeline = AdvantagePipeline(advantage_fn=gepo, scale_rewards="none")
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.5, 1.0, 2.0, 3.0, 300.0])  # group 2: 297 / (1.4826 * 1) spreads out
+    advantages, metrics = pipeline.advantages(rewards, None, 4)
+    assert pipeline.advantage_fn.scale_rewards == "none" and gepo.scale_rewards == "group"  # a copy is bound
+    assert advantages[:4].tolist() == [-0.625, 0.375, 0.375, -0.125]  # TRL's, centred only
+    assert metrics[GEPO_ROBUST_GROUPS] == 1.0 and GEPO_WOULD_ROBUST_GROUPS not in metrics
+    observing = AdvantagePipeline(advantage_fn=gepo, observe_advantages=True)
+    trained, metrics = observing.advantages(rewards, None, 4)
+    assert metrics[GEPO_WOULD_ROBUST_GROUPS] == 1.0 and GEPO_ROBUST_GROUPS not in metrics
+    torch.testing.assert_close(trained, group_normalized_advantages(rewards.view(2, 4)).reshape(-1))
 
 
 def test_kl_compensation_needs_a_reward_processor() -> None:

@@ -509,7 +509,9 @@ def test_zscore_drops_only_the_outlier_and_ignores_nan():
     mean, std = statistics.fmean(finite), statistics.stdev(finite)
     assert (40 - mean) / std > 3.5 and all(abs(r - mean) / std < 3.5 for r in finite if r != 40)
     n = len(rewards)
-    result = RolloutFilter()(t(*rewards), [[100]] * n, [[i] for i in range(n)], 4)
+    assert not RolloutFilter()(t(*rewards), [[100]] * n, [[i] for i in range(n)], 4).reasons["zscore"]  # off
+    filters = FilterConfig(zscore=ZScoreConfig(enabled=True))
+    result = RolloutFilter(filters)(t(*rewards), [[100]] * n, [[i] for i in range(n)], 4)
     assert result.keep.tolist() == [i != 19 for i in range(n)]
     assert result.reasons == dict.fromkeys(FILTER_REASONS, 0) | {"zscore": 1}
     assert list(result.reasons) == list(FILTER_REASONS) and result.warning is None
@@ -519,10 +521,10 @@ def test_zscore_drops_only_the_outlier_and_ignores_nan():
 def test_zscore_keeps_a_rare_success_of_pass_fail_rewards(monkeypatch):
     rewards = t(*([0.0] * 19 + [1.0]))  # z of the success: 0.95 / 0.2236 = 4.25
     prompts, completions = [[1]] * 20, [[i] for i in range(20)]
-    kept = RolloutFilter(only(zscore=ZScoreConfig()))(rewards, prompts, completions, 4)
+    kept = RolloutFilter(only(zscore=ZScoreConfig(enabled=True)))(rewards, prompts, completions, 4)
     assert kept.keep.all()  # only 2 distinct values: the filter does not run
     monkeypatch.setattr(rollout_filters, "MIN_DISTINCT", 1)
-    strict = RolloutFilter(only(zscore=ZScoreConfig()))(rewards, prompts, completions, 4)
+    strict = RolloutFilter(only(zscore=ZScoreConfig(enabled=True)))(rewards, prompts, completions, 4)
     assert strict.keep.tolist() == [True] * 19 + [False]
 
 
@@ -565,9 +567,15 @@ def test_parrot_repetition_and_reason_order():
     shares = [(parrot_share(p, c, 4), repeat_share(c, 3)) for p, c in rows]
     assert shares == [(2 / 3, 0.0), (1.0, 0.0), (0.0, 1 - 1 / 3), (0.0, 1 - 3 / 4), (1.0, 1 - 3 / 10), (0.0, 0.75)]
     cfg = only(parrot=ParrotConfig(max_overlap=0.7), repetition=RepetitionConfig(n=3, max_repeat_share=0.5))
-    result = RolloutFilter(cfg)(t(*range(6)), [p for p, _ in rows], [c for _, c in rows], 2)
+    prompts, completions = [p for p, _ in rows], [c for _, c in rows]
+    result = RolloutFilter(cfg)(t(0, 1, 1, 0, 1, 1), prompts, completions, 3)  # rows 1, 2, 4, 5 above the mean
     assert result.keep.tolist() == [True, False, False, True, False, False]
     assert (result.reasons["parrot"], result.reasons["repetition"]) == (2, 2)
+    # below their group's mean the same rows keep their negative advantage: nothing to stop reinforcing
+    unpaid = RolloutFilter(cfg)(t(1, 0, 0, 1, 0, 0), prompts, completions, 3)
+    assert unpaid.keep.all() and unpaid.reasons["parrot"] == unpaid.reasons["repetition"] == 0
+    nan_group = RolloutFilter(cfg)(t(NAN, NAN, NAN, 1, 0, 0), prompts, completions, 3)
+    assert nan_group.keep.all()  # no finite reward: nothing is paid
 
 
 def test_zero_variance_groups_after_the_other_filters():
@@ -601,8 +609,8 @@ def test_filter_input_checks_and_tensor_token_ids():
         FilterConfig(parrot=ParrotConfig(max_overlap=2.0))
     with pytest.raises(ValueError, match=r"invalid RepetitionConfig: n must be >= 1, got 0"):
         FilterConfig(repetition=RepetitionConfig(n=0))
-    result = filt(t(0, 1), [torch.tensor([1, 2, 3, 4])] * 2, [torch.tensor([1, 2, 3, 4]), torch.tensor([5])], 2)
-    assert result.keep.tolist() == [False, False]  # parrot, then the group has 1 member left
+    result = filt(t(1, 0), [torch.tensor([1, 2, 3, 4])] * 2, [torch.tensor([1, 2, 3, 4]), torch.tensor([5])], 2)
+    assert result.keep.tolist() == [False, False]  # parrot (paid), then the group has 1 member left
     assert result.reasons["parrot"] == 1 and result.reasons["zero_variance"] == 1
 
 

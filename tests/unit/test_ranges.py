@@ -149,6 +149,7 @@ UNBOUNDED = {
     "guards.gepo.logprob_min": "any floor (null = off)",
     # checked only when the part is used, so a disabled section may hold any value (checks.py, SpikeGuard)
     "guards.gepo.advantage.clip_scale": "checked with guards.gepo.advantage.enabled (checks.py: GEPOAdvantage)",
+    "guards.gepo.advantage.outlier_z": "checked with guards.gepo.advantage.enabled (checks.py: GEPOAdvantage)",
     "guards.gepo.spike.rebase_after": "0 or >= 2, checked in SpikeConfig.__post_init__",
     "guards.gepo.monitor.adv_std_rise_ratio": "a ratio the doctor compares with; not checked",
     "guards.gepo.monitor.entropy_drop_ratio": "a ratio the doctor compares with; not checked",

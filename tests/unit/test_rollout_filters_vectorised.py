@@ -293,7 +293,7 @@ def test_repetition_pass_is_skipped_only_when_no_row_can_be_dropped() -> None:
         zero_variance=ZeroVarianceConfig(enabled=False),
     )
     rows = [[7, 7, 7, 7, 7], [1, 2, 3, 4, 5]]
-    result = RolloutFilter(only_repetition)(torch.tensor([0.0, 1.0]), [[9]] * 2, rows, 1)
+    result = RolloutFilter(only_repetition)(torch.tensor([1.0, 0.0]), [[9]] * 2, rows, 2)  # row 0 paid
     assert result.keep.tolist() == [False, True] and result.reasons["repetition"] == 1
     rng = random.Random(3)
     for _ in range(300):  # wherever the pass is skipped, it would have dropped nothing
@@ -352,6 +352,7 @@ def test_zscore_length_and_no_signal_by_hand(monkeypatch: pytest.MonkeyPatch) ->
     rewards = torch.tensor([0.0, 1.0, 0.5, 0.0] * 4 + [0.0, 1.0, 0.5, 40.0] + [NAN, 0.0, 1.0, 0.5])
     n = rewards.numel()
     only_z = FilterConfig(
+        zscore=ZScoreConfig(enabled=True),
         length=LengthConfig(enabled=False),
         parrot=ParrotConfig(enabled=False),
         repetition=RepetitionConfig(enabled=False),

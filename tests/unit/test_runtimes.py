@@ -146,7 +146,7 @@ def test_quatro_filters_gather_the_batch_log_their_counts_and_mask_the_dropped_r
         "completion_mask": torch.ones(2, 6, dtype=torch.long),
         "num_items_in_batch": torch.tensor(12),
     }
-    keep = quatro.filter_generation(output, torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
+    keep = quatro.filter_generation(output, torch.tensor([0.0, 1.0]), torch.tensor([6, 6]), num_generations=2)
     assert keep.tolist() == [True, False]
     assert ctx.last(quatro_filtered("repetition")) == 1.0
     quatro.mask_dropped_rows(output, keep)  # default zero_advantage: the row stays in the loss and normaliser
@@ -169,7 +169,7 @@ def test_filter_warnings_are_rate_limited_and_count_the_batches_in_between() -> 
     }
     for step in (1, 2, 3, FILTER_WARNING_EVERY, FILTER_WARNING_EVERY + 1, FILTER_WARNING_EVERY + 2):
         ctx.step = step
-        quatro.filter_generation(dict(output), torch.tensor([1.0, 0.0]), torch.tensor([6, 6]), num_generations=2)
+        quatro.filter_generation(dict(output), torch.tensor([0.0, 1.0]), torch.tensor([6, 6]), num_generations=2)
         assert ctx.last(quatro_filtered("repetition")) == 1.0  # every batch's counts are logged
     warnings = [(step, fields["message"]) for step, kind, fields in ctx.events if kind == "filter_warning"]
     assert [step for step, _ in warnings] == [1, FILTER_WARNING_EVERY + 1]
