@@ -152,9 +152,14 @@ def fault_summary(job: X.Job, run: X.Outcome, fault_step: int) -> dict[str, Any]
     return out
 
 
+def seed_list(text: str) -> list[int]:
+    """``N`` -> seeds 0..N-1; ``a,b,c`` -> those seeds, in that order."""
+    return [int(v) for v in text.split(",")] if "," in text else list(range(int(text)))
+
+
 def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str, Any]]:
     jobs, how = [], {}
-    seeds = list(range(args.seeds))
+    seeds = args.seeds
     if args.only in ("all", "healthy"):
         for setting in args.settings:
             model, extra = SETTINGS[setting]
@@ -284,7 +289,7 @@ def tables(results: dict[tuple[str, str, int], dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", default="runs/tiny-sft/final", help="the tiny SFT checkpoint (configs/tiny/sft.yaml)")
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--seeds", type=seed_list, default=seed_list("8"), help="a count N (seeds 0..N-1) or a list 1,0,2")
     ap.add_argument("--plain-fault-seeds", type=int, default=2, help="plain TRL's seeds per fault scenario")
     ap.add_argument("--settings", nargs="+", default=["demo", "lr3e-5", "lr3e-4"], choices=list(SETTINGS))
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
