@@ -153,8 +153,8 @@ def fault_summary(job: X.Job, run: X.Outcome, fault_step: int) -> dict[str, Any]
 
 
 def seed_list(text: str) -> list[int]:
-    """``N`` -> seeds 0..N-1; ``a,b,c`` -> those seeds, in that order."""
-    return [int(v) for v in text.split(",")] if "," in text else list(range(int(text)))
+    """``N`` -> seeds 0..N-1; ``a,b,c`` (or ``a,`` for one) -> those seeds, in that order."""
+    return [int(v) for v in text.split(",") if v] if "," in text else list(range(int(text)))
 
 
 def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str, Any]]:
