@@ -168,7 +168,8 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
                 for seed in seeds:
                     out = Path(args.out) / f"healthy-{setting}" / f"{variant}-s{seed}"
                     cmd = command(model, args.sft, out, seed, args.steps, (*extra, *flags))
-                    jobs.append(X.Job(variant, f"healthy-{setting}", seed, out, tuple(cmd)))
+                    threads = (("OMP_NUM_THREADS", str(args.threads)),)
+                    jobs.append(X.Job(variant, f"healthy-{setting}", seed, out, tuple(cmd), threads))
                     how[jobs[-1].key] = healthy_summary
     if args.only in ("all", "faults"):
         model = "small" if "smollm2" in args.settings else "tiny"
@@ -187,7 +188,9 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
                             burst = BURST.format(step=step, seed=seed)
                             extra += [f"rewards=[{burst}, {{fn: exact_match, weight: 0.0}}]", "eval.metric=exact_match"]
                         cmd = command(model, args.sft, out, seed, step + AFTER, tuple(extra))
-                        job_env = tuple({FAULT_STEP_ENV: str(step), **env}.items())
+                        job_env = tuple(
+                            {FAULT_STEP_ENV: str(step), "OMP_NUM_THREADS": str(args.threads), **env}.items()
+                        )
                         jobs.append(X.Job(variant, scenario, seed, out, tuple(cmd), job_env))
                         how[jobs[-1].key] = lambda job, run, k=step: fault_summary(job, run, k)
     return jobs, how
@@ -302,6 +305,7 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
     ap.add_argument("--collect-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=7200)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (SmolLM2 runs: 2)")
     args = ap.parse_args()
     sha = X.commit()
     jobs, how = jobs_and_summaries(args)
