@@ -265,6 +265,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_quatro.py::test_zscore_drops_only_the_outlier_and_ignores_nan",),
     ),
     Mutant(
+        "gold_watch_never_restores",
+        "a confirmed reward-gold divergence only lowers the learning rate: the gamed policy trains on",
+        (
+            (
+                "steadyrl/callbacks/gold_watch.py",
+                "        self._restore()\n        self._tighten()",
+                "        self._tighten()",
+            ),
+        ),
+        (
+            "tests/integration/test_gold_watch.py::test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on",
+        ),
+    ),
+    Mutant(
         "kl_controller_on_by_default",
         "the adaptive KL controller steers beta by default, on healthy runs too",
         (("steadyrl/guards/kl_controller.py", "    enabled: bool = False", "    enabled: bool = True"),),

@@ -119,6 +119,9 @@ QUATRO_ROWS = "quatro/rows"  # rows of the generation batch the filters saw
 QUATRO_REPLAY_FRAC = "quatro/replay_frac"
 QUATRO_REPLAY_AGE_MEAN = "quatro/replay_age_mean"
 QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
+QUATRO_GOLD_BEST = "quatro/gold_best"  # the gold watch's best eval metric so far
+QUATRO_GOLD_STREAK = "quatro/gold_streak"  # evals in a row below the best while the training reward held
+QUATRO_GOLD_ROLLBACKS = "quatro/gold_rollbacks"  # cumulative: rollbacks to the best policy (a stop included)
 # observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
 QUATRO_KL_COEF_WOULD = would(QUATRO_KL_COEF)  # the controller's beta (TRL's beta is unchanged)
 QUATRO_ENTROPY_BONUS_WOULD = would(QUATRO_ENTROPY_BONUS)  # the entropy_coef it would set
@@ -128,6 +131,7 @@ QUATRO_CLIP_SCALE_WOULD = would("quatro/clip_scale")  # the epsilon factor it wo
 QUATRO_FLOOR_ACTIVE_WOULD = would(QUATRO_FLOOR_ACTIVE)
 QUATRO_WOULD_FILTER_PREFIX = would(QUATRO_FILTERED_PREFIX)  # quatro/would_filtered/<reason>: rows it would drop
 QUATRO_WOULD_FILTER_SHARE = would(QUATRO_FILTERED_SHARE)
+QUATRO_WOULD_GOLD_ROLLBACKS = would(QUATRO_GOLD_ROLLBACKS)  # cumulative: divergences it would have acted on
 
 
 def quatro_filtered(reason: str) -> str:

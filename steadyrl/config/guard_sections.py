@@ -13,6 +13,7 @@ from typing import Any
 from steadyrl.evidence.early_warnings import MonitorConfig
 from steadyrl.guards.entropy_floor import EntropyConfig
 from steadyrl.guards.error_feedback import ErrorFeedbackConfig
+from steadyrl.guards.gold_watch import GoldConfig
 from steadyrl.guards.kl_controller import KLConfig
 from steadyrl.guards.moment_floor import FloorConfig
 from steadyrl.guards.opefo import OpefoConfig
@@ -132,7 +133,8 @@ class QuatroReplaySection(ReplayConfig, GuardSection):
 
 @dataclass
 class QuatroSection(Layer):
-    """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters (and replay)."""
+    """QUATRO loop layer: adaptive KL coefficient, entropy floor, rollout quality filters, the reward-hacking watch
+    (and replay)."""
 
     enabled: bool = False
     # act | observe: controllers and filters computed and logged, TRL's beta/entropy_coef kept
@@ -141,6 +143,7 @@ class QuatroSection(Layer):
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
     replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
+    gold: GoldConfig = field(default_factory=GoldConfig)  # run where a periodic eval runs (build.py: GoldWatch)
 
     def to_config(self) -> QuatroConfig:
         """The enabled parts."""

@@ -59,6 +59,7 @@ def _eval_data(cfg: Any) -> bool:
 
 
 GUARDS = "the guard layers act on GRPO and PPO steps; SFT runs TRL's SFTTrainer and the reward stage its RewardTrainer"
+GOLD_GRPO = "the reward-hacking watch runs beside GRPO's periodic eval (PPO: not yet)"
 PPO_ONLY = "the ppo section configures algorithm: ppo (critic, GAE)"
 REWARD_STAGE = "the reward stage (steadyrl.trainers.reward_model) trains on preference pairs with TRL's RewardTrainer"
 SFT_EVAL = "SFT calls its rewards only to score the eval split after training"
@@ -129,6 +130,12 @@ PERIODIC = Cond(
     lambda cfg, e: e.every > 0, "while eval.every is 0 (no periodic eval)", "set eval.every > 0, or remove it"
 )
 
+GOLD_PERIODIC = Cond(
+    lambda cfg, _: cfg.eval.every > 0,
+    "while eval.every is 0 (the watch reads the periodic eval)",
+    "set eval.every > 0, or remove it",
+)
+
 
 def _rows(prefix: str, keys: str, row: Read) -> dict[str, Read]:
     return {f"{prefix}{key}": row for key in keys.split()}
@@ -167,6 +174,8 @@ READ_BY: dict[str, Read] = {
         fix="remove it (for PPO: ppo.soft_clip)",
     ),
     "guards.gepo.advantage.enabled": Read(RL, why=GUARDS),  # PPO must be able to switch it off
+    "guards.quatro.gold": Read(("grpo",), why=GOLD_GRPO, fix="remove it", only_if=(GOLD_PERIODIC, *EVAL)),
+    "guards.quatro.gold.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
     "guards.grade.kl_compensation_range": Read(RL, why=GUARDS, only_if=(KL_COMPENSATION,)),
     "eval.enabled": Read(TRAINING, why=f"{REWARD_STAGE}; its held-out check is the calibration report"),
     **_rows("eval.", "max_new_tokens batch_size metric max_samples", Read(TRAINING, why=REWARD_STAGE, only_if=EVAL)),

@@ -90,6 +90,9 @@ KINDS: dict[str, Kind] = {
         Rule("above", _filtered(M.QUATRO_WOULD_FILTER_PREFIX)),
     ),
     "replay": Kind("quatro", Rule("above", (M.QUATRO_REPLAY_FRAC,))),
+    "gold_rollback": Kind(
+        "quatro", Rule("rose", (M.QUATRO_GOLD_ROLLBACKS,)), Rule("rose", (M.QUATRO_WOULD_GOLD_ROLLBACKS,))
+    ),
     "reward_clip": Kind("grade", Rule("above", (M.GRADE_CLIP_FRAC_LOW, M.GRADE_CLIP_FRAC_HIGH))),
 }
 LAYERS = ("gepo", "opefo", "quatro", "grade")

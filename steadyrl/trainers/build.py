@@ -18,6 +18,7 @@ from accelerate.utils import broadcast_object_list
 from peft import LoraConfig
 from transformers import AutoConfig, AutoTokenizer
 
+from steadyrl.callbacks.gold_watch import GoldWatch
 from steadyrl.callbacks.metrics_log import MetricsLog
 from steadyrl.callbacks.monitor import SignalMonitor
 from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
@@ -273,6 +274,11 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
             batch_size=e.batch_size, max_samples=e.max_samples, num_samples_to_log=e.samples_to_log,
             reward_weights=weights, eval_on_start=e.on_start, log_fn=trainer_log_fn(trainer),
         ))  # fmt: skip
+        quatro = cfg.guards.quatro
+        if cfg.algorithm == "grpo" and quatro.enabled and quatro.gold.enabled:  # after PeriodicEval: reads its rows
+            watch = GoldWatch(quatro.gold, trainer, observe=quatro.mode == "observe")
+            trainer.add_callback(watch)
+            trainer.guard_state.stateful["gold"] = watch
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards
     return trainer

@@ -62,6 +62,7 @@ VALUES: dict[str, list[Any]] = {  # non-default values the generic candidates be
     "guards.opefo.error_feedback.weights": [[0.5, 0.5]],
     "guards.grade.kl_compensation_range": [[0.6, 1.5]],
     "guards.quatro.kl.beta_range": [[0.5, 2.0], [0.25, 8.0]],
+    "guards.quatro.gold.action": ["stop"],
 }
 
 

@@ -1,0 +1,142 @@
+"""The reward-hacking watch on real tiny GRPO runs built from the config: the best policy by the eval metric is kept on
+disk; a confirmed divergence restores it exactly (every trainable tensor and the optimizer state), lowers the
+learning rate and trains on, or restores it and stops; the ledger counts the rollback."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from steadyrl.callbacks.gold_watch import BEST_DIR, GoldWatch
+from steadyrl.config import load_config
+from steadyrl.guards.rollback import cpu_copy
+from steadyrl.trainers.build import build_trainer
+from tests.integration.helpers import per_step
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = {2: 0.5, 4: 0.9, 6: 0.2, 8: 0.95}  # the gold metric at each eval step: best at 4, a fall at 6
+
+
+def scripted_gold(completions: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
+    """The eval metric of these tests: SCRIPT's value at the current step for every completion (weight 0 in
+    training, so only the evals read it)."""
+    step = trainer_state.global_step if trainer_state is not None else 0
+    return [SCRIPT.get(step, 0.0)] * len(completions)
+
+
+def _config(tmp_path, model_dir, gold: dict[str, Any]):
+    cfg = {
+        "model": {"path": str(model_dir)},
+        "data": {"path": "builtin:arithmetic", "eval_split": "eval", "builtin": {"max_operand": 9, "eval_size": 8}},
+        "rewards": [
+            {"fn": "tests.integration.helpers:byte_mean", "weight": 1.0},
+            {"fn": "tests.integration.test_gold_watch:scripted_gold", "weight": 0.0, "name": "gold"},
+        ],
+        "eval": {"every": 2, "metric": "gold", "max_samples": 8},
+        "guards": {"quatro": {"enabled": True, "gold": {"confirm": 1, "reward_slack": 100.0, **gold}}},
+        "trainer": {
+            "output_dir": str(tmp_path / "run"),
+            "max_steps": 8,
+            "per_device_train_batch_size": 8,
+            "num_generations": 4,
+            "max_completion_length": 4,
+            "learning_rate": 1e-2,
+            "lr_scheduler_type": "constant",
+            "logging_steps": 1,
+            "bf16": False,
+            "report_to": [],
+            "save_strategy": "no",
+            "disable_tqdm": True,
+            "activation_checkpointing": False,
+        },
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return load_config(path)
+
+
+def _trainable(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def _spy_restore(monkeypatch) -> list[dict[str, Any]]:
+    """Record, at each restore, the live tensors after it and the kept files it restored from."""
+    seen: list[dict[str, Any]] = []
+    original = GoldWatch._restore
+
+    def restore(self):
+        original(self)
+        kept = torch.load(self.best_dir / "gold_state_rank0.pt", weights_only=False)
+        meta = json.loads((self.best_dir / "gold.json").read_text())
+        optimizer = cpu_copy(self.trainer.optimizer.state_dict())
+        step = self.trainer.state.global_step
+        seen.append(
+            {"live": _trainable(self.trainer), "kept": kept, "meta": meta, "step": step, "optimizer": optimizer}
+        )
+
+    monkeypatch.setattr(GoldWatch, "_restore", restore)
+    return seen
+
+
+def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny_model_dir, tmp_path, monkeypatch):
+    seen = _spy_restore(monkeypatch)
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}))
+    (watch,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, GoldWatch)]
+    assert trainer.guard_state.stateful["gold"] is watch
+    lr0 = trainer.args.learning_rate
+    trainer.train()
+
+    assert trainer.state.global_step == 8
+    (rollback,) = seen
+    assert rollback["step"] == 6 and rollback["meta"]["step"] == 4 and rollback["meta"]["gold"] == pytest.approx(0.9)
+    for name, tensor in rollback["live"].items():  # every trainable tensor is the kept one, bit for bit
+        assert torch.equal(tensor, rollback["kept"]["params"][name]), name
+    kept_state = rollback["kept"]["optimizer"]["state"]
+    live_state = rollback["optimizer"]["state"]
+    assert kept_state.keys() == live_state.keys()
+    for key, entry in kept_state.items():
+        assert torch.equal(entry["exp_avg_sq"], live_state[key]["exp_avg_sq"].cpu())
+    after = _trainable(trainer)  # steps 7 and 8 trained from the restored policy
+    assert any(not torch.equal(after[n], rollback["live"][n]) for n in after)
+    assert trainer.lr_scheduler.base_lrs == [pytest.approx(lr0 * 0.5)] * len(trainer.optimizer.param_groups)
+    assert all(group["lr"] == pytest.approx(lr0 * 0.5) for group in trainer.optimizer.param_groups)
+
+    history = trainer.state.log_history
+    assert per_step(history, "quatro/gold_rollbacks")[-1] == 1.0
+    assert per_step(history, "quatro/gold_best")[-1] == pytest.approx(0.95)
+    best = json.loads((tmp_path / "run" / BEST_DIR / "gold.json").read_text())
+    assert best["step"] == 8 and best["gold"] == pytest.approx(
+        0.95
+    )  # the new best after the rollback replaced the old one
+    assert not (tmp_path / "run" / f"{BEST_DIR}.tmp").exists()
+    ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
+    assert ledger["kinds"]["gold_rollback"]["steps"] == 1 and ledger["kinds"]["gold_rollback"]["layer"] == "quatro"
+
+
+def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    seen = _spy_restore(monkeypatch)
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"action": "stop"}))
+    trainer.train()
+    assert trainer.state.global_step == 7  # the eval of step 6 comes at step 7's start: that step still runs
+    (rollback,) = seen
+    assert rollback["step"] == 7 and rollback["meta"]["step"] == 4
+    final = _trainable(trainer)
+    assert all(torch.equal(final[n], rollback["kept"]["params"][n]) for n in final)
+    assert set(trainer.lr_scheduler.base_lrs) == {trainer.args.learning_rate}  # nothing tightened
+
+
+def test_observe_mode_counts_the_divergence_and_restores_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    seen = _spy_restore(monkeypatch)
+    cfg = _config(tmp_path, tiny_model_dir, {})
+    cfg.guards.quatro.mode = "observe"
+    trainer = build_trainer(cfg)
+    trainer.train()
+    assert seen == [] and trainer.state.global_step == 8
+    history = trainer.state.log_history
+    assert per_step(history, "quatro/would_gold_rollbacks")[-1] == 1.0
+    assert not (tmp_path / "run" / BEST_DIR).exists()  # observe mode keeps no policy
