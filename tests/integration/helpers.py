@@ -205,3 +205,24 @@ def flaky_reward(completions: list[str], fail_calls: list[int] = (), fail_from: 
     if call in fail_calls or (fail_from is not None and call >= fail_from):
         raise ConnectionError(f"reward server dropped call {call}")
     return byte_mean(completions)
+
+
+QUIET_TRAINER = {  # trainer keys of a config-built test run: CPU fp32, one row per step, no saves, no terminal output
+    "logging_steps": 1,
+    "bf16": False,
+    "report_to": [],
+    "save_strategy": "no",
+    "disable_tqdm": True,
+    "activation_checkpointing": False,
+}
+
+
+def write_config(tmp_path: Any, tree: dict[str, Any]) -> Any:
+    """``tree`` as ``tmp_path/cfg.yaml``, loaded as steadyrl loads a config file."""
+    import yaml
+
+    from steadyrl.config import load_config
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return load_config(path)

@@ -9,13 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from steadyrl.callbacks.gold_watch import BEST_DIR, GoldWatch
-from steadyrl.config import load_config
 from steadyrl.guards.rollback import cpu_copy
 from steadyrl.trainers.build import build_trainer
-from tests.integration.helpers import per_step
+from tests.integration.helpers import QUIET_TRAINER, per_step, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -47,17 +45,10 @@ def _config(tmp_path, model_dir, gold: dict[str, Any]):
             "max_completion_length": 4,
             "learning_rate": 1e-2,
             "lr_scheduler_type": "constant",
-            "logging_steps": 1,
-            "bf16": False,
-            "report_to": [],
-            "save_strategy": "no",
-            "disable_tqdm": True,
-            "activation_checkpointing": False,
+            **QUIET_TRAINER,
         },
     }
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return load_config(path)
+    return write_config(tmp_path, cfg)
 
 
 def _trainable(trainer) -> dict[str, torch.Tensor]:

@@ -6,11 +6,17 @@ import math
 
 import pytest
 import torch
-import yaml
 
 from steadyrl.config import load_config
 from steadyrl.trainers.build import build_trainer
-from tests.integration.helpers import RecordingGrade, TrainedOn, per_step, tiny_grpo_trainer
+from tests.integration.helpers import (
+    QUIET_TRAINER,
+    RecordingGrade,
+    TrainedOn,
+    per_step,
+    tiny_grpo_trainer,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +35,11 @@ def _config(tmp_path, model_dir, guards, **trainer):
             "max_completion_length": 4,
             "learning_rate": 1e-3,
             "max_grad_norm": 1.0,
-            "logging_steps": 1,
-            "bf16": False,
-            "report_to": [],
-            "save_strategy": "no",
-            "disable_tqdm": True,
-            "activation_checkpointing": False,
+            **QUIET_TRAINER,
             **trainer,
         },
     }
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return load_config(path)
+    return write_config(tmp_path, cfg)
 
 
 def test_hostile_rewards_are_tamed(tiny_model_dir, tmp_path):
