@@ -1,0 +1,32 @@
+"""Merge results files of one benchmark (RESULTS.md format) into one: each later file's cells replace the same
+(scenario, variant) cells of the ones before, and every cell keeps the command, commit, date, machine and packages of
+the run that made it (``experiments.merge_results``).
+
+    python scripts/merge_results.py docs/results/precision_recall.json /tmp/a.json /tmp/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import experiments as X
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", type=Path, help="the file to merge into (its cells come first)")
+    ap.add_argument("files", nargs="+", type=Path)
+    args = ap.parse_args()
+    for path in args.files:
+        doc = json.loads(path.read_text())
+        benchmark = json.loads(args.target.read_text())["benchmark"] if args.target.is_file() else doc["benchmark"]
+        if doc["benchmark"] != benchmark:
+            raise SystemExit(f"{path} is benchmark {doc['benchmark']!r}, {args.target} is {benchmark!r}")
+        X.write_results(args.target, doc, merge=True)
+    print(f"{args.target}: {len(json.loads(args.target.read_text())['cells'])} cells")
+
+
+if __name__ == "__main__":
+    main()
