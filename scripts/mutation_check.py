@@ -279,6 +279,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "length_rolling_on_by_default",
+        "the rolling length range drops by default: a run that learns shorter answers loses them",
+        (
+            (
+                "steadyrl/guards/rollout_filters.py",
+                "    rolling: bool = False  # also drop",
+                "    rolling: bool = True  # also drop",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_default_filters_keep_a_run_that_learns_shorter_answers",),
+    ),
+    Mutant(
         "kl_controller_on_by_default",
         "the adaptive KL controller steers beta by default, on healthy runs too",
         (("steadyrl/guards/kl_controller.py", "    enabled: bool = False", "    enabled: bool = True"),),

@@ -47,7 +47,8 @@ class LengthConfig(Checked):
     enabled: bool = True
     min_tokens: int = bounded(0, ge=0)
     max_tokens: int | None = bounded(None, ge=0)  # >= min_tokens
-    rolling: bool = True  # also drop lengths far outside the recent ones (Tukey's far-out fences, LENGTH_FENCE)
+    rolling: bool = False  # also drop lengths far outside the recent ones (Tukey's far-out fences, LENGTH_FENCE);
+    # off: a run that learns shorter answers moves its lengths out of its own history (docs/DESIGN.md)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -536,7 +536,7 @@ def test_length_fixed_and_rolling_range(monkeypatch):
     monkeypatch.setattr(rollout_filters, "LENGTH_FENCE", 0.0)  # the quartiles themselves (fences: their own test)
     monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", 10)
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 4)
-    cfg = LengthConfig()
+    cfg = LengthConfig(rolling=True)
     filt = RolloutFilter(only(length=cfg))
     completions = [[1] * n for n in (1, 2, 3, 4)]
     first = filt(t(0, 1, 0, 1), [[9]] * 4, completions, 2)
@@ -576,6 +576,23 @@ def test_parrot_repetition_and_reason_order():
     assert unpaid.keep.all() and unpaid.reasons["parrot"] == unpaid.reasons["repetition"] == 0
     nan_group = RolloutFilter(cfg)(t(NAN, NAN, NAN, 1, 0, 0), prompts, completions, 3)
     assert nan_group.keep.all()  # no finite reward: nothing is paid
+
+
+def test_default_filters_keep_a_run_that_learns_shorter_answers():
+    """SmolLM2 seed 1 (issue 39): 300 clipped 24-token completions, then the run learns 6-token answers. With the
+    rolling length range on, its history's fences are 24 +- 3 tokens and every new answer is dropped; by default
+    the range is off, and the z-score filter too, so nothing here is dropped."""
+    cfg = FilterConfig()
+    assert not cfg.length.rolling and not cfg.zscore.enabled
+    filt, rolling = RolloutFilter(cfg), RolloutFilter(dataclasses.replace(cfg, length=LengthConfig(rolling=True)))
+    long, short = [[7, 8, 9] * 8] * 8, [[4, 5, 6, 1, 2, 3]] * 8
+    rewards = t(0, 1, 0, 1, 0, 1, 0, 1)
+    for _ in range(40):
+        filt(rewards, [[1]] * 8, long, 4)
+        rolling(rewards, [[1]] * 8, long, 4)
+    assert filt(rewards, [[1]] * 8, short, 4).keep.all()
+    assert rolling.length_range() == (21.0, 27.0)
+    assert not rolling(rewards, [[1]] * 8, short, 4).keep.any()
 
 
 def test_zero_variance_groups_after_the_other_filters():
@@ -818,11 +835,11 @@ def test_the_rolling_length_range_is_tukeys_far_out_fences(monkeypatch):
     usual spread is never cut; equal lengths still leave LENGTH_MIN_SPREAD (1 token) x 3 on each side."""
     monkeypatch.setattr(rollout_filters, "LENGTH_HISTORY", 8)
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 4)
-    filt = RolloutFilter(only(length=LengthConfig()))
+    filt = RolloutFilter(only(length=LengthConfig(rolling=True)))
     filt(t(0, 1, 0, 1), [[9]] * 4, [[1] * n for n in (3, 3, 5, 5)], 2)
     assert filt.length_range() == (-3.0, 11.0)
     kept = filt(t(0, 1, 0, 1, 0, 1), [[9]] * 6, [[1] * n for n in (1, 11, 12, 4, 3, 5)], 2).keep.tolist()
     assert kept == [True, True, False, True, True, True]  # only 12 tokens is far out
-    same = RolloutFilter(only(length=LengthConfig()))
+    same = RolloutFilter(only(length=LengthConfig(rolling=True)))
     same(t(0, 1, 0, 1), [[9]] * 4, [[1] * 4] * 4, 2)
     assert same.length_range() == (1.0, 7.0)

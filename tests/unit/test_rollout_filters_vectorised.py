@@ -114,7 +114,7 @@ def random_config(rng: random.Random, monkeypatch: pytest.MonkeyPatch) -> Filter
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", rng.choice((8, 40)))
     monkeypatch.setattr(rollout_filters, "PARROT_N", rng.randint(1, 5))
     return FilterConfig(
-        zscore=ZScoreConfig(max_abs_z=rng.choice((0.5, 1.0, 2.0, 3.5))),
+        zscore=ZScoreConfig(enabled=rng.random() < 0.8, max_abs_z=rng.choice((0.5, 1.0, 2.0, 3.5))),
         length=LengthConfig(
             min_tokens=rng.randint(0, 3),
             max_tokens=rng.choice((None, 20, 30)),
@@ -334,7 +334,7 @@ def test_zscore_length_and_no_signal_by_hand(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 2)
     cfg = FilterConfig(
         zscore=ZScoreConfig(enabled=False),
-        length=LengthConfig(),
+        length=LengthConfig(rolling=True),
         parrot=ParrotConfig(enabled=False),
         repetition=RepetitionConfig(enabled=False),
         zero_variance=ZeroVarianceConfig(enabled=False),
@@ -437,7 +437,8 @@ def test_tensor_filters_match_the_reference_on_recorded_training_batches(
         monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 64)
         monkeypatch.setattr(rollout_filters, "PARROT_N", 1)
         cfg = FilterConfig(
-            length=LengthConfig(max_tokens=3),
+            zscore=ZScoreConfig(enabled=True),
+            length=LengthConfig(max_tokens=3, rolling=True),
             parrot=ParrotConfig(max_overlap=0.5),
             repetition=RepetitionConfig(n=1, max_repeat_share=0.3),
         )
