@@ -128,13 +128,13 @@ def results_doc(
     return doc
 
 
-OWN_FIELDS = ("command", "commit", "date", "machine", "packages", "steps")
+OWN_FIELDS = ("command", "commit", "date", "machine", "model", "packages", "steps")
 
 
 def merge_results(old: dict[str, Any], new: dict[str, Any], same: Sequence[str] = ("steps",)) -> dict[str, Any]:
     """``new``'s cells replace the same (scenario, variant) cells of ``old``, in place in its order (new ones at
-    the end). Every cell carries the command, commit, date, machine, packages and steps of the run that made it (an
-    old cell without them gets the old file's), and the file's own fields say "per cell" where the cells differ.
+    the end). Every cell carries the command, commit, date, machine, model, packages and steps of the run that made
+    it (an old cell without them gets the old file's), and the file's own fields say "per cell" where they differ.
     ``same``: fields the two files must agree on (or the old one says "per cell")."""
     old, new = copy.deepcopy(old), copy.deepcopy(new)  # the callers' documents stay as they were
     for key in same:
