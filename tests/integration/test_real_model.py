@@ -119,8 +119,9 @@ def test_chat_masks_and_filters_on_real_completions(smollm2_cache: Path, tmp_pat
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
 
     # completion mask: ones up to and including the first <|im_end|>, zeros after; the truncated row (2) is all
-    # ones. The rows QUATRO dropped (1 parrot, 2 repetition, 4-7 zero variance) keep their mask: they stay in the
-    # loss with advantage 0 (filters.dropped_rows: zero_advantage), so the kept rows' weight is unchanged
+    # ones. The rows QUATRO dropped (2 repetition, paid 1.25 above its group's mean 0.6875; 4-7 zero variance) keep
+    # their mask: they stay in the loss with advantage 0 (filters.dropped_rows: zero_advantage), so the kept rows'
+    # weight is unchanged. The parrot row (1) scores 0, below the mean: it is kept, with its negative advantage
     mask = out["completion_mask"]
     for i in range(8):
         expected = [1] * len(completions[i]) + [0] * (mask.shape[1] - len(completions[i]))
@@ -133,13 +134,13 @@ def test_chat_masks_and_filters_on_real_completions(smollm2_cache: Path, tmp_pat
     assert metrics["rewards/math_answer/mean"] == pytest.approx(2 / 8)  # rows 0 and 2 hold the right number
     # " 32" is 3 tokens (space, 3, 2): the truncated row is 8 words ending on a number, so concise too
     assert metrics["rewards/concise_answer/mean"] == pytest.approx(3 / 8)  # rows 0, 2, 3
-    assert (metrics["quatro/filtered/parrot"], metrics["quatro/filtered/repetition"]) == (1, 1)
+    assert (metrics["quatro/filtered/parrot"], metrics["quatro/filtered/repetition"]) == (0, 1)
     assert metrics["quatro/filtered/zero_variance"] == 4
-    assert metrics["quatro/filtered_share"] == pytest.approx(6 / 8)
+    assert metrics["quatro/filtered_share"] == pytest.approx(5 / 8)
 
     adv = out["advantages"]
-    assert adv[[1, 2, 4, 5, 6, 7]].abs().sum().item() == 0
-    assert adv[0].item() > 0 > adv[3].item()
+    assert adv[[2, 4, 5, 6, 7]].abs().sum().item() == 0
+    assert adv[0].item() > 0 > adv[3].item() > adv[1].item()  # kept rows 0, 1, 3: rewards 1.25, 0, 0.25
 
 
 def test_two_lora_grpo_steps_with_every_layer(smollm2_cache: Path, tmp_path: Path) -> None:
