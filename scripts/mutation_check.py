@@ -59,8 +59,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/guards/robust_advantage.py",
-                "centre = nan_median(r, dim=1, keepdim=True)",
-                "centre = torch.nanmean(r, dim=1, keepdim=True)",
+                "centre = nan_median(r, dim=1, keepdim=True)\n    mad = ",
+                "centre = torch.nanmean(r, dim=1, keepdim=True)\n    mad = ",
             ),
         ),
         ("tests/unit/test_gepo.py", "tests/unit/test_advantages.py"),
