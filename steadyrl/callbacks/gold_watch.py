@@ -42,7 +42,7 @@ from steadyrl.metrics import (
     QUATRO_WOULD_GOLD_ROLLBACKS,
     REWARD,
 )
-from steadyrl.trainers.recovery import optimizer_chain
+from steadyrl.trainers.recovery import optimizer_chain, restore_payload
 from steadyrl.trainers.trl_state import set_beta_factor
 
 logger = logging.getLogger("steadyrl.quatro")
@@ -205,16 +205,7 @@ class GoldWatch(TrainerCallback):
         trainable, base, zero = self._parts()
         acc = self.trainer.accelerator
         payload = torch.load(self.best_dir / f"gold_state_rank{acc.process_index}.pt", weights_only=False)
-        with torch.no_grad():
-            for name, p in trainable:
-                p.copy_(payload["params"][name].to(p.device))
-            partitions = zero.single_partition_of_fp32_groups if zero is not None else []
-            for live, saved in zip(partitions, payload.get("fp32_partitions", []), strict=True):
-                live.copy_(saved.to(live.device))
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
-        base.load_state_dict(payload["optimizer"])  # the schedule's current values stay, not the kept ones
-        for group, current in zip(base.param_groups, hyper, strict=True):
-            group.update(current)
+        restore_payload(payload, trainable, base, zero)  # as OPEFO's rollback: the schedule runs on
 
     def _tighten(self) -> None:
         c, trainer = self.config, self.trainer

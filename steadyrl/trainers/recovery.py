@@ -55,6 +55,24 @@ def optimizer_chain(optimizer: Any) -> list[Any]:
     return chain
 
 
+def restore_payload(
+    payload: dict[str, Any], trainable: list[tuple[str, torch.nn.Parameter]], base: Any, zero: Any
+) -> None:
+    """Copy a snapshot's trainable tensors (and ZeRO's fp32 partitions) back and load its optimizer state into the
+    innermost optimizer ``base``. The schedule is not rewound: each param group's current LR (and other scheduled
+    values) stay, not the snapshot's."""
+    with torch.no_grad():
+        for name, p in trainable:
+            p.copy_(payload["params"][name].to(p.device))
+        partitions = zero.single_partition_of_fp32_groups if zero is not None else []
+        for live, saved in zip(partitions, payload.get("fp32_partitions", []), strict=True):
+            live.copy_(saved.to(live.device))
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
+    base.load_state_dict(payload["optimizer"])
+    for group, current in zip(base.param_groups, hyper, strict=True):
+        group.update(current)
+
+
 def _cause(bad_weights: int, state_ok: bool) -> str:
     weights = f"non-finite parameters ({bad_weights} tensor(s) over all ranks)" if bad_weights else ""
     state = "" if state_ok else "non-finite optimizer state (exp_avg / exp_avg_sq)"
@@ -244,17 +262,7 @@ class StateRecovery:
         assert self.store is not None
         snap_step, payload = self.store.load()
         self.policy.record(step, cause)  # raises RollbackLimitError past max_rollbacks within the window
-        with torch.no_grad():
-            for name, p in self._trainable():
-                p.copy_(payload["params"][name].to(p.device))
-            partitions = self.zero.single_partition_of_fp32_groups if self.zero is not None else []
-            for live, saved in zip(partitions, payload.get("fp32_partitions", []), strict=True):
-                live.copy_(saved.to(live.device))
-        # the schedule is not rewound: the current LR (and other scheduled values) stay, not the snapshot's
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.base.param_groups]
-        self.base.load_state_dict(payload["optimizer"])
-        for group, current in zip(self.base.param_groups, hyper, strict=True):
-            group.update(current)
+        restore_payload(payload, self._trainable(), self.base, self.zero)
         self.guards.load_guard_state_dicts(payload["guards"], exclude=self)
         self.feedback.clear()
         rb = self.config.rollback
