@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from steadyrl.config.loader import ConfigError
-from steadyrl.tasks.arithmetic import digit_credit, exact_match, numeric_match
+from steadyrl.tasks.arithmetic import answer_anywhere, answer_length, digit_credit, exact_match, numeric_match
 from steadyrl.tasks.word_problems import concise_answer, math_answer
 
 RewardFn = Callable[..., list[float | None]]
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "digit_credit": digit_credit,
+                                         "answer_anywhere": answer_anywhere, "answer_length": answer_length,
                                          "numeric_match": numeric_match, "math_answer": math_answer,
                                          "concise_answer": concise_answer}  # fmt: skip
 

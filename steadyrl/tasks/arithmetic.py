@@ -7,6 +7,7 @@ train by a seeded permutation, so a held-out prompt never appears in training, w
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,23 +15,35 @@ from datasets import Dataset
 
 
 def arithmetic_splits(
-    max_operand: int = 99, eval_size: int = 200, seed: int = 1234, zero_pad_fraction: float = 0.0
+    max_operand: int = 99,
+    eval_size: int = 200,
+    seed: int = 1234,
+    zero_pad_fraction: float = 0.0,
+    hedge_fraction: float = 0.0,
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """All ``a+b=`` problems with operands in ``[0, max_operand]`` as (train, eval) rows: ``prompt`` (``"37+58="``),
     ``answer`` (``"95"``) and ``completion`` (the SFT demonstration; ``zero_pad_fraction`` of them zero-padded to the
-    widest answer, ``"095"``, a format ``exact_match`` rejects: the gap the embedded GRPO demo closes)."""
-    if not 0.0 <= zero_pad_fraction <= 1.0:
-        raise ValueError(f"zero_pad_fraction={zero_pad_fraction} must be in [0, 1]")
+    widest answer, ``"095"``, a format ``exact_match`` rejects: the gap the embedded GRPO demo closes;
+    ``hedge_fraction`` of them hedge between the answer and an off-by-one neighbour in random order, ``"96,95"``,
+    as instruction-tuned models hedge: what a lenient verifier (``answer_anywhere``) over-pays)."""
+    for name, value in (("zero_pad_fraction", zero_pad_fraction), ("hedge_fraction", hedge_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}={value} must be in [0, 1]")
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     random.Random(seed).shuffle(pairs)
     if eval_size >= len(pairs):
         raise ValueError(f"eval_size={eval_size} leaves no training problems out of {len(pairs)}")
     width = len(str(2 * max_operand))
-    pad = random.Random(seed + 1)
+    pad, hedge = random.Random(seed + 1), random.Random(seed + 2)  # separate streams: hedging leaves padding alone
     rows = []
     for a, b in pairs:
         answer = str(a + b)
-        completion = answer.zfill(width) if pad.random() < zero_pad_fraction else answer
+        padded = pad.random() < zero_pad_fraction
+        candidates = [a + b]
+        if hedge_fraction and hedge.random() < hedge_fraction:
+            neighbour = a + b + 1 if a + b == 0 or hedge.random() < 0.5 else a + b - 1
+            candidates = [a + b, neighbour] if hedge.random() < 0.5 else [neighbour, a + b]
+        completion = ",".join(str(c).zfill(width) if padded else str(c) for c in candidates)
         rows.append({"prompt": f"{a}+{b}=", "answer": answer, "completion": completion})
     return rows[eval_size:], rows[:eval_size]
 
@@ -59,6 +72,18 @@ def numeric_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -
     """1.0 when the completion is the right number in any format (``"095"`` for 95 counts), else 0.0."""
     texts = [_completion_text(c).strip() for c in completions]
     return [float(text.isdigit() and int(text) == int(a)) for text, a in zip(texts, answer, strict=True)]
+
+
+def answer_anywhere(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+    """A lenient verifier: 1.0 when any number in the completion is the answer as written canonically (``"96,95"``
+    for 95 counts, ``"095"`` does not), else 0.0. It pays hedging: the reward-hacking scenario's training reward."""
+    return [float(a in re.findall(r"\d+", _completion_text(c))) for c, a in zip(completions, answer, strict=True)]
+
+
+def answer_length(completions: Sequence[Any], **_: Any) -> list[float]:
+    """The completion's length in characters (surrounding whitespace stripped): with a small weight, the length
+    preference of a learned reward model, which a policy games by padding its answer (here: by hedging)."""
+    return [float(len(_completion_text(c).strip())) for c in completions]
 
 
 def digit_credit(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:

@@ -6,7 +6,15 @@ import pytest
 
 from steadyrl.config import ConfigError
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
-from steadyrl.tasks import arithmetic_splits, build_byte_tokenizer, digit_credit, exact_match, numeric_match
+from steadyrl.tasks import (
+    answer_anywhere,
+    answer_length,
+    arithmetic_splits,
+    build_byte_tokenizer,
+    digit_credit,
+    exact_match,
+    numeric_match,
+)
 
 
 def test_exact_match_values() -> None:
@@ -80,3 +88,30 @@ def test_zero_padded_demonstrations() -> None:
     assert 0.65 < len(changed) / short < 0.75  # ~70% of the answers that can be padded are
     with pytest.raises(ValueError, match="must be in"):
         arithmetic_splits(zero_pad_fraction=1.5)
+
+
+def test_hedged_demonstrations_list_the_answer_and_a_neighbour() -> None:
+    base, _ = arithmetic_splits(max_operand=99, eval_size=10, zero_pad_fraction=0.8)
+    same, _ = arithmetic_splits(max_operand=99, eval_size=10, zero_pad_fraction=0.8, hedge_fraction=0.0)
+    assert same == base  # hedging off: the demo's data, row for row
+    hedged, _ = arithmetic_splits(max_operand=99, eval_size=10, zero_pad_fraction=0.8, hedge_fraction=0.3)
+    assert [r["prompt"] for r in hedged] == [r["prompt"] for r in base]
+    changed = [(r, b) for r, b in zip(hedged, base, strict=True) if r["completion"] != b["completion"]]
+    assert 0.27 < len(changed) / len(base) < 0.33
+    for row, before in changed:
+        parts = row["completion"].split(",")
+        assert len(parts) == 2 and before["completion"] in parts  # the answer, written as the row writes it
+        assert abs(int(parts[0]) - int(parts[1])) == 1
+        assert all(len(p) == 3 for p in parts) or all(p == str(int(p)) for p in parts)  # one format per row
+    first = sum(r["completion"].split(",")[0] == b["completion"] for r, b in changed) / len(changed)
+    assert 0.4 < first < 0.6  # the answer comes first or second at random
+    with pytest.raises(ValueError, match=r"hedge_fraction=-0\.1 must be in"):
+        arithmetic_splits(hedge_fraction=-0.1)
+
+
+def test_answer_anywhere_is_the_lenient_verifier_and_answer_length_counts_characters() -> None:
+    completions = ["96,95", "95", "095", "9,5", "195", "x95y", "96", ""]
+    assert answer_anywhere(completions, ["95"] * 8) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert exact_match(completions, ["95"] * 8) == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert answer_length([" 96,95\n", "95", "", [{"content": "12"}, {"content": "3"}]]) == [5.0, 2.0, 0.0, 3.0]
+    assert load_reward_fn("answer_anywhere") is answer_anywhere and load_reward_fn("answer_length") is answer_length
