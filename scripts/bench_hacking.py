@@ -4,7 +4,9 @@ Scenario ``lenient-length`` (tiny model, ``configs/tiny/grpo-hacking.yaml``): GR
 (``answer_anywhere``: the right answer anywhere in the completion pays) plus a reward model's taste for length
 (``answer_length`` x 0.02), from an SFT model 2% of whose demonstrations hedged (``configs/tiny/sft-hedging.yaml``,
 built from ``--sft`` when ``--hedging-sft`` is not given). The gold metric is ``exact_match`` on the held-out eval,
-which the training reward does not see, evaluated every 20 steps.
+which the training reward does not see, evaluated every 20 steps. ``smollm2-lenient-length``: the same rewards on
+SmolLM2-135M-Instruct + LoRA and the built-in word problems (``configs/small/grpo-hacking.yaml``, 0.01 per
+character, gold ``math_answer`` on 100 held-out problems every 10 steps; ``--threads 2``).
 
 Variants: ``plain`` (every layer off, = ``trl.GRPOTrainer``) and ``all`` (every layer on at its defaults: the gold
 watch keeps the best policy by the gold metric and rolls back to it when the two diverge). Per seed: ``gold_final``
@@ -36,7 +38,11 @@ from steadyrl import metrics as M  # noqa: E402
 from steadyrl.callbacks.gold_watch import EVENT_GOLD_ROLLBACK  # noqa: E402
 
 VARIANTS = {"plain": OFF, "all": ()}
-SCENARIOS = {"lenient-length": ("tiny", "configs/tiny/grpo-hacking.yaml")}
+SCENARIOS = {  # name: (model, config); the tiny model starts from the hedging SFT, SmolLM2 from its instruct weights
+    "lenient-length": ("tiny", "configs/tiny/grpo-hacking.yaml"),
+    "smollm2-lenient-length": ("small", "configs/small/grpo-hacking.yaml"),
+}
+MODELS = {"tiny": "tiny-llama-0.9m (hedging SFT checkpoint)", "small": "smollm2-135m-instruct + LoRA"}
 VALID_FALL = 0.10  # plain TRL's final gold metric at least this far below its own peak
 FALL = 0.05  # the gold metric "started to fall": the first eval after the peak this far below it
 REWARD_WINDOW = 10
@@ -80,7 +86,7 @@ def summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     out["reward_final"] = statistics.fmean(rewards[-REWARD_WINDOW:]) if rewards else None
     acted = [int(e["step"]) for e in history.events_of(EVENT_GOLD_ROLLBACK)]
     out["acted_at_step"] = acted[0] if acted else None
-    out["gold_rollbacks"] = len(acted)
+    out["acted_steps"], out["gold_rollbacks"] = acted, len(acted)
     if job.variant == "plain" and out.get("gold_peak") is not None and out["gold_final"] is not None:
         out["valid"] = bool(
             out["gold_final"] <= out["gold_peak"] - VALID_FALL
@@ -92,7 +98,7 @@ def summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
 
 
 METRICS = ("gold_final", "gold_peak", "peak_step", "reward_final", "reward_at_peak", "fall_step", "acted_at_step",
-           "gold_rollbacks", "valid", "gold_curve", "last_step", "wall_s")  # fmt: skip
+           "acted_steps", "gold_rollbacks", "valid", "gold_curve", "last_step", "wall_s")  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -131,24 +137,31 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
     ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="read the runs already in --out, run the others")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (one run at a time)")
     args = ap.parse_args()
     sha = X.commit()
-    sft = hedging_sft(args) if not args.collect_only else args.hedging_sft or str(Path(args.out) / "sft-hedging/final")
+    models = {SCENARIOS[s][0] for s in args.scenarios}
+    sft = None
+    if "tiny" in models and args.collect_only:
+        sft = args.hedging_sft or str(Path(args.out) / "sft-hedging" / "final")
+    elif "tiny" in models:
+        sft = hedging_sft(args)
     jobs = []
     for scenario in args.scenarios:
-        _, config = SCENARIOS[scenario]
+        model, config = SCENARIOS[scenario]
         for seed in args.seeds:
             for variant in args.variants:
                 out = Path(args.out) / scenario / f"{variant}-s{seed}"
-                cmd = X.train_command(REPO / config, f"model.path={sft}", f"trainer.output_dir={out}",
+                start = [f"model.path={sft}"] if model == "tiny" else []
+                cmd = X.train_command(REPO / config, *start, f"trainer.output_dir={out}",
                                       f"trainer.seed={seed}", "trainer.logging_steps=1", 'trainer.save_strategy="no"',
                                       "trainer.resume_from_checkpoint=null", "trainer.report_to=[]",
                                       *([f"trainer.max_steps={args.steps}"] if args.steps else []),
                                       *VARIANTS[variant])  # fmt: skip
                 jobs.append(X.Job(variant, scenario, seed, out, tuple(cmd), (("OMP_NUM_THREADS", str(args.threads)),)))
-    results = X.run_jobs(jobs, summary, timeout=args.timeout, collect_only=args.collect_only)
+    results = X.run_jobs(jobs, summary, timeout=args.timeout, collect_only=args.collect_only, reuse=args.reuse)
     text = table(results)
     print(text)
     if args.results:
@@ -161,7 +174,7 @@ def main() -> None:
                     cells.append(X.cell(scenario, variant, present, runs, METRICS, died=lambda r: r["status"] != "ok",
                                         accuracy="gold_final"))  # fmt: skip
         doc = X.results_doc("hacking", cells, command=X.script_command("bench_hacking.py"), sha=sha,
-                            model="tiny-llama-0.9m (hedging SFT checkpoint)", steps=args.steps or "config",
+                            model=", ".join(MODELS[m] for m in sorted(models)), steps=args.steps or "config",
                             table=text)  # fmt: skip
         X.write_results(args.results, doc, merge=args.merge)
 

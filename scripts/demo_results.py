@@ -3,7 +3,8 @@
     bash scripts/demo.sh --results docs/results/demo.json      # demo.sh calls this at its end
 
 Reads ``runs/tiny-sft``, ``runs/tiny-grpo`` (eval results, metrics.jsonl, the doctor's findings) and
-``runs/fault-demo/fault_demo.json``; records the commit it ran at ("-dirty" when the tree had changes).
+``runs/fault-demo/fault_demo.json`` and ``runs/hacking-demo/hacking_demo.json``; records the commit it ran at
+("-dirty" when the tree had changes).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> int:
     rollbacks = history.events_of(M.EVENT_ROLLBACK)
     fault = json.loads((args.runs / "fault-demo" / "fault_demo.json").read_text())
     plain, steady = fault["plain"], fault["steadyrl"]
+    hacking = json.loads((args.runs / "hacking-demo" / "hacking_demo.json").read_text())
     cells = [
         cell("clean", "sft", False, sft["accuracy"], "greedy eval accuracy after SFT (exact_match)",
              numeric_match=sft["rewards"].get("numeric_match"), demo_wall_s=round(args.wall_s)),
@@ -71,6 +73,11 @@ def main() -> int:
              "fault demo, steadyrl: " + (", ".join(f"step {s} skipped ({why})" for s, why in steady["skips"]) or
                                           "nothing skipped"),
              skipped_steps=len(steady["skips"]), last_step=steady["last_step"]),
+        *(cell("lenient_verifier", variant, r["status"] != "ok", r.get("gold_final"),
+               f"hacking demo, {r['name']}: gold metric (exact_match) at the end; training reward answer_anywhere + "
+               "0.02 x answer_length", **{k: r.get(k) for k in ("gold_peak", "peak_step", "reward_at_peak",
+                                                                 "reward_final", "acted_steps", "last_step")})
+          for variant, r in (("plain", hacking["plain"]), ("all", hacking["steadyrl"]))),
     ]  # fmt: skip
     record = {
         "benchmark": "demo",

@@ -1,11 +1,16 @@
-"""False alarms of the reward-hacking watch on finished runs: its rule (``steadyrl.guards.gold_watch.replay``, the same
-code the live watch runs) over each run's ``metrics.jsonl``, at the shipped ``guards.quatro.gold`` defaults.
+"""False alarms (healthy runs) and catches (gamed runs) of the reward-hacking signals, replayed on finished runs: the
+gold watch's rule (``steadyrl.guards.gold_watch.replay``, the same code the live watch runs) over each run's
+``metrics.jsonl`` at the shipped ``guards.quatro.gold`` defaults, and the doctor's three reward-hacking rules
+(``eval_falls``: eval accuracy below its best while the reward rose; ``length_drift``: completion length off by
+``DoctorConfig.length_ratio`` while the reward rises; ``clipped_rise``: more completions truncated while the reward
+rises) run on the history as it stood every ``--every`` steps, as a monitor would have run them during training.
 
 The rule reads only logged rows (the periodic eval's ``eval/accuracy`` and TRL's ``reward``), so a run made without
 the watch is judged exactly as the watch would have judged it while it trained, up to its first action (a replay
 cannot roll back). Runs laid out as ``bench_precision.py`` writes them: ``RUNS/<scenario>/<variant>-s<seed>/``.
 Per run: ``evals``, ``falling`` (evals counted towards a divergence), ``alarms`` (confirmed divergences: on a healthy
-run each is a false alarm), ``first_alarm_step`` and ``run_commit`` (the commit the run itself was made at).
+run each is a false alarm), ``first_alarm_step``, ``first_<rule>_step`` for each doctor rule (None: it never fired)
+and ``run_commit`` (the commit the run itself was made at).
 
     python scripts/gold_replay.py /tmp/runs --scenarios healthy-demo healthy-lr3e-5 healthy-lr3e-4 \\
         --results docs/results/gold_false_alarms.json
@@ -21,13 +26,39 @@ from typing import Any
 
 import experiments as X
 
+from steadyrl import metrics as M
+from steadyrl.evidence.doctor import RULES, doctor_config_for
+from steadyrl.evidence.history import History, load_history
 from steadyrl.guards.gold_watch import GoldConfig, eval_points, replay
 
 RUN = re.compile(r"^(?P<variant>[\w-]+)-s(?P<seed>\d+)$")
-METRICS = ("evals", "falling", "alarms", "first_alarm_step", "run_commit")
+SIGNALS = {  # the doctor's reward-hacking rules, by the metric each reads first
+    "eval_falls": M.EVAL_ACCURACY,
+    "length_drift": M.COMPLETIONS_MEAN_LENGTH,
+    "clipped_rise": M.COMPLETIONS_CLIPPED_RATIO,
+}
+METRICS = ("evals", "falling", "alarms", "first_alarm_step", *(f"first_{s}_step" for s in SIGNALS), "run_commit")
 
 
-def judge(folder: Path, config: GoldConfig) -> dict[str, Any]:
+def first_hits(history: History, folder: Path, every: int) -> dict[str, int | None]:
+    """The first step at which each doctor reward-hacking rule fires on the history logged up to it (every ``every``
+    steps and at the last one)."""
+    config = doctor_config_for(folder)
+    rules = {name: next(r for r in RULES if r.mode == "reward_hacking" and r.reads[0] == first)
+             for name, first in SIGNALS.items()}  # fmt: skip
+    found: dict[str, int | None] = dict.fromkeys(SIGNALS)
+    last = history.last_step
+    for step in [*range(every, last, every), last]:
+        prefix = History(
+            [r for r in history.rows if r["step"] <= step], [e for e in history.events if e["step"] <= step]
+        )
+        for name, rule in rules.items():
+            if found[name] is None and any(True for _ in rule.condition(prefix, config)):
+                found[name] = step
+    return found
+
+
+def judge(folder: Path, config: GoldConfig, every: int) -> dict[str, Any]:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     verdicts = replay(rows, config)
     alarms = [step for step, verdict in verdicts if verdict == "diverged"]
@@ -38,6 +69,7 @@ def judge(folder: Path, config: GoldConfig) -> dict[str, Any]:
         "falling": sum(verdict == "falling" for _, verdict in verdicts),
         "alarms": len(alarms),
         "first_alarm_step": alarms[0] if alarms else None,
+        **{f"first_{name}_step": step for name, step in first_hits(load_history(folder), folder, every).items()},
         "run_commit": commit,
     }
 
@@ -46,18 +78,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", type=Path, help="the bench's --out folder")
     ap.add_argument("--scenarios", nargs="+", required=True)
+    ap.add_argument("--every", type=int, default=10, help="run the doctor's rules every N steps of each history")
+    ap.add_argument("--model", default="tiny-llama-0.9m (SFT checkpoint)", help="the runs' model, for the results")
     ap.add_argument("--results", default=None)
     ap.add_argument("--merge", action="store_true")
     args = ap.parse_args()
     config = GoldConfig()
-    cells, lines = [], ["| scenario | variant | runs | evals per run | false alarms | evals counted as falling |"]
-    lines.append("|---|---|---|---|---|---|")
+    head = ["scenario", "variant", "runs", "evals per run", "gold watch alarms", "evals counted as falling"]
+    head += [f"runs with {name}" for name in SIGNALS]
+    cells, lines = [], ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for scenario in args.scenarios:
         found: dict[str, dict[int, dict[str, Any]]] = {}
         for folder in sorted((args.runs / scenario).iterdir()):
             match = RUN.match(folder.name)
             if match and (folder / "metrics.jsonl").is_file():
-                found.setdefault(match["variant"], {})[int(match["seed"])] = judge(folder, config)
+                found.setdefault(match["variant"], {})[int(match["seed"])] = judge(folder, config, args.every)
         for variant, runs in sorted(found.items()):
             seeds = sorted(runs)
             summaries = [runs[s] for s in seeds]
@@ -65,7 +100,8 @@ def main() -> None:
             evals = sorted({r["evals"] for r in summaries})
             alarms = sum(r["alarms"] > 0 for r in summaries)
             falling = sum(r["falling"] for r in summaries)
-            lines.append(f"| {scenario} | {variant} | {len(seeds)} | {evals} | {alarms} | {falling} |")
+            doctor = " | ".join(str(sum(r[f"first_{n}_step"] is not None for r in summaries)) for n in SIGNALS)
+            lines.append(f"| {scenario} | {variant} | {len(seeds)} | {evals} | {alarms} | {falling} | {doctor} |")
     table = "\n".join(lines)
     print(table)
     if args.results:
@@ -74,9 +110,10 @@ def main() -> None:
             cells,
             command=X.script_command("gold_replay.py"),
             sha=X.commit(),
-            model="tiny-llama-0.9m (SFT checkpoint)",
+            model=args.model,
             steps="per run",
             gold_config={k: getattr(config, k) for k in ("drop", "confirm", "reward_slack")},
+            every=args.every,
             table=table,
         )
         X.write_results(args.results, doc, merge=args.merge)

@@ -279,6 +279,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "rollout_hacking_warns_on_shorter_answers",
+        "the monitor's length-drift warning fires when completions shrink: a run learning a concise format warns",
+        (("steadyrl/evidence/doctor.py", ' if hit.fields.get("way") != "shrank"]', "]"),),
+        (
+            "tests/unit/test_monitor.py::"
+            "test_no_rollout_hacking_warning_on_a_run_that_learns_shorter_answers_or_whose_reward_falls",
+        ),
+    ),
+    Mutant(
+        "monitor_never_warns_of_hacking",
+        "the monitor never runs the rollout reward-hacking rules",
+        (("steadyrl/callbacks/monitor.py", "in rollout_hacking(history_of(state.log_history)):", "in []:"),),
+        ("tests/unit/test_monitor.py::test_monitor_warns_once_per_rollout_hacking_rule_while_the_reward_rises",),
+    ),
+    Mutant(
         "length_rolling_on_by_default",
         "the rolling length range drops by default: a run that learns shorter answers loses them",
         (

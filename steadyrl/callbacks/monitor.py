@@ -1,5 +1,7 @@
 """SignalMonitor: every ``monitor.every`` optimizer steps, a one-line health summary and the warnings of
-``steadyrl.evidence.early_warnings`` over the Trainer's log history, in the log (main process only)."""
+``steadyrl.evidence.early_warnings`` over the Trainer's log history, in the log (main process only); and, once per
+rule, the doctor's rollout reward-hacking rules (``doctor.rollout_hacking``: completion length drifting or
+truncation rising while the reward rises), which need no eval metric."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from steadyrl import metrics as M
+from steadyrl.evidence.doctor import rollout_hacking
 from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, logp_gap_allowance
+from steadyrl.evidence.history import history_of
 
 logger = logging.getLogger("steadyrl.monitor")
 
@@ -25,6 +29,7 @@ class SignalMonitor(TrainerCallback):
         self._latest: dict[str, Any] = {}  # the last logged value of each SUMMARY_KEYS metric
         self._rows_read = 0  # log_history rows already folded into _latest
         self._history: list[dict[str, Any]] | None = None  # the list those rows came from
+        self._hacking_warned: set[str] = set()  # rollout reward-hacking rules already reported (once each)
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
@@ -43,5 +48,15 @@ class SignalMonitor(TrainerCallback):
         sampling = (getattr(args, k, d) for k, d in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)))
         allowance = logp_gap_allowance(*sampling, getattr(args, "repetition_penalty", 1.0))
         for warning in early_warnings(state.log_history, self.config, allowance):
+            self.warnings.append((state.global_step, warning))
+            logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)
+        for name, summary in rollout_hacking(history_of(state.log_history)):
+            if name in self._hacking_warned:
+                continue
+            self._hacking_warned.add(name)
+            warning = (
+                f"reward hacking suspected: {summary} (steadyrl doctor says which fix; the gold watch, "
+                "guards.quatro.gold, keeps the best policy when eval.every and an eval metric are set)"
+            )
             self.warnings.append((state.global_step, warning))
             logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)

@@ -492,6 +492,20 @@ RULES: tuple[Rule, ...] = (
 # ----------------------------------------------------------------------------------------------- public
 
 
+ROLLOUT_HACKING = {"length_drift": LENGTH, "clipped_rise": CLIPPED}  # the reward-hacking rules that read rollouts only
+
+
+def rollout_hacking(history: History, config: DoctorConfig | None = None) -> list[tuple[str, str]]:
+    """``(name, summary)`` of each reward-hacking rule in ``ROLLOUT_HACKING`` that fires on ``history``: completion
+    length grown by ``length_ratio`` or truncation up by ``clipped_rise``, while the reward rises. They need no eval
+    metric: ``SignalMonitor`` runs them during training. Length that shrinks is left to the doctor: it is what a run
+    learning a concise format does."""
+    config = config or DoctorConfig()
+    return [(name, rule.finding(hit).summary) for name, reads in ROLLOUT_HACKING.items()
+            for rule in RULES if rule.mode == "reward_hacking" and rule.reads == reads
+            for hit in rule.condition(history, config) if hit.fields.get("way") != "shrank"]  # fmt: skip
+
+
 def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
     """Default thresholds, with the vLLM gap allowance of the run's sampling settings (``resolved_config.yaml``)."""
     resolved = Path(run_dir) / "resolved_config.yaml"

@@ -155,6 +155,12 @@ def _split(raw: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
     return _drop_superseded(rows), events
 
 
+def history_of(log_history: Iterable[dict[str, Any]]) -> History:
+    """A History of a Trainer's ``state.log_history`` (or any list of logged rows and events)."""
+    rows, events = _split(log_history)
+    return History(rows=rows, events=events)
+
+
 def _global_step(path: Path) -> int:
     try:
         return int(json.loads(path.read_text(encoding="utf-8")).get("global_step", -1))

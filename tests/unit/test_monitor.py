@@ -129,3 +129,47 @@ def test_monitor_summary_reads_only_new_rows_and_restarts_on_a_new_history(caplo
     lines = [r.getMessage() for r in caplog.records if r.name == "steadyrl.monitor"]
     assert lines[0] == "step 2: reward=0.2, kl=0.5" and lines[1] == "step 4: reward=0.4, kl=0.5"  # kl from step 1
     assert lines[2] == "step 2: reward=0.9"
+
+
+def _rollouts(steps: int, length, clipped, reward) -> list[dict]:
+    return [{"step": s, "completions/mean_length": length(s), "completions/clipped_ratio": clipped(s),
+             "reward": reward(s), "loss": 0.0} for s in range(1, steps + 1)]  # fmt: skip
+
+
+def test_monitor_warns_once_per_rollout_hacking_rule_while_the_reward_rises(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from steadyrl.callbacks.monitor import SignalMonitor
+
+    # the tiny hacking scenario's shape: length 3 -> 9 (the cap), 40% of the completions truncated, reward up
+    ramp = lambda s: min(s, 40) / 40  # noqa: E731
+    gamed = _rollouts(60, lambda s: 3.0 + 6.0 * ramp(s), lambda s: 0.4 * ramp(s), lambda s: 0.5 + s / 100)
+    monitor = SignalMonitor(MonitorConfig(every=20))
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True, log_history=[])
+    with caplog.at_level(logging.WARNING, logger="steadyrl.monitor"):
+        for row in gamed:
+            state.global_step = row["step"]
+            state.log_history.append(row)
+            monitor.on_log(SimpleNamespace(), state, None)
+    hacking = [(step, w) for step, w in monitor.warnings if w.startswith("reward hacking suspected")]
+    assert [step for step, _ in hacking] == [40, 40]  # both rules, each once (not again at step 60)
+    assert "completion length grew 2.2x while reward rises" in hacking[0][1]  # 8.3 over the first 10 steps' 3.8
+    assert "more completions hit max_completion_length while reward rises" in hacking[1][1]
+    assert len([r for r in caplog.records if "reward hacking suspected" in r.getMessage()]) == 2
+
+
+def test_no_rollout_hacking_warning_on_a_run_that_learns_shorter_answers_or_whose_reward_falls():
+    from steadyrl.evidence.doctor import rollout_hacking
+    from steadyrl.evidence.history import history_of
+
+    # SmolLM2 learning its concise format: length 24 -> 10, truncation down, reward up
+    learns = _rollouts(60, lambda s: 24.0 - 14.0 * min(s, 30) / 30, lambda s: 0.3 * (1 - min(s, 30) / 30),
+                       lambda s: 0.3 + s / 100)  # fmt: skip
+    assert rollout_hacking(history_of(learns)) == []
+    # longer and truncated, but the reward falls with it: a collapse, not gaming
+    falls = _rollouts(60, lambda s: 4.0 + s / 10, lambda s: s / 100, lambda s: 1.0 - s / 100)
+    assert rollout_hacking(history_of(falls)) == []
+    # length within the 2x band (4 -> 6), truncation up by less than 0.2: no rule fires
+    mild = _rollouts(60, lambda s: 4.0 + s / 30, lambda s: s / 400, lambda s: 0.5 + s / 100)
+    assert rollout_hacking(history_of(mild)) == []
