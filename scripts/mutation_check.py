@@ -279,6 +279,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "gold_watch_ends_on_the_last_policy",
+        "a run the gold watch acted on ends on its last policy, below the best it kept",
+        (
+            (
+                "steadyrl/callbacks/gold_watch.py",
+                "        elif self._end_on_best(state.global_step):",
+                "        elif False:",
+            ),
+        ),
+        ("tests/integration/test_gold_watch.py::test_a_run_the_watch_acted_on_ends_on_the_best_policy",),
+    ),
+    Mutant(
         "rollout_hacking_warns_on_shorter_answers",
         "the monitor's length-drift warning fires when completions shrink: a run learning a concise format warns",
         (("steadyrl/evidence/doctor.py", ' if hit.fields.get("way") != "shrank"]', "]"),),

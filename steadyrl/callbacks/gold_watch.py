@@ -63,6 +63,7 @@ class GoldWatch(TrainerCallback):
         self._stop_pending = False  # restore the best policy and stop at the end of the step under way
         self._ending = False
         self._seen = 0  # log_history rows already read
+        self._last_gold: float | None = None  # the gold metric of the latest eval
         self._since: list[float] = []  # training rewards logged since the last eval row
 
     # ------------------------------------------------------------------ guard state
@@ -96,6 +97,24 @@ class GoldWatch(TrainerCallback):
         if self._stop_pending:
             self._stop_pending = False
             self._restore()
+        elif self._end_on_best(state.global_step):
+            self._restore()
+
+    def _end_on_best(self, step: int) -> bool:
+        """After an action in this run, a last eval below the best: end on the best policy (logged and counted)."""
+        d = self.detector
+        if self.observe or not self.rollbacks or self.stopped or d.best_gold is None or self._last_gold is None:
+            return False
+        if self._last_gold >= d.best_gold or not (self.best_dir / "gold.json").is_file():
+            return False
+        cause = (
+            f"the run ends with the eval metric ({EVAL_ACCURACY}) at {self._last_gold:.4g}, below its best "
+            f"{d.best_gold:.4g} at step {d.best_step}, after {self.rollbacks} reward-hacking rollback(s)"
+        )
+        self.trainer.emit_event(EVENT_GOLD_ROLLBACK, step=step, cause=cause, snapshot_step=d.best_step)
+        logger.warning("step %d: %s: the best policy is restored, and it is what the run saves and evaluates (kept in "
+                       "%s)", step, cause, self.best_dir)  # fmt: skip
+        return True
 
     def _read(self, state: Any, control: Any) -> None:
         rows = state.log_history[self._seen :]
@@ -110,6 +129,7 @@ class GoldWatch(TrainerCallback):
 
     def _judge(self, step: int, gold: float, reward: float, control: Any) -> None:
         verdict = self.detector.update(step, gold, reward)
+        self._last_gold = gold
         log = self.trainer.ctx.log_metric
         if verdict == "best" and self.config.save_best and not self.observe:
             self._keep(step, gold, reward)

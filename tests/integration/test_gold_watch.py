@@ -4,6 +4,7 @@ learning rate and trains on, or restores it and stops; the ledger counts the rol
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any
 
@@ -25,6 +26,14 @@ def scripted_gold(completions: list[str], trainer_state: Any = None, **_: Any) -
     training, so only the evals read it)."""
     step = trainer_state.global_step if trainer_state is not None else 0
     return [SCRIPT.get(step, 0.0)] * len(completions)
+
+
+def _script(monkeypatch, **golds: float) -> None:
+    """Change SCRIPT for one test, in the module the config loads the reward from (pytest may import this file under
+    another name)."""
+    script = importlib.import_module("tests.integration.test_gold_watch").SCRIPT
+    for step, gold in golds.items():
+        monkeypatch.setitem(script, int(step.removeprefix("s")), gold)
 
 
 def _config(tmp_path, model_dir, gold: dict[str, Any]):
@@ -119,6 +128,29 @@ def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, t
     final = _trainable(trainer)
     assert all(torch.equal(final[n], rollback["kept"]["params"][n]) for n in final)
     assert set(trainer.lr_scheduler.base_lrs) == {trainer.args.learning_rate}  # nothing tightened
+
+
+def test_a_run_the_watch_acted_on_ends_on_the_best_policy(tiny_model_dir, tmp_path, monkeypatch):
+    _script(monkeypatch, s8=0.88)  # after the rollback at 6, the last eval is below the best but within drop
+    seen = _spy_restore(monkeypatch)
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}))
+    trainer.train()
+    assert trainer.state.global_step == 8
+    rollback, end = seen
+    assert rollback["step"] == 6 and end["step"] == 8 and end["meta"]["step"] == 4
+    final = _trainable(trainer)  # what the run saves and evaluates: the step-4 policy, bit for bit
+    assert all(torch.equal(final[n], end["kept"]["params"][n]) for n in final)
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    acted = [e for e in events if e.get("event") == "gold_rollback"]
+    assert [e["step"] for e in acted] == [6, 8] and "the run ends with the eval metric" in acted[1]["cause"]
+
+
+def test_a_run_the_watch_never_acted_on_ends_as_it_is(tiny_model_dir, tmp_path, monkeypatch):
+    _script(monkeypatch, s6=0.87, s8=0.86)  # below the best, never more than drop below it: no action
+    seen = _spy_restore(monkeypatch)
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}))
+    trainer.train()
+    assert seen == [] and trainer.state.global_step == 8
 
 
 def test_observe_mode_counts_the_divergence_and_restores_nothing(tiny_model_dir, tmp_path, monkeypatch):
