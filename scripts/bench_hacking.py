@@ -129,7 +129,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", default="runs/tiny-sft/final", help="the demo's SFT checkpoint (configs/tiny/sft.yaml)")
     ap.add_argument("--hedging-sft", default=None, help="the scenario's SFT checkpoint (default: built from --sft)")
-    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--scenarios", nargs="+", default=["lenient-length"], choices=list(SCENARIOS),
+                    help="the tiny scenario by default (SmolLM2's: ~20 min a run)")  # fmt: skip
     ap.add_argument("--seeds", type=seed_list, default=seed_list("5"), help="a count N (seeds 0..N-1) or a list 1,0,2")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="in run order")
     ap.add_argument("--steps", type=int, default=None, help="max_steps (default: the config's)")

@@ -279,6 +279,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "gold_watch_blind_after_an_eval_before_training",
+        "a best policy from the eval before training (no reward yet) never gets a reward bar: its fall is never seen",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "            self.reward_at_best = reward  # the best came",
+                "            pass  # the best came",
+            ),
+        ),
+        (
+            "tests/unit/test_gold_watch.py::"
+            "test_an_eval_before_training_as_the_best_takes_the_first_reward_after_it_as_its_bar",
+        ),
+    ),
+    Mutant(
         "gold_watch_ends_on_the_last_policy",
         "a run the gold watch acted on ends on its last policy, below the best it kept",
         (

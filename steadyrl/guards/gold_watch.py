@@ -10,6 +10,9 @@ its level at that best::
     rewarded = reward >= reward_at_best - reward_slack      # the reward did not fall with it: gaming, not collapse
     diverged = ``confirm`` evals in a row both falling and rewarded
 
+An eval before training (``eval.on_start``) has no reward level: when it is the best, the reward's first level
+after it is the reference.
+
 ``GoldDetector`` is that rule alone, a pure state machine over (step, gold, reward); ``replay`` runs it over a logged
 history, so the false-alarm rate of a setting can be measured on finished runs. The runtime (``GoldWatch`` in
 steadyrl/callbacks/gold_watch.py) keeps the policy of every new best and acts on a divergence.
@@ -69,6 +72,8 @@ class GoldDetector:
             self.best_gold, self.best_step, self.reward_at_best, self.streak = gold, step, reward, 0
             return "best"
         assert self.reward_at_best is not None
+        if not math.isfinite(self.reward_at_best) and math.isfinite(reward):
+            self.reward_at_best = reward  # the best came before any training reward: its first level is the bar
         falling = gold < self.best_gold - self.drop
         rewarded = math.isfinite(reward) and math.isfinite(self.reward_at_best)
         rewarded = rewarded and reward >= self.reward_at_best - self.reward_slack

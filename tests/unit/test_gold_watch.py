@@ -28,6 +28,20 @@ def test_a_gamed_reward_is_confirmed_on_the_second_eval_below_the_best():
     assert (detector.best_gold, detector.best_step, detector.reward_at_best, detector.streak) == (0.80, 100, 0.6, 2)
 
 
+def test_an_eval_before_training_as_the_best_takes_the_first_reward_after_it_as_its_bar():
+    nan = float("nan")
+    # the instruct model (step 0, no reward yet) is the best; the reward then rises while gold collapses: gaming
+    gamed = GoldDetector()
+    verdicts = [gamed.update(step, gold, reward) for step, gold, reward in ((0, 0.21, nan), (10, 0.01, 0.8),
+                                                                             (20, 0.0, 0.9))]  # fmt: skip
+    assert verdicts == ["best", "falling", "diverged"] and gamed.reward_at_best == 0.8 and gamed.best_step == 0
+    # the same fall with the reward falling below its first level: a collapse, not confirmed
+    collapse = GoldDetector()
+    verdicts = [collapse.update(step, gold, reward) for step, gold, reward in ((0, 0.21, nan), (10, 0.01, 0.8),
+                                                                               (20, 0.0, 0.7))]  # fmt: skip
+    assert verdicts == ["best", "falling", "ok"]
+
+
 def test_healthy_noisy_and_collapsing_runs_are_not_confirmed():
     rising = [(0.5, 0.2), (0.6, 0.3), (0.7, 0.4), (0.8, 0.5)]
     assert _verdicts(rising) == ["best"] * 4
