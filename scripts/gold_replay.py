@@ -3,7 +3,8 @@ gold watch's rule (``steadyrl.guards.gold_watch.replay``, the same code the live
 ``metrics.jsonl`` at the shipped ``guards.quatro.gold`` defaults, and the doctor's three reward-hacking rules
 (``eval_falls``: eval accuracy below its best while the reward rose; ``length_drift``: completion length off by
 ``DoctorConfig.length_ratio`` while the reward rises; ``clipped_rise``: more completions truncated while the reward
-rises) run on the history as it stood every ``--every`` steps, as a monitor would have run them during training.
+rises) run on the history as it stood every ``--every`` steps, as a monitor would have run them during training; and
+the doctor's findings on the whole run (``doctor``: severity:mode, every mode).
 
 The rule reads only logged rows (the periodic eval's ``eval/accuracy`` and TRL's ``reward``), so a run made without
 the watch is judged exactly as the watch would have judged it while it trained, up to its first action (a replay
@@ -27,7 +28,7 @@ from typing import Any
 import experiments as X
 
 from steadyrl import metrics as M
-from steadyrl.evidence.doctor import RULES, doctor_config_for
+from steadyrl.evidence.doctor import RULES, diagnose, doctor_config_for
 from steadyrl.evidence.history import History, load_history
 from steadyrl.guards.gold_watch import GoldConfig, eval_points, replay
 
@@ -37,7 +38,8 @@ SIGNALS = {  # the doctor's reward-hacking rules, by the metric each reads first
     "length_drift": M.COMPLETIONS_MEAN_LENGTH,
     "clipped_rise": M.COMPLETIONS_CLIPPED_RATIO,
 }
-METRICS = ("evals", "falling", "alarms", "first_alarm_step", *(f"first_{s}_step" for s in SIGNALS), "run_commit")
+METRICS = ("evals", "falling", "alarms", "first_alarm_step", *(f"first_{s}_step" for s in SIGNALS), "doctor",
+           "run_commit")  # fmt: skip
 
 
 def first_hits(history: History, folder: Path, every: int) -> dict[str, int | None]:
@@ -60,7 +62,7 @@ def first_hits(history: History, folder: Path, every: int) -> dict[str, int | No
 
 def judge(folder: Path, config: GoldConfig, every: int) -> dict[str, Any]:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    verdicts = replay(rows, config)
+    verdicts, history = replay(rows, config), load_history(folder)
     alarms = [step for step, verdict in verdicts if verdict == "diverged"]
     environment = folder / "environment.json"
     commit = json.loads(environment.read_text()).get("steadyrl_commit") if environment.is_file() else None
@@ -69,7 +71,8 @@ def judge(folder: Path, config: GoldConfig, every: int) -> dict[str, Any]:
         "falling": sum(verdict == "falling" for _, verdict in verdicts),
         "alarms": len(alarms),
         "first_alarm_step": alarms[0] if alarms else None,
-        **{f"first_{name}_step": step for name, step in first_hits(load_history(folder), folder, every).items()},
+        **{f"first_{name}_step": step for name, step in first_hits(history, folder, every).items()},
+        "doctor": [f"{f.severity}:{f.mode}" for f in diagnose(history, doctor_config_for(folder))],
         "run_commit": commit,
     }
 
@@ -85,7 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     config = GoldConfig()
     head = ["scenario", "variant", "runs", "evals per run", "gold watch alarms", "evals counted as falling"]
-    head += [f"runs with {name}" for name in SIGNALS]
+    head += [f"runs with {name}" for name in SIGNALS] + ["runs with any doctor finding"]
     cells, lines = [], ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for scenario in args.scenarios:
         found: dict[str, dict[int, dict[str, Any]]] = {}
@@ -101,7 +104,10 @@ def main() -> None:
             alarms = sum(r["alarms"] > 0 for r in summaries)
             falling = sum(r["falling"] for r in summaries)
             doctor = " | ".join(str(sum(r[f"first_{n}_step"] is not None for r in summaries)) for n in SIGNALS)
-            lines.append(f"| {scenario} | {variant} | {len(seeds)} | {evals} | {alarms} | {falling} | {doctor} |")
+            found_any = sum(bool(r["doctor"]) for r in summaries)
+            lines.append(
+                f"| {scenario} | {variant} | {len(seeds)} | {evals} | {alarms} | {falling} | {doctor} | {found_any} |"
+            )
     table = "\n".join(lines)
     print(table)
     if args.results:

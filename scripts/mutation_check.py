@@ -294,6 +294,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "doctor_warns_on_runs_that_learn",
+        "the doctor's entropy warning fires on a policy sharpening while its reward rises (healthy SmolLM2 runs)",
+        (
+            (
+                "steadyrl/evidence/doctor.py",
+                "        return  # a policy sharpening while it learns",
+                "        pass  # a policy sharpening while it learns",
+            ),
+        ),
+        ("tests/unit/test_doctor.py::test_entropy_falling_to_a_tenth_while_reward_rises_is_a_run_that_learns",),
+    ),
+    Mutant(
         "gold_watch_ends_on_the_last_policy",
         "a run the gold watch acted on ends on its last policy, below the best it kept",
         (

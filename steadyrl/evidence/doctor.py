@@ -54,6 +54,9 @@ class DoctorConfig:
     counter_nonzero_frac: float = 0.8  # ... and non-zero in at least this fraction of the late window's rows
     rollbacks_problem: int = 3  # OPEFO rollbacks: fewer is a warning, this many a problem
     entropy_drop_frac: float = 0.5  # late entropy mean below this x the early mean: entropy is collapsing
+    # ... but while the reward still rises (the policy sharpening), only below this: healthy SmolLM2 runs learning a
+    # short format reach 0.10-0.16, healthy tiny runs 0.37 (docs/benchmarks.md); a collapse goes on towards 0
+    entropy_learning_frac: float = 0.05
     kl_rise_ratio: float = 2.0  # late KL mean >= this x the early mean: KL rising
     flat_z: float = 0.5  # reward gain (late - early mean) below this x the windows' pooled std: flat
     rise_z: float = 1.0  # reward gain above this x the pooled std: rising
@@ -292,11 +295,14 @@ def _only(severity: str, condition: Condition) -> Condition:
 
 def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """Entropy's late mean below ``entropy_drop_frac`` x its early mean: a problem with KL rising, repetition rising
-    or reward flat/falling, unless reward still rises (the policy sharpening; docs/DESIGN.md, "Why GRPO runs die")."""
+    or reward flat/falling, unless reward still rises (the policy sharpening; docs/DESIGN.md, "Why GRPO runs die"),
+    which is a warning only below ``entropy_learning_frac``."""
     name = _first(history, M.ENTROPY, M.QUATRO_ENTROPY)
     entropy = _trend(history, name, config)
     if entropy is None or entropy.early.mean() <= 0 or entropy.ratio >= config.entropy_drop_frac:
         return
+    reward = _trend(history, M.REWARD, config)
+    rising = reward is not None and reward.z >= config.rise_z
     evidence, signs = [entropy.evidence(name, f" ({entropy.ratio:.0%} of the early mean)")], []
     kl_name = _first(history, M.KL, M.QUATRO_KL_MEAN)
     if (kl := _trend(history, kl_name, config)) is not None and kl.ratio >= config.kl_rise_ratio:
@@ -306,8 +312,6 @@ def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
         if any(w in reason for w in REPETITION_WORDS) and (rep := _counter_rising(history, reason, config)):
             signs.append("repetition filter counts rising")
             evidence.append(rep.evidence(reason))
-    reward = _trend(history, M.REWARD, config)
-    rising = reward is not None and reward.z >= config.rise_z
     if reward is not None and reward.z < config.flat_z:
         signs.append("reward flat" if reward.z > -config.flat_z else "reward falling")
         evidence.append(reward.evidence(M.REWARD, f" (change {reward.z:+.1f} pooled std)"))
@@ -327,6 +331,9 @@ def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
         evidence.append(Evidence(M.QUATRO_ENTROPY_FLOOR, *_span(lowered, 0), detail + "gate's reward rose)"))
         # entropy at or above the floor it was allowed to fall to, and no sign of a collapse that makes it a problem
         followed = entropy.late.mean() >= floors[-1] and (rising or not signs)
+    repeating = any(sign.startswith("repetition") for sign in signs)
+    if rising and entropy.ratio >= config.entropy_learning_frac and not floor_on and not repeating:
+        return  # a policy sharpening while it learns (its KL rises too, nothing repeats): not a precursor
     note = (" while reward still rises" if rising else "") + (f" ({', '.join(signs)})" if signs else "")
     fixes = {"followed": CHANGE_FOLLOWED if followed else "", "floor": CHANGE_FLOOR_ON if floor_on else CHANGE_FLOOR}
     fields = {"ratio": entropy.ratio, "signs": ", ".join(signs), "note": note, "gate": CHANGE_GATE if gate else ""}

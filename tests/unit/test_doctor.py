@@ -218,6 +218,18 @@ def test_entropy_collapse_is_named_with_kl_repetition_and_flat_reward():
     assert not any(c.startswith("nothing, if the held-out accuracy holds") for c in finding.changes)
 
 
+def test_entropy_falling_to_a_tenth_while_reward_rises_is_a_run_that_learns():
+    rows = healthy_rows(7)
+    for r in rows:
+        if "entropy" in r:  # SmolLM2 learning its short format: entropy to ~10 % of its start, reward up
+            r["entropy"] = float(0.1 + 0.9 * np.exp(-r["step"] / 20))
+    assert [f.mode for f in diagnose(History(rows=rows))] == []
+    # the same fall with the repetition filter's counts rising: a warning again
+    repeating = [{**r, "quatro/filtered/repetition": float(r["step"] > 100) * r["step"] / 20} for r in rows]
+    finding = only(diagnose(History(rows=repeating)), "entropy_collapse")
+    assert finding.severity == "warning" and "repetition filter counts rising" in finding.summary
+
+
 def test_entropy_falling_while_reward_rises_is_only_a_warning():
     rows = healthy_rows(7)
     for r in rows:
