@@ -11,7 +11,7 @@ character, gold ``math_answer`` on 100 held-out problems every 10 steps; ``--thr
 Variants: ``plain`` (every layer off, = ``trl.GRPOTrainer``) and ``all`` (every layer on at its defaults: the gold
 watch keeps the best policy by the gold metric and rolls back to it when the two diverge). Per seed: ``gold_final``
 (the saved policy's eval), ``gold_peak`` (the best periodic or final eval), ``reward_final`` and ``reward_at_peak``
-(the training reward's mean over the 10 logged steps before the end and before the peak's eval), ``fall_step``
+(the training reward's mean over the 10 steps up to the end and up to the peak's eval), ``fall_step``
 (the first eval after the peak more than 0.05 below it), ``acted_at_step`` (the gold watch's first rollback or stop),
 ``gold_rollbacks``. A scenario is valid on a seed when plain TRL's training reward ends at or above its level at
 the gold peak while its final gold metric is >= 10 points below that peak (``valid`` in the plain cell).
@@ -63,7 +63,9 @@ def hedging_sft(args: argparse.Namespace) -> str:
 
 
 def _reward_before(steps: list[int], rewards: list[float], step: int) -> float | None:
-    window = [r for s, r in zip(steps, rewards, strict=True) if s <= step][-REWARD_WINDOW:]
+    """The mean training reward logged over the ``REWARD_WINDOW`` steps up to ``step`` (TRL's logged value is already
+    the mean over its logging interval)."""
+    window = [r for s, r in zip(steps, rewards, strict=True) if step - REWARD_WINDOW < s <= step]
     return statistics.fmean(window) if window else None
 
 
@@ -83,7 +85,7 @@ def summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
         out["gold_peak"], out["peak_step"] = peak, int(peak_step)
         out["reward_at_peak"] = _reward_before(steps, rewards, peak_step)
         out["fall_step"] = next((int(s) for s, g in evals if s > peak_step and g < peak - FALL), None)
-    out["reward_final"] = statistics.fmean(rewards[-REWARD_WINDOW:]) if rewards else None
+    out["reward_final"] = _reward_before(steps, rewards, max(steps)) if rewards else None
     acted = [int(e["step"]) for e in history.events_of(EVENT_GOLD_ROLLBACK)]
     out["acted_at_step"] = acted[0] if acted else None
     out["acted_steps"], out["gold_rollbacks"] = acted, len(acted)
