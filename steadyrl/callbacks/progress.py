@@ -1,6 +1,10 @@
 """Progress: one status line per logged step on the terminal, quiet when stderr is not a terminal (as tqdm is).
 
-    step 40/200 (20%) | 1.9 s/step | ETA 5m04s | reward 0.62 | eval acc 0.71 | skipped 1 | rollbacks 0 | filtered 38%
+    step 40/200 (20%) | 1.9 s/step | ETA 5m04s | reward 0.62 | eval acc 0.71 | skipped 1 | rollbacks 0 | filtered 2%
+    | no signal 36%
+
+``filtered``: rows a quality filter dropped (z-score, length, parrot, repetition); ``no signal``: rows of groups whose
+rewards are all equal (their advantage is 0 in plain GRPO too), counted apart so they do not read as rows dropped.
 
 A skip, rollback or repair since the previous line is flagged (``SKIPPED``, ``ROLLED BACK``, ``REPAIRED``). Main
 process only; logs still go to files. ``STEADYRL_PROGRESS=1`` forces it on (a pty-less scheduler log), ``0`` off.
@@ -23,7 +27,8 @@ from steadyrl import metrics as M
 COUNTS = (M.GEPO_SKIPPED_STEPS, M.OPEFO_ROLLBACKS, M.OPEFO_REPAIRS)
 SHOWN = [(M.REWARD, "reward", "{:.3g}"), (M.EVAL_ACCURACY, "eval acc", "{:.3f}")]  # (metric, label, format)
 SHOWN += [(key, label, "{:.0f}") for key, label in zip(COUNTS, ("skipped", "rollbacks", "repairs"), strict=True)]
-SHOWN += [(M.QUATRO_FILTERED_SHARE, "filtered", "{:.0%}")]
+DROPS = tuple(M.quatro_filtered(r) for r in ("zscore", "length", "parrot", "repetition"))  # interventions
+NO_SIGNAL = M.quatro_filtered("zero_variance")
 
 
 def progress_wanted(stream: TextIO | None = None) -> bool:
@@ -53,6 +58,10 @@ def status_line(step: int, max_steps: int, seconds_per_step: float | None, lates
         if key in latest:
             value = math.ceil(latest[key]) if key in COUNTS else latest[key]
             parts.append(f"{label} {fmt.format(value)}")
+    rows = latest.get(M.QUATRO_ROWS)
+    if rows:
+        parts.append(f"filtered {sum(latest.get(k, 0.0) for k in DROPS) / rows:.0%}")
+        parts.append(f"no signal {latest.get(NO_SIGNAL, 0.0) / rows:.0%}")
     return " | ".join(parts)
 
 

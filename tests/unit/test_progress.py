@@ -12,10 +12,11 @@ from steadyrl.callbacks.progress import ProgressLine, progress_wanted, status_li
 
 def test_status_line_text() -> None:
     latest = {"reward": 0.6234, "eval/accuracy": 0.71, "gepo/skipped_steps": 1.0, "opefo/rollbacks": 0.0,
-              "quatro/filtered_share": 0.375}  # fmt: skip
+              "quatro/filtered_share": 0.375, "quatro/rows": 128.0, "quatro/filtered/parrot": 2.0,
+              "quatro/filtered/length": 1.0, "quatro/filtered/zero_variance": 45.0}  # fmt: skip
     assert status_line(40, 200, 1.9, latest) == (
         "step 40/200 (20%) | 1.9 s/step | ETA 5m04s | reward 0.623 | eval acc 0.710 | skipped 1 | rollbacks 0 "
-        "| filtered 38%"
+        "| filtered 2% | no signal 35%"  # 3 of 128 rows dropped by filters; 45 in groups with equal rewards
     )
     assert status_line(3, 0, None, {}) == "step 3"
     assert status_line(200, 200, 0.5, {"reward": 1.0}) == "step 200/200 (100%) | 0.5 s/step | reward 1"
