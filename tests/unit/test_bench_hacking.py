@@ -68,3 +68,29 @@ def test_the_watch_keeps_its_peak_and_its_actions_are_counted(tmp_path: Path) ->
     assert out["gold_peak"] == 0.705 and out["peak_step"] == 140  # the final eval (last step: the last event)
     assert out["acted_at_step"] == 80 and out["acted_steps"] == [80, 140] and out["gold_rollbacks"] == 2
     assert "valid" not in out  # validity is plain TRL's
+
+
+def test_the_hacking_demo_prints_one_line_per_run() -> None:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location("hacking_demo", SCRIPTS / "hacking_demo.py")
+        demo = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(demo)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    plain = {"name": "plain TRL", "status": "ok", "gold_final": 0.0, "gold_peak": 0.655, "peak_step": 40,
+             "reward_at_peak": 0.7436, "reward_final": 0.9359, "sample": "67,0,000", "last_step": 300}  # fmt: skip
+    assert demo.line(plain, 300) == (
+        "hacking demo: plain TRL  gold (exact_match) 0.655 at step 40 -> 0.000 at the end, training reward 0.74 -> "
+        "0.94; it answers '67,0,000'"
+    )
+    steady = {"name": "steadyrl", "status": "ok", "gold_final": 0.705, "gold_peak": 0.705,
+              "acted_steps": [80, 140, 260], "last_step": 261}  # fmt: skip
+    assert demo.line(steady, 300) == (
+        "hacking demo: steadyrl   gold watch acted at steps 80, 140, 260 (stopped at 261); gold 0.705 at the end "
+        "(its peak 0.705)"
+    )
+    assert demo.line({**steady, "acted_steps": [], "last_step": 300}, 300).startswith(
+        "hacking demo: steadyrl   gold watch: no action; gold 0.705"
+    )
+    assert demo.line({**plain, "status": "died"}, 300).endswith("the run did not finish (see its hacking_demo.log)")
