@@ -11,7 +11,8 @@ character, gold ``math_answer`` on 100 held-out problems every 10 steps; ``--thr
 Variants: ``plain`` (every layer off, = ``trl.GRPOTrainer``) and ``all`` (every layer on at its defaults: the gold
 watch keeps the best policy by the gold metric and rolls back to it when the two diverge). Per seed: ``gold_final``
 (the saved policy's eval), ``gold_peak`` (the best periodic or final eval), ``reward_final`` and ``reward_at_peak``
-(the training reward's mean over the 10 steps up to the end and up to the peak's eval), ``fall_step``
+(the training reward's mean over the 10 steps up to the end and up to the peak's eval; for a peak before training, its
+first 10 steps), ``fall_step``
 (the first eval after the peak more than 0.05 below it), ``acted_at_step`` (the gold watch's first rollback or stop),
 ``gold_rollbacks``. A scenario is valid on a seed when plain TRL's training reward ends at or above its level at
 the gold peak while its final gold metric is >= 10 points below that peak (``valid`` in the plain cell).
@@ -84,6 +85,8 @@ def summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
         peak_step, peak = max(evals, key=lambda e: (e[1], -e[0]))  # the first step at the best value
         out["gold_peak"], out["peak_step"] = peak, int(peak_step)
         out["reward_at_peak"] = _reward_before(steps, rewards, peak_step)
+        if out["reward_at_peak"] is None and steps:  # the eval before training: the first level after it (the watch's)
+            out["reward_at_peak"] = _reward_before(steps, rewards, min(steps) + REWARD_WINDOW - 1)
         out["fall_step"] = next((int(s) for s, g in evals if s > peak_step and g < peak - FALL), None)
     out["reward_final"] = _reward_before(steps, rewards, max(steps)) if rewards else None
     acted = [int(e["step"]) for e in history.events_of(EVENT_GOLD_ROLLBACK)]

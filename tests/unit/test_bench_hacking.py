@@ -28,7 +28,7 @@ def _run(tmp_path: Path, evals: dict[int, float], reward: Any, final: float, eve
     from steadyrl.evidence.history import load_history
     from steadyrl.experiments import Outcome
 
-    rows = []
+    rows: list[dict[str, Any]] = [{"step": 0, "eval/accuracy": evals[0]}] if 0 in evals else []  # before training
     for step in range(1, 101):
         row: dict[str, Any] = {"step": step, "reward": reward(step)}
         if step in evals:
@@ -59,6 +59,15 @@ def test_not_valid_when_the_gold_metric_holds_or_the_reward_falls_too(tmp_path: 
     assert holds["valid"] is False  # 8 points below the peak: not the 10 the scenario needs
     falls = bench.summary(job, _run(tmp_path, {50: 0.9, 100: 0.3}, lambda s: 1.0 - s / 200, 0.3))
     assert falls["valid"] is False  # the reward fell with the gold metric: a collapse, not gaming
+
+
+def test_a_peak_before_training_compares_the_reward_with_its_first_level(tmp_path: Path) -> None:
+    bench = _bench()
+    run = _run(tmp_path, {0: 0.21, 10: 0.01, 50: 0.0, 100: 0.0}, lambda s: 0.5 + s / 200, 0.0)
+    out = bench.summary(bench.X.Job("plain", "smollm2-lenient-length", 0, tmp_path, ()), run)
+    assert out["gold_peak"] == 0.21 and out["peak_step"] == 0 and out["fall_step"] == 10
+    assert out["reward_at_peak"] == pytest.approx(0.5 + sum(range(1, 11)) / 2000)  # steps 1..10
+    assert out["valid"] is True
 
 
 def test_the_watch_keeps_its_peak_and_its_actions_are_counted(tmp_path: Path) -> None:
