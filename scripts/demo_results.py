@@ -59,7 +59,8 @@ def main() -> int:
     rollbacks = history.events_of(M.EVENT_ROLLBACK)
     fault = json.loads((args.runs / "fault-demo" / "fault_demo.json").read_text())
     plain, steady = fault["plain"], fault["steadyrl"]
-    hacking = json.loads((args.runs / "hacking-demo" / "hacking_demo.json").read_text())
+    hacking_file = args.runs / "hacking-demo" / "hacking_demo.json"  # absent when the hacking demo failed to run
+    hacking = json.loads(hacking_file.read_text()) if hacking_file.is_file() else {}
     cells = [
         cell("clean", "sft", False, sft["accuracy"], "greedy eval accuracy after SFT (exact_match)",
              numeric_match=sft["rewards"].get("numeric_match"), demo_wall_s=round(args.wall_s)),
@@ -77,7 +78,7 @@ def main() -> int:
                f"hacking demo, {r['name']}: gold metric (exact_match) at the end; training reward answer_anywhere + "
                "0.02 x answer_length", **{k: r.get(k) for k in ("gold_peak", "peak_step", "reward_at_peak",
                                                                  "reward_final", "acted_steps", "last_step")})
-          for variant, r in (("plain", hacking["plain"]), ("all", hacking["steadyrl"]))),
+          for variant, r in (("plain", hacking.get("plain")), ("all", hacking.get("steadyrl"))) if r),
     ]  # fmt: skip
     record = {
         "benchmark": "demo",

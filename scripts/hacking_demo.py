@@ -76,7 +76,7 @@ def main() -> int:
     ap.add_argument("--out", default="runs/hacking-demo")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out, max_steps = Path(args.out), load_config(args.config).trainer.max_steps
+    out, max_steps = Path(args.out), int(load_config(args.config).trainer["max_steps"])
     results = {}
     for variant in ("plain", "all"):
         results[variant] = run(variant, args.config, args.sft, out / variant, args.seed)

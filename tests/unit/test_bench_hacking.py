@@ -79,14 +79,37 @@ def test_the_watch_keeps_its_peak_and_its_actions_are_counted(tmp_path: Path) ->
     assert "valid" not in out  # validity is plain TRL's
 
 
-def test_the_hacking_demo_prints_one_line_per_run() -> None:
+def _demo() -> Any:
     sys.path.insert(0, str(SCRIPTS))
     try:
         spec = importlib.util.spec_from_file_location("hacking_demo", SCRIPTS / "hacking_demo.py")
         demo = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(demo)
+        return demo
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+def test_the_hacking_demo_judges_its_two_runs_and_writes_them(tmp_path: Path, monkeypatch, capsys) -> None:
+    demo = _demo()
+    runs = {
+        "plain": {"name": "plain TRL", "status": "ok", "gold_final": 0.0, "gold_peak": 0.655, "peak_step": 40,
+                  "reward_at_peak": 0.74, "reward_final": 0.94, "sample": "67,0,000", "valid": True, "last_step": 300},
+        "all": {"name": "steadyrl", "status": "ok", "gold_final": 0.705, "gold_peak": 0.705, "acted_steps": [80],
+                "last_step": 300},
+    }  # fmt: skip
+    monkeypatch.setattr(demo, "run", lambda variant, *args: dict(runs[variant]))
+    monkeypatch.setattr(sys, "argv", ["hacking_demo.py", "--out", str(tmp_path)])
+    assert demo.main() == 0
+    written = json.loads((tmp_path / "hacking_demo.json").read_text())
+    assert written["plain"]["gold_peak"] == 0.655 and written["steadyrl"]["gold_final"] == 0.705
+    assert capsys.readouterr().out.splitlines()[1].startswith("hacking demo: steadyrl   gold watch acted at step 80;")
+    runs["all"]["gold_final"] = 0.05  # within 10 points of plain's final: not the expected outcome
+    assert demo.main() == 1
+
+
+def test_the_hacking_demo_prints_one_line_per_run() -> None:
+    demo = _demo()
     plain = {"name": "plain TRL", "status": "ok", "gold_final": 0.0, "gold_peak": 0.655, "peak_step": 40,
              "reward_at_peak": 0.7436, "reward_final": 0.9359, "sample": "67,0,000", "last_step": 300}  # fmt: skip
     assert demo.line(plain, 300) == (
