@@ -13,15 +13,20 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
-def _bench() -> Any:
+def _script(name: str) -> Any:
+    """scripts/NAME.py as a module (scripts/ on the path while it imports its neighbours)."""
     sys.path.insert(0, str(SCRIPTS))
     try:
-        spec = importlib.util.spec_from_file_location("bench_hacking", SCRIPTS / "bench_hacking.py")
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+def _bench() -> Any:
+    return _script("bench_hacking")
 
 
 def _run(tmp_path: Path, evals: dict[int, float], reward: Any, final: float, events: tuple[int, ...] = ()) -> Any:
@@ -80,14 +85,7 @@ def test_the_watch_keeps_its_peak_and_its_actions_are_counted(tmp_path: Path) ->
 
 
 def _demo() -> Any:
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("hacking_demo", SCRIPTS / "hacking_demo.py")
-        demo = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(demo)
-        return demo
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return _script("hacking_demo")
 
 
 def test_the_hacking_demo_judges_its_two_runs_and_writes_them(tmp_path: Path, monkeypatch, capsys) -> None:
