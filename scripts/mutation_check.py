@@ -163,12 +163,12 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/recovery.py",
-                '                p.copy_(payload["params"][name].to(p.device))\n',
-                "                pass\n",
+                '            p.copy_(payload["params"][name].to(p.device))\n',
+                "            pass\n",
             ),
             (
                 "steadyrl/trainers/recovery.py",
-                '        self.base.load_state_dict(payload["optimizer"])\n',
+                '    base.load_state_dict(payload["optimizer"])\n',
                 "",
             ),
         ),
