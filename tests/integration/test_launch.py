@@ -50,9 +50,12 @@ def launch(
     env_extra: dict[str, str] | None = None,
     check: bool = True,
     timeout: float = 900,
+    accelerate_args: tuple[str, ...] = (),
+    port: int | None = None,
 ):
     """``accelerate launch -m steadyrl train`` on the tiny config; returns each rank's RankDump and the process
-    (``check``: the launch must exit 0; ``env_extra``: added to the environment)."""
+    (``check``: the launch must exit 0; ``env_extra``: added to the environment; ``accelerate_args``: more flags
+    for ``accelerate launch``; ``port``: the rendezvous port, free by default)."""
     if not any(e.startswith("callbacks=") for e in extra):
         extra = (*extra, "callbacks=[tests.integration.rank_dump:RankDump]")
     cmd = [
@@ -64,7 +67,8 @@ def launch(
         "--num_processes",
         str(num_processes),
         "--main_process_port",
-        str(_free_port()),
+        str(port or _free_port()),
+        *accelerate_args,
         "-m",
         "steadyrl",
         "train",
