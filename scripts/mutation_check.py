@@ -801,6 +801,48 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ("tests/unit/test_disk_full.py::test_a_metrics_row_on_a_full_disk_is_counted_and_warned_about",),
     ),
+    Mutant(
+        "mismatch_gate_never_skips",
+        "the ESS gate proceeds whatever the rollouts' effective sample size",
+        (("steadyrl/guards/mismatch.py", "if self.ess is None or not self.ess < self.ess_min:", "if True:"),),
+        ("tests/unit/test_mismatch.py::test_gate_skips_below_ess_min_and_stops_when_it_never_recovers",),
+    ),
+    Mutant(
+        "mismatch_ess_unshifted",
+        "the ESS takes exp of the summed log-ratios as they are: one long mismatched sequence overflows it to NaN",
+        (("steadyrl/guards/mismatch.py", "shifted = (sums - sums.max()).exp()", "shifted = sums.exp()"),),
+        ("tests/unit/test_mismatch.py::test_ess_survives_huge_log_ratios_and_reaches_one_over_n",),
+    ),
+    Mutant(
+        "mismatch_sequence_modes_judged_per_token",
+        "mismatch/corrected_share counts tokens under TRL's sequence_* modes, which mask or truncate whole sequences",
+        (
+            (
+                "steadyrl/guards/mismatch.py",
+                'judged = sums.exp() if mode.startswith("sequence") else rho',
+                "judged = rho",
+            ),
+        ),
+        ("tests/unit/test_mismatch.py::test_sequence_modes_judge_whole_sequences_and_clip_min_counts",),
+    ),
+    Mutant(
+        "doctor_blind_to_a_falling_ess",
+        "the doctor's rollout-ESS rule never fires",
+        (
+            (
+                "steadyrl/evidence/doctor.py",
+                "    steps, values = history.finite(M.MISMATCH_ESS)\n    if len(values) < config.min_points:",
+                "    steps, values = history.finite(M.MISMATCH_ESS)\n    if True:",
+            ),
+        ),
+        ("tests/unit/test_doctor.py::test_a_falling_rollout_ess_is_named_with_the_keys_to_change",),
+    ),
+    Mutant(
+        "vllm_server_check_trusts_any_answer",
+        "the server check takes any HTTP answer (a 500, a loading server's 503) for a ready server",
+        (("steadyrl/trainers/vllm_support.py", "if answer.status_code == 200:", "if answer.status_code:"),),
+        ("tests/unit/test_vllm_server.py::test_a_server_that_keeps_failing_names_its_answer",),
+    ),
 )
 
 

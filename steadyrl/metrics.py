@@ -29,6 +29,10 @@ COMPLETIONS_MAX_LENGTH = "completions/max_length"
 COMPLETIONS_CLIPPED_RATIO = "completions/clipped_ratio"
 SAMPLING_LOGP_GAP = "sampling/sampling_logp_difference/mean"  # vLLM vs policy log-prob of the sampled tokens
 SAMPLING_LOGP_GAP_MAX = "sampling/sampling_logp_difference/max"
+# vLLM rollouts, the rollout-trainer mismatch of each generation batch (steadyrl.guards.mismatch defines them)
+MISMATCH_ESS = "mismatch/ess"
+MISMATCH_CORRECTED_SHARE = "mismatch/corrected_share"
+MISMATCH_KL = "mismatch/kl"
 TRAIN_RUNTIME = "train_runtime"  # only in the Trainer's final summary row
 
 
@@ -210,6 +214,7 @@ def ledger_would(kind: str) -> str:
 # then the mechanism whose code ran; "grade", "pipeline", "checks" and "ppo" have no mechanism part
 GUARD_PART_GEPO_ADVANTAGES = "gepo/advantages"
 GUARD_PART_GEPO_SPIKE = "gepo/spike"
+GUARD_PART_GEPO_MISMATCH = "gepo/mismatch"
 GUARD_PART_OPEFO_STATE = "opefo/state"
 GUARD_PART_OPEFO_FEEDBACK = "opefo/feedback"
 GUARD_PART_QUATRO_REPLAY = "quatro/replay"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from steadyrl.config.loader import ConfigError, load_object
 from steadyrl.config.sections import DTYPES
 
+logger = logging.getLogger(__name__)
 BUILTIN_MODELS = ("builtin:tiny-llama", "builtin:smollm2-135m-instruct")
 
 
@@ -324,6 +326,7 @@ def _check_grpo(cfg: Any, world_size: int) -> None:
     if "reward_weights" in t:
         raise ConfigError("trainer.reward_weights: set each reward's `weight` in the rewards list instead")
 
+    _check_mismatch_correction(t)
     num_generations = int(t.get("num_generations", 8))
     per_device = int(t.get("per_device_train_batch_size", 8))
     grad_accum = int(t.get("gradient_accumulation_steps", 1))
@@ -337,6 +340,36 @@ def _check_grpo(cfg: Any, world_size: int) -> None:
             f"completions (per_device_train_batch_size={per_device} x {world_size} process(es) x "
             f"steps_per_generation={steps_per_generation or grad_accum}). Each prompt's group must fit in one "
             "generation batch: change num_generations or per_device_train_batch_size"
+        )
+
+
+def _check_mismatch_correction(t: dict[str, Any]) -> None:
+    """TRL's importance-sampling correction of vLLM rollouts (``trainer.vllm_importance_sampling_*``; TRL 1.16's
+    defaults: on, ``sequence_mask``, clip_max 3.0, clip_min none): TRL checks the mode only at the first generation,
+    and not the bounds at all."""
+    from steadyrl.guards.mismatch import IS_MODES
+
+    mode = t.get("vllm_importance_sampling_mode", "sequence_mask")
+    if mode not in IS_MODES:
+        raise ConfigError(
+            f"trainer.vllm_importance_sampling_mode: {mode!r} is not one of {list(IS_MODES)} (TRL's default: "
+            "sequence_mask, which drops whole sequences whose vLLM/trainer ratio leaves [clip_min, clip_max])"
+        )
+    low, high = t.get("vllm_importance_sampling_clip_min"), t.get("vllm_importance_sampling_clip_max", 3.0)
+    if high is not None and not float(high) > 1:
+        raise ConfigError(
+            f"trainer.vllm_importance_sampling_clip_max: {high} must be above 1 (a ratio of 1 is no mismatch: it "
+            "would mask or truncate healthy tokens); TRL's default is 3.0, null removes the upper bound"
+        )
+    if low is not None and not 0 <= float(low) < 1:
+        raise ConfigError(
+            f"trainer.vllm_importance_sampling_clip_min: {low} must be in [0, 1); TRL's default is null (no lower "
+            "bound); 0.5 masks or truncates tokens vLLM found twice as likely as the trainer does"
+        )
+    if not t.get("vllm_importance_sampling_correction", True) and t.get("use_vllm"):
+        logger.warning(
+            "trainer.vllm_importance_sampling_correction is false: the policy trains on vLLM's samples as if they "
+            "were its own, and steadyrl logs no mismatch/* metrics (TRL returns no sampling log-probs)"
         )
 
 

@@ -15,6 +15,7 @@ from steadyrl.guards.entropy_floor import EntropyConfig
 from steadyrl.guards.error_feedback import ErrorFeedbackConfig
 from steadyrl.guards.gold_watch import GoldConfig
 from steadyrl.guards.kl_controller import KLConfig
+from steadyrl.guards.mismatch import MismatchConfig
 from steadyrl.guards.moment_floor import FloorConfig
 from steadyrl.guards.opefo import OpefoConfig
 from steadyrl.guards.quatro import QuatroConfig
@@ -73,6 +74,7 @@ class GepoSection(Layer):
     advantage: GepoAdvantageSection = field(default_factory=GepoAdvantageSection)
     spike: GepoSpikeSection = field(default_factory=GepoSpikeSection)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)  # vLLM rollouts: mismatch/*, the ESS gate
 
 
 @dataclass

@@ -135,6 +135,11 @@ GOLD_PERIODIC = Cond(
     "while eval.every is 0 (the watch reads the periodic eval)",
     "set eval.every > 0, or remove it",
 )
+VLLM = Cond(
+    lambda cfg, _: bool(cfg.trainer.get("use_vllm")),
+    "while trainer.use_vllm is false (transformers generates with the trained weights: there is no mismatch)",
+    "set trainer.use_vllm=true, or remove it",
+)
 
 
 def _rows(prefix: str, keys: str, row: Read) -> dict[str, Read]:
@@ -174,6 +179,10 @@ READ_BY: dict[str, Read] = {
         fix="remove it (for PPO: ppo.soft_clip)",
     ),
     "guards.gepo.advantage.enabled": Read(RL, why=GUARDS),  # PPO must be able to switch it off
+    "guards.gepo.mismatch": Read(
+        ("grpo",), why=f"PPO's vLLM rollouts are not measured yet; {GUARDS}", fix="remove it", only_if=(VLLM,)
+    ),
+    "guards.gepo.mismatch.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
     "guards.quatro.gold": Read(("grpo",), why=GOLD_GRPO, fix="remove it", only_if=(GOLD_PERIODIC, *EVAL)),
     "guards.quatro.gold.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
     "guards.grade.kl_compensation_range": Read(RL, why=GUARDS, only_if=(KL_COMPENSATION,)),

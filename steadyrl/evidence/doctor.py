@@ -70,6 +70,10 @@ class DoctorConfig:
     logp_gap_floor: float = 0.005  # ... when the late median is above this (below it is float noise)
     # what the run's sampling settings alone add to the gap (None: no gap check); see doctor_config_for
     logp_gap_allowance: float | None = 0.0
+    # mismatch/ess, the effective sample size of the vLLM rollouts' importance weights (1: no mismatch)
+    ess_problem: float = 0.5  # late-window median below this: most of a batch's weight sits on a few sequences
+    ess_loss_rise: float = 5.0  # ... or 1 - ESS, late median >= this x the early window's lowest (a warning) ...
+    ess_loss_floor: float = 0.01  # ... when the late median of 1 - ESS is above this (healthy runs: ~1e-6)
 
 
 @dataclass
@@ -393,6 +397,24 @@ def _logp_gap(history: History, config: DoctorConfig) -> Iterator[Hit]:
     yield Hit([Evidence(LOGP_GAP, int(steps[0]), int(steps[-1]), detail)], severity=verdict.severity)
 
 
+def _ess_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """``mismatch/ess`` (vLLM rollouts): a problem when the late median is below ``ess_problem``; a warning when the
+    loss 1 - ESS grew ``ess_loss_rise`` x from the early window's lowest (the best agreement seen: a sync that stops
+    in the first steps leaves one in-sync batch) to a late median above ``ess_loss_floor``."""
+    steps, values = history.finite(M.MISMATCH_ESS)
+    if len(values) < config.min_points:
+        return
+    c, w = config, max(3, min(config.window, len(values) // 3))
+    loss = 1.0 - values
+    early, late = float(loss[:w].min()), float(np.median(loss[-w:]))
+    where = f"median {1 - late:.4g} over steps {steps[-w]}-{steps[-1]} (highest {1 - early:.4g} over steps {steps[0]}-"
+    where += f"{steps[w - 1]})"
+    if 1 - late < c.ess_problem:
+        yield Hit([Evidence(M.MISMATCH_ESS, int(steps[0]), int(steps[-1]), where)], {"ess": 1 - late}, "problem")
+    elif late >= c.ess_loss_floor and late >= c.ess_loss_rise * early:
+        yield Hit([Evidence(M.MISMATCH_ESS, int(steps[0]), int(steps[-1]), where)], {"ess": 1 - late}, "warning")
+
+
 def _saturated(history: History, config: DoctorConfig) -> Iterator[Hit]:
     for c in saturation_checks(history):
         yield Hit([Evidence(c.metric, c.first_step, c.last_step, c.detail)], {"summary": c.summary, "fix": c.change})
@@ -437,6 +459,9 @@ CHANGE_TRUNCATION = ("the reward favours long answers: add a length penalty to r
 CHANGE_SYNC = ("check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 with TRL 1.16 (steadyrl.trainers."
     "vllm_support warns about others); on vLLM's CPU backend steadyrl must have logged 'weight prepacking is off'",
     "meanwhile trainer.use_vllm: false generates on-policy")
+CHANGE_MISMATCH = ("meanwhile trainer.vllm_importance_sampling_mode: token_mask (or sequence_mask with a lower "
+    "trainer.vllm_importance_sampling_clip_max, e.g. 2.0) drops the mismatched tokens, and "
+    "guards.gepo.mismatch.ess_min: 0.5 skips the updates trained on such batches")
 CRASH = (CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB)
 COLLAPSE_READS = (M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.QUATRO_FILTERED_PREFIX, M.REWARD)
 COLLAPSE_READS += (M.QUATRO_FLOOR_ACTIVE, M.QUATRO_FLOOR_HELD_OFF, M.QUATRO_ENTROPY_FLOOR)
@@ -491,6 +516,10 @@ RULES: tuple[Rule, ...] = (
          "vLLM's log-probs of its own samples disagree with the policy's", CHANGE_SYNC),
     Rule("off_policy_rollouts", "warning", (LOGP_GAP,), _only("warning", _logp_gap),
          "vLLM's log-probs drift away from the policy's", CHANGE_SYNC),
+    Rule("off_policy_rollouts", "problem", (M.MISMATCH_ESS,), _only("problem", _ess_falls),
+         "the vLLM rollouts' effective sample size fell to {ess:.2g}", (*CHANGE_SYNC, CHANGE_MISMATCH)),
+    Rule("off_policy_rollouts", "warning", (M.MISMATCH_ESS,), _only("warning", _ess_falls),
+         "the vLLM rollouts' effective sample size is falling ({ess:.3g})", (*CHANGE_SYNC, CHANGE_MISMATCH)),
     Rule("saturated_controller", "warning", ("steadyrl.evidence.saturation",), _saturated, "{summary}", ("{fix}",)),
 )
 # fmt: on

@@ -19,7 +19,8 @@ from trl import GRPOTrainer
 
 from steadyrl.config.guard_sections import GuardsSection
 from steadyrl.evidence.interventions import Ledger
-from steadyrl.metrics import GRADE_BETA, GRADE_KL_FACTOR, GUARD_PART_QUATRO_REPLAY
+from steadyrl.guards import mismatch
+from steadyrl.metrics import GRADE_BETA, GRADE_KL_FACTOR, GUARD_PART_GEPO_MISMATCH, GUARD_PART_QUATRO_REPLAY
 from steadyrl.trainers import checkpoints, trl_state
 from steadyrl.trainers.advantage_pipeline import AdvantagePipeline
 from steadyrl.trainers.checkpoints import GuardState
@@ -31,6 +32,7 @@ from steadyrl.trainers.rollout import RolloutStation
 from steadyrl.trainers.scratch import HookScratch
 from steadyrl.trainers.step_end import StepEnd, _GuardClock
 from steadyrl.trainers.step_gate import StepGate
+from steadyrl.trainers.vllm_support import server_errors
 
 
 class SteadyGRPOTrainer(GRPOTrainer):
@@ -155,11 +157,17 @@ class SteadyGRPOTrainer(GRPOTrainer):
         return trl_state.mix_buffered_inputs(self, lambda fresh: self.rollout.mix(fresh, step), inputs)
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        if self.use_vllm and self.vllm_mode == "server":
+            with server_errors(self.args, self.state.global_step + 1):
+                output = super()._generate_and_score_completions(inputs)
+        else:
+            output = super()._generate_and_score_completions(inputs)
         training = self.model.training
         if self.rollout.replay_on(training):
             with self.ctx.timer(GUARD_PART_QUATRO_REPLAY):
                 trl_state.ensure_sampling_logps(self, output)  # replayed rows need their sampling log-probs
+        if training and self.parts.mismatch is not None:
+            self._measure_mismatch(output)
         num_generations = self.num_generations if training else self.num_generations_eval
         kl_factor = self.rollout.on_scored(output, len(inputs), self.reward_weights, num_generations, training)
         if kl_factor is not None:
@@ -167,6 +175,24 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 trl_state.set_beta_factor(self, "grade", kl_factor)
                 self.ctx.log_metrics({GRADE_KL_FACTOR: kl_factor, GRADE_BETA: self.beta})
         return output
+
+    def _measure_mismatch(self, output: dict[str, Any]) -> None:
+        """``mismatch/*`` of the generation batch (vLLM with TRL's correction on; ``steadyrl.guards.mismatch``),
+        the same on every rank; the ESS gate reads it for the steps this batch trains."""
+        rows = mismatch.log_ratio_rows(output)
+        if rows is None:
+            return
+        with self.ctx.timer(GUARD_PART_GEPO_MISMATCH):
+            gathered = mismatch.gather_rows(rows, self.ctx.gather, self.ctx.processes)
+            args = self.args
+            found = mismatch.measure(
+                gathered, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+            )  # fmt: skip
+        self.ctx.log_metrics(found)
+        for guard in self.parts.step_guards:
+            if isinstance(guard, mismatch.MismatchGate):
+                guard.note(found.get(mismatch.PREFIX + "ess"))
 
     # ------------------------------------------------------------------ station 2: the loss
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from steadyrl.config.guard_sections import GepoSection, GradeSection, GuardsSection, OpefoSection, QuatroSection
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard
+from steadyrl.guards.mismatch import MismatchConfig, MismatchGate
 from steadyrl.guards.reward_scaler import GradeScaler
 from steadyrl.guards.robust_advantage import GEPOAdvantage
 from steadyrl.guards.spike import SpikeConfig, SpikeGuard
@@ -36,7 +37,8 @@ class GuardParts:
     log-probs, ratios and losses; ``kl_compensation``: (lo, hi) clamp of GRADE's factor of beta; ``opefo`` /
     ``quatro``: the configs the stations build their pieces from; ``micro_batch_guard``: judges each micro-batch's
     own gradient; ``nonfinite_guard``: OPEFO's non-finite-only step guard; ``stateful``: extra named objects saved in
-    every checkpoint; ``observe``: the layers in observe mode, whose parts log their decision under its ``would`` name
+    every checkpoint; ``mismatch``: measure the vLLM rollout-trainer mismatch (``mismatch/*``); ``observe``: the
+    layers in observe mode, whose parts log their decision under its ``would`` name
     and do not apply it (docs/DESIGN.md, "Observe mode")."""
 
     reward_processor: RewardProcessor | None = None
@@ -51,6 +53,7 @@ class GuardParts:
     nonfinite_guard: StepGuard | None = None
     stateful: dict[str, Any] = field(default_factory=dict)
     observe: frozenset[str] = frozenset()
+    mismatch: MismatchConfig | None = None
 
     @property
     def any_step_guard(self) -> bool:
@@ -85,7 +88,8 @@ def grade_layer(section: GradeSection) -> dict[str, Any]:
 
 
 def gepo_layer(section: GepoSection) -> dict[str, Any]:
-    """GEPO: median/MAD advantages, the log-prob floor, finite checks and the spike-skip step guard."""
+    """GEPO: median/MAD advantages, the log-prob floor, finite checks, the spike-skip step guard, the mismatch
+    measurement and its ESS gate."""
     if not section.enabled:
         return {}
     out: dict[str, Any] = {"finite_checks": True}  # counting only, in either mode
@@ -95,6 +99,10 @@ def gepo_layer(section: GepoSection) -> dict[str, Any]:
     if not section.spike.enabled:  # finite checks stay: a non-finite gradient norm still skips the step
         spike = dataclasses.replace(spike, min_ratio=math.inf)
     out.update({"logprob_min": section.logprob_min, "step_guards": [SpikeGuard(spike)]})
+    if section.mismatch.enabled:
+        out["mismatch"] = section.mismatch
+        if section.mismatch.ess_min is not None:
+            out["step_guards"].append(MismatchGate(section.mismatch.ess_min, section.mismatch.max_consecutive_skips))
     if spike.granularity == "micro_batch":  # a second guard, own baseline, on each micro-batch's own gradient
         out["micro_batch_guard"] = SpikeGuard(spike)
     if section.observing:

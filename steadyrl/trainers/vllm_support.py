@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import time
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -79,8 +81,71 @@ def keep_cpu_weights_reloadable() -> bool:
     return True
 
 
+class VLLMServerError(ConnectionError):
+    """The vLLM server (``trainer.vllm_mode=server``) cannot be reached, or stopped answering mid-run."""
+
+
+def server_url(args: Any) -> str:
+    """The server's base URL as TRL's client builds it: ``vllm_server_base_url``, else host and port."""
+    base = getattr(args, "vllm_server_base_url", None)
+    return base.rstrip("/") if base else f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+
+def check_vllm_server(args: Any, interval: float = 2.0) -> int:
+    """Server mode, before any model loads: GET ``<url>/health/`` until it answers 200, every ``interval`` seconds
+    for ``trainer.vllm_server_timeout`` seconds. Returns the attempts it took; ``VLLMServerError`` naming the URL,
+    the attempts, the last answer and the fix when it never does."""
+    import requests
+
+    url, timeout = server_url(args), float(args.vllm_server_timeout)
+    deadline, attempts, last = time.monotonic() + timeout, 0, ""
+    while True:
+        attempts += 1
+        try:
+            answer = requests.get(f"{url}/health/", timeout=max(1.0, min(10.0, timeout)))
+            if answer.status_code == 200:
+                return attempts
+            last = f"HTTP {answer.status_code}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        if time.monotonic() + interval > deadline:
+            break
+        time.sleep(interval)
+    raise VLLMServerError(
+        f"trainer.vllm_mode=server: no vLLM server answers at {url} ({attempts} attempt(s) over "
+        f"{timeout:g} s, trainer.vllm_server_timeout; last: {last}). Start it first on that host and port "
+        "(`trl vllm-serve --model MODEL --host 0.0.0.0 --port PORT`), point trainer.vllm_server_base_url (or "
+        "vllm_server_host / vllm_server_port) at it, raise trainer.vllm_server_timeout while it loads, or set "
+        "trainer.vllm_mode=colocate"
+    )
+
+
+@contextlib.contextmanager
+def server_errors(args: Any, step: int) -> Iterator[None]:
+    """Server mode: a connection error of TRL's client (after its own retries: 5, with backoff) becomes a
+    ``VLLMServerError`` naming the URL, the step and the newest complete checkpoint to resume from."""
+    import requests
+
+    from steadyrl.trainers.checkpoints import last_checkpoint_note
+
+    try:
+        yield
+    except requests.ConnectionError as e:
+        raise VLLMServerError(
+            f"step {step}: the vLLM server at {server_url(args)} stopped answering after TRL's client retried "
+            f"({type(e).__name__}). Restart it (`trl vllm-serve ...` on that host), then run the same command."
+            + last_checkpoint_note(args.output_dir)
+        ) from e
+
+
 def prepare_vllm(args: Any) -> None:
     """Checks and adjustments before TRL builds ``VLLMGeneration`` (``args``: the TRL config, ``use_vllm`` on)."""
+    if args.vllm_mode == "server":
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:  # the one process TRL's client runs on
+            attempts = check_vllm_server(args)
+            logger.info("vLLM server at %s answered (attempt %d)", server_url(args), attempts)
     check_vllm_version()
     if args.vllm_mode == "colocate":
         keep_cpu_weights_reloadable()

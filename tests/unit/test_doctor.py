@@ -430,3 +430,28 @@ def test_spike_streaks_and_rebases_are_reported():
     assert any(c.startswith("guards.gepo.spike.min_ratio") for c in changes)
     text = format_findings(diagnose(History(rows)), History(rows))
     assert "gepo/skipped_steps, steps 41-43: 3 optimizer steps in a row were skipped" in text
+
+
+def test_a_falling_rollout_ess_is_named_with_the_keys_to_change():
+    """mismatch/ess: float noise below 1 is healthy; a loss 1 - ESS that grows 5x past 0.01 is a warning (a stale sync
+    the log-prob gap may not show yet), a median under 0.5 a problem."""
+    ess = "mismatch/ess"
+    rows = healthy_rows(5)
+    for r in rows:
+        if "reward" in r:
+            r[ess] = 1 - 1e-6 * (1 + r["step"] % 3)  # a synced run: ESS 0.999999
+    assert diagnose(History(rows)) == []
+    for r in rows:
+        if ess in r and r["step"] > 100:
+            r[ess] = 0.97  # 1 - ESS 0.03: 15000x the early median, above the floor
+    (finding,) = diagnose(History(rows))
+    assert (finding.mode, finding.severity) == ("off_policy_rollouts", "warning")
+    assert "effective sample size is falling (0.97)" in finding.summary
+    assert str(finding.evidence[0]) == f"{ess}, steps 1-200: median 0.97 over steps 191-200 (highest 1 over steps 1-10)"
+    assert any("guards.gepo.mismatch.ess_min" in fix for fix in finding.changes)
+    assert diagnose(History(rows), DoctorConfig(ess_loss_floor=0.05)) == []
+    for r in rows:
+        if ess in r and r["step"] > 100:
+            r[ess] = 0.3
+    (finding,) = diagnose(History(rows))
+    assert finding.severity == "problem" and "fell to 0.3" in finding.summary

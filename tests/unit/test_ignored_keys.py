@@ -54,6 +54,9 @@ CONTEXT: dict[str, dict[str, Any]] = {  # what else a key needs to be read at al
     },
     "guards.quatro.filters.zscore.max_abs_z": {"guards.quatro.filters.zscore.enabled": True},  # off by default
 }
+RL_CONTEXT: dict[str, dict[str, Any]] = {  # the same, for keys whose context only GRPO and PPO accept (trainer keys)
+    f"guards.gepo.mismatch.{key}": {"trainer.use_vllm": True} for key in ("ess_min", "max_consecutive_skips")
+}
 VALUES: dict[str, list[Any]] = {  # non-default values the generic candidates below cannot guess
     "callbacks": [["pkg.module:Callback"]],
     "trainer": [{"output_dir": "out", "seed": 7}],
@@ -159,7 +162,8 @@ def test_every_key_is_read_by_an_algorithm_or_refused_naming_key_algorithm_and_f
                 assert READ_BY[key].by == ALGORITHMS
                 continue
             base = BASELINES[alg]
-            for dotted, value in CONTEXT.get(key, {}).items():
+            context = {**CONTEXT.get(key, {}), **(RL_CONTEXT.get(key, {}) if alg in ("grpo", "ppo") else {})}
+            for dotted, value in context.items():
                 base = with_value(base, tuple(int(p) if p.isdigit() else p for p in dotted.split(".")), value)
             results = [outcome(with_value(base, path, v), path, default) for v in VALUES.get(key, []) or
                        candidates(tp, default)]  # fmt: skip

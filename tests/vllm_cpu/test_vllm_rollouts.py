@@ -29,7 +29,7 @@ SYNCED = 0.005
 pytestmark = pytest.mark.slow
 
 
-def train(config: str, model: Path, out: Path, *overrides: str, env: dict[str, str] | None = None):
+def train(config: str, model: Path, out: Path, *overrides: str, env: dict[str, str] | None = None, check: bool = True):
     cmd = [
         sys.executable, "-m", "steadyrl", "train", f"configs/tiny/{config}",
         f"model.path={model}",
@@ -49,6 +49,8 @@ def train(config: str, model: Path, out: Path, *overrides: str, env: dict[str, s
     ]  # fmt: skip
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=900)
+    if not check:
+        return proc, []
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return proc, rows
@@ -86,6 +88,9 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
     assert [r["gepo/skipped_steps"] for r in rows if "gepo/skipped_steps" in r] == [0] * 6
     assert len(losses := [r["loss"] for r in rows if "loss" in r]) == 6 and all(map(math.isfinite, losses))
     assert any("grade/scaled_std" in r for r in rows)
+    synced_ess = [r["mismatch/ess"] for r in rows if "mismatch/ess" in r]  # steadyrl's mismatch metrics
+    assert len(synced_ess) == 6 and min(synced_ess) > 0.9999, synced_ess
+    assert max(r["mismatch/kl"] for r in rows if "mismatch/kl" in r) < 1e-5
 
     # the same run with every sync after step 1 swallowed: vLLM samples from the step-1 policy from then on
     stale_out = tmp_path / "stale"
@@ -100,6 +105,22 @@ def test_grpo_weight_sync_reaches_vllm_and_a_stale_sync_is_caught(tiny_model_dir
     from steadyrl.faults import read_fault_log
 
     assert read_fault_log(stale_out)[-1]["swallowed_syncs"] == 5  # steps 2..6 each asked for a sync
+    ess = [r["mismatch/ess"] for r in rows if "mismatch/ess" in r]
+    kl = [r["mismatch/kl"] for r in rows if "mismatch/kl" in r]
+    assert ess[0] > 0.9999 and max(ess[2:]) < 0.999 and min(kl[2:]) > 100 * max(kl[:1]), (ess, kl)
+    doctor = subprocess.run([sys.executable, "-m", "steadyrl", "doctor", str(stale_out)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)  # fmt: skip
+    assert "off_policy_rollouts" in doctor.stdout and "effective sample size" in doctor.stdout, doctor.stdout
+
+    # the ESS gate: with the sync stopped, every step trains on mismatched rollouts; it skips them, then stops
+    proc, _ = train(
+        "grpo.yaml", tiny_model_dir, tmp_path / "gated", "trainer.max_steps=6", *monitor,
+        "guards.gepo.mismatch.ess_min=0.9999", "guards.gepo.mismatch.max_consecutive_skips=2",
+        'callbacks=["steadyrl.faults:StaleVllmAfterStep"]', env={"STEADYRL_FAULT_STEP": "1"}, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "optimizer step skipped (mismatch" in proc.stderr and "step 1: optimizer step skipped" not in proc.stderr
+    assert "optimizer steps in a row trained on rollouts whose effective sample size is below" in proc.stderr
 
 
 def test_lora_ppo_merges_adapters_into_vllm(tiny_model_dir, tmp_path):
