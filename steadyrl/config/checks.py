@@ -57,6 +57,12 @@ def check_contradictions(cfg: Any, world_size: int | None = None) -> None:
             "with transformers"
         )
 
+    if t.get("use_vllm") and t.get("vllm_mode") == "server" and not _cuda():
+        raise ConfigError(
+            "trainer.vllm_mode=server: TRL 1.16 syncs the trained weights to the vLLM server over NCCL, which needs "
+            "a CUDA GPU on the trainer; on a machine without one use trainer.vllm_mode=colocate (docs/cluster.md)"
+        )
+
     resume = t.get("resume_from_checkpoint")
     if isinstance(resume, str) and resume != "auto" and not Path(resume).is_dir():
         raise ConfigError(

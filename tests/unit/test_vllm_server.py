@@ -88,3 +88,17 @@ def test_a_server_gone_mid_run_names_the_step_the_url_and_the_checkpoint(tmp_pat
         pass
     with pytest.raises(ValueError), server_errors(_args(port), 1):
         raise ValueError("not a connection problem")
+
+
+def test_server_mode_without_a_gpu_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """TRL 1.16 syncs weights to the server over NCCL only: on a CPU trainer it would fail after loading the model."""
+    from steadyrl.config import ConfigError, load_config
+    from tests.unit.test_config import BASE, write
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # as if vLLM were installed
+    monkeypatch.setattr("steadyrl.config.checks._cuda", lambda: False)
+    base = write(tmp_path / "grpo.yaml", BASE)
+    with pytest.raises(ConfigError, match=r"vllm_mode=server: .* over NCCL, which needs a CUDA GPU .*vllm_mode=colocate"):
+        load_config(base, ["trainer.use_vllm=true", "trainer.vllm_mode=server"])
+    monkeypatch.setattr("steadyrl.config.checks._cuda", lambda: True)
+    assert load_config(base, ["trainer.use_vllm=true", "trainer.vllm_mode=server"]).trainer["vllm_mode"] == "server"
