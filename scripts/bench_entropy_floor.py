@@ -8,7 +8,7 @@ common character ("111" earns 1.0). The learning rate is raised until plain TRL'
 
     plain TRL                     every guard off (a fixed KL penalty, beta 0.04)
     QUATRO                        guards.quatro.enabled=true, defaults: adaptive KL (target auto), entropy floor
-                                  (0.8 x mean of the first 10 steps, 5-step window, one PI control driving the
+                                  (floor_ratio x mean of the first 10 steps, 10-step window, one PI control driving the
                                   covariance clip and a bonus up to 0.01, clip x 0.5, learning gate), filters
                                   (repetition: > 50 % repeated 3-grams; zero-variance groups; ...); no replay
     + short-answer repetition     the repetition filter on unigrams, > 30 % repeats (answers here are 1-3 characters)
@@ -17,8 +17,9 @@ common character ("111" earns 1.0). The learning rate is raised until plain TRL'
                                   0.04: the value the old fixed-target KL controller reached)
 
 Entropy is measured by ``EntropyProbe`` (a callback the runs load from this file): TRL's logged ``entropy`` covers
-the rows QUATRO's filters keep only, so it cannot compare the variants. Per run: the floor band is 0.8 x the mean
-probe entropy of steps 1-10 (the controller's rule, recomputed for every run, plain ones too); "collapse step" is
+the rows QUATRO's filters keep only, so it cannot compare the variants. Per run: the floor band is ``floor_ratio``
+(the controller's default, 0.15) x the mean probe entropy of steps 1-10 (the controller's rule, recomputed for every
+run, plain ones too); "collapse step" is
 the first later step below the band, "below for good" the first step from which every later one is; "end" values
 are means over the last 10 steps; repetition drops sum the per-step ``quatro/filtered/repetition`` counts. The
 same numbers from TRL's ``entropy``, QUATRO's controller metrics and the greedy exact-match accuracy (weight-0
@@ -61,6 +62,7 @@ from experiments import mean_std  # noqa: E402
 
 from steadyrl.callbacks.periodic_eval import preserved_rng  # noqa: E402
 from steadyrl.faults import repetition_reward  # noqa: E402
+from steadyrl.guards.entropy_floor import EntropyConfig  # noqa: E402
 from steadyrl.tasks.arithmetic import arithmetic_splits  # noqa: E402
 
 BETA = 0.04  # both variants: QUATRO's KL controller needs beta > 0, and plain TRL gets the same KL penalty
@@ -96,8 +98,8 @@ VARIANTS = {  # name -> (folder slug, colour, overrides)
 }
 MAIN_VARIANTS = ("plain TRL", "QUATRO", "QUATRO + short-answer repetition filter")
 DEMO_VARIANTS = ("plain TRL", "QUATRO")
-BASELINE_STEPS = 10  # as guards.quatro.entropy.baseline_steps
-FLOOR_RATIO = 0.8  # as guards.quatro.entropy.floor_ratio
+BASELINE_STEPS = EntropyConfig().baseline_steps  # the controller's own defaults: the band follows them
+FLOOR_RATIO = EntropyConfig().floor_ratio
 END_STEPS = 10  # "at the end" = mean over the last END_STEPS logged steps
 PROBE_FILE = "probe.jsonl"
 PROBE_PROMPTS = 128  # the first held-out arithmetic prompts
@@ -314,7 +316,8 @@ def collapse_tables(results: dict[tuple[str, int], dict[str, Any]], steps: int) 
     """Main table (probe entropy, reward, filter drops, accuracy) and a diagnostics table (TRL-logged entropy,
     QUATRO's controllers), one row per variant, seeds aggregated (mean ± seed std)."""
     main = [
-        "| variant | runs ok | floor band (0.8 × steps 1-10 mean) | collapse step (first below band) | "
+        f"| variant | runs ok | floor band ({FLOOR_RATIO:g} × steps 1-{BASELINE_STEPS} mean) | "
+        "collapse step (first below band) | "
         "below band for good from step | share of steps 11+ below band | entropy at end | reward at end | "
         "repetition-filter drops (total) | greedy accuracy at end | wall s/run |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -367,7 +370,7 @@ def plot_collapse(results: dict[tuple[str, int], dict[str, Any]], png: Path, lr:
     for ax in (main_ax, abl_ax):
         if bands:
             lo, hi = min(bands), max(bands)
-            label = f"floor band: 0.8 × mean of steps 1-{BASELINE_STEPS}, per run ({lo:.3f}-{hi:.3f})"
+            label = f"floor band: {FLOOR_RATIO:g} × mean of steps 1-{BASELINE_STEPS}, per run ({lo:.3f}-{hi:.3f})"
             ax.axhspan(lo, max(hi, lo * 1.01), color="gray", alpha=0.35, label=label)
     starts = [r["probe_entropy"][0] for r in results.values() if r.get("probe_steps") and r["probe_steps"][0] == 0]
     for ax in (main_ax, abl_ax):
