@@ -838,6 +838,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_doctor.py::test_a_falling_rollout_ess_is_named_with_the_keys_to_change",),
     ),
     Mutant(
+        "monitor_blind_to_a_falling_ess",
+        "the monitor never warns when the vLLM rollouts' effective sample size falls",
+        (("steadyrl/callbacks/monitor.py", "else rollout_mismatch(history)[:1]:", "else []:"),),
+        ("tests/unit/test_monitor.py::test_monitor_warns_once_when_the_vllm_rollouts_ess_falls",),
+    ),
+    Mutant(
         "vllm_server_check_trusts_any_answer",
         "the server check takes any HTTP answer (a 500, a loading server's 503) for a ready server",
         (("steadyrl/trainers/vllm_support.py", "if answer.status_code == 200:", "if answer.status_code:"),),

@@ -1,7 +1,8 @@
 """SignalMonitor: every ``monitor.every`` optimizer steps, a one-line health summary and the warnings of
 ``steadyrl.evidence.early_warnings`` over the Trainer's log history, in the log (main process only); and, once per
 rule, the doctor's rollout reward-hacking rules (``doctor.rollout_hacking``: completion length drifting or
-truncation rising while the reward rises), which need no eval metric."""
+truncation rising while the reward rises), which need no eval metric; and, once, the doctor's rule on the vLLM
+rollouts' effective sample size (``doctor.rollout_mismatch``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from steadyrl import metrics as M
-from steadyrl.evidence.doctor import rollout_hacking
+from steadyrl.evidence.doctor import rollout_hacking, rollout_mismatch
 from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, logp_gap_allowance
 from steadyrl.evidence.history import history_of
 
@@ -30,6 +31,7 @@ class SignalMonitor(TrainerCallback):
         self._rows_read = 0  # log_history rows already folded into _latest
         self._history: list[dict[str, Any]] | None = None  # the list those rows came from
         self._hacking_warned: set[str] = set()  # rollout reward-hacking rules already reported (once each)
+        self._mismatch_warned = False  # the vLLM rollouts' ESS rule, reported once
 
     def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step
@@ -48,15 +50,20 @@ class SignalMonitor(TrainerCallback):
         sampling = (getattr(args, k, d) for k, d in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)))
         allowance = logp_gap_allowance(*sampling, getattr(args, "repetition_penalty", 1.0))
         for warning in early_warnings(state.log_history, self.config, allowance):
-            self.warnings.append((state.global_step, warning))
-            logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)
-        for name, summary in rollout_hacking(history_of(state.log_history)):
+            self._warn(step, warning)
+        history = history_of(state.log_history)
+        for name, summary in rollout_hacking(history):
             if name in self._hacking_warned:
                 continue
             self._hacking_warned.add(name)
-            warning = (
+            self._warn(step, (
                 f"reward hacking suspected: {summary} (steadyrl doctor says which fix; the gold watch, "
                 "guards.quatro.gold, keeps the best policy when eval.every and an eval metric are set)"
-            )
-            self.warnings.append((state.global_step, warning))
-            logger.warning("step %d: EARLY WARNING: %s", state.global_step, warning)
+            ))  # fmt: skip
+        for summary in [] if self._mismatch_warned else rollout_mismatch(history)[:1]:
+            self._mismatch_warned = True
+            self._warn(step, f"vLLM rollouts off-policy: {summary} (steadyrl doctor names the keys to change)")
+
+    def _warn(self, step: int, warning: str) -> None:
+        self.warnings.append((step, warning))
+        logger.warning("step %d: EARLY WARNING: %s", step, warning)

@@ -542,6 +542,14 @@ def rollout_hacking(history: History, config: DoctorConfig | None = None) -> lis
             for hit in rule.condition(history, config) if hit.fields.get("way") != "shrank"]  # fmt: skip
 
 
+def rollout_mismatch(history: History, config: DoctorConfig | None = None) -> list[str]:
+    """The doctor's ``mismatch/ess`` rule (``_ess_falls``) as summaries with their evidence, for ``SignalMonitor``:
+    a falling effective sample size of the vLLM rollouts (problem or warning)."""
+    config = config or DoctorConfig()
+    return [f"{rule.finding(hit).summary}: {hit.evidence[0]}" for rule in RULES if rule.reads == (M.MISMATCH_ESS,)
+            for hit in rule.condition(history, config)]  # fmt: skip
+
+
 def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
     """Default thresholds, with the vLLM gap allowance of the run's sampling settings (``resolved_config.yaml``)."""
     resolved = Path(run_dir) / "resolved_config.yaml"

@@ -173,3 +173,23 @@ def test_no_rollout_hacking_warning_on_a_run_that_learns_shorter_answers_or_whos
     # length within the 2x band (4 -> 6), truncation up by less than 0.2: no rule fires
     mild = _rollouts(60, lambda s: 4.0 + s / 30, lambda s: s / 400, lambda s: 0.5 + s / 100)
     assert rollout_hacking(history_of(mild)) == []
+
+
+def test_monitor_warns_once_when_the_vllm_rollouts_ess_falls():
+    from types import SimpleNamespace
+
+    from steadyrl.callbacks.monitor import SignalMonitor
+
+    monitor = SignalMonitor(MonitorConfig(every=10))
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True, log_history=[])
+    for step in range(1, 41):  # in sync until step 15 (ESS 1 - 1e-6), then a sync that stopped: ESS 0.9
+        state.global_step = step
+        state.log_history.append({"step": step, "reward": 0.5, "mismatch/ess": 1 - 1e-6 if step <= 15 else 0.9})
+        monitor.on_log(SimpleNamespace(), state, None)
+    off = [(step, w) for step, w in monitor.warnings if w.startswith("vLLM rollouts off-policy")]
+    assert len(off) == 1 and off[0][0] == 20, monitor.warnings  # first read at step 20 (windows of 6: late all 0.9)
+    assert "effective sample size is falling (0.9)" in off[0][1] and "mismatch/ess, steps 1-20" in off[0][1]
+    healthy = SignalMonitor(MonitorConfig(every=10))
+    state.log_history = [{**r, "mismatch/ess": 1 - 1e-6} for r in state.log_history]
+    healthy.on_log(SimpleNamespace(), state, None)
+    assert healthy.warnings == []
