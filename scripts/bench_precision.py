@@ -50,6 +50,10 @@ SETTINGS = {  # healthy settings: (model, overrides)
 }
 BURST = "{{name: bursty, fn: 'steadyrl.faults:exact_match_nonfinite_burst', kwargs: {{fraction: 0.25, start: {step}, "
 BURST += "steps: 5, seed: {seed}}}}}"
+# SmolLM2: the burst on its verifier, under the verifier's name (the entropy gate reads it), its format reward kept
+SMALL_BURST = "{{name: math_answer, fn: 'steadyrl.faults:math_answer_nonfinite_burst', kwargs: {{fraction: 0.25, "
+SMALL_BURST += "start: {step}, steps: 5, seed: {seed}}}}}, "
+SMALL_BURST += "{{fn: concise_answer, weight: 0.25, kwargs: {{max_words: 12}}}}"
 FAULTS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {  # callback, overrides, environment
     "nan_loss": ("NanLossAtStep", (), {}),  # one micro-batch per step: the step's loss
     "nan_micro_batch": (
@@ -184,6 +188,8 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
                         extra = [*overrides, *flags, "eval.every=0"]
                         if callback is not None:
                             extra.append(f"callbacks=['steadyrl.faults:{callback}']")
+                        elif model == "small":
+                            extra.append(f"rewards=[{SMALL_BURST.format(step=step, seed=seed)}]")
                         else:
                             burst = BURST.format(step=step, seed=seed)
                             extra += [f"rewards=[{burst}, {{fn: exact_match, weight: 0.0}}]", "eval.metric=exact_match"]

@@ -66,7 +66,20 @@ def exact_match_nonfinite_burst(completions: Sequence[Any], answer: Sequence[str
                                 trainer_state: Any = None, **_: Any) -> list[float | None]:  # fmt: skip
     """Exact match, except for the rollouts of optimizer steps ``start .. start + steps - 1`` (1-based): there
     ``round(fraction * n)`` rows, drawn with seed (seed, step), get ``None``, NaN, +inf, -inf in turn."""
-    scores: list[float | None] = list(exact_match(completions, answer))
+    return _nonfinite_burst(list(exact_match(completions, answer)), fraction, start, steps, seed, trainer_state)
+
+
+def math_answer_nonfinite_burst(completions: Sequence[Any], answer: Sequence[str], fraction: float = 0.25,
+                                start: int = DEFAULT_FAULT_STEP, steps: int = 1, seed: int = 0,
+                                trainer_state: Any = None, **_: Any) -> list[float | None]:  # fmt: skip
+    """``exact_match_nonfinite_burst`` on the word problems' verifier (``math_answer``, math-verify)."""
+    from steadyrl.tasks.word_problems import math_answer
+
+    return _nonfinite_burst(list(math_answer(completions, answer)), fraction, start, steps, seed, trainer_state)
+
+
+def _nonfinite_burst(scores: list[float | None], fraction: float, start: int, steps: int, seed: int,
+                     trainer_state: Any) -> list[float | None]:  # fmt: skip
     step = int(getattr(trainer_state, "global_step", 0) or 0) + 1  # the optimizer step these rollouts train
     if not start <= step < start + steps:
         return scores

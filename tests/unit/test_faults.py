@@ -228,3 +228,14 @@ def test_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_pat
     fault.on_step_end(_args(tmp_path), SimpleNamespace(global_step=3), None)
     assert all(torch.equal(g, reference[n]) for n, g in grads().items())  # hooks gone
     assert read_fault_log(tmp_path) == [{"fault": "grad_spike", "step": 3, "rank": 0, "scale": 1e4}]
+
+
+def test_the_word_problems_burst_scores_with_math_verify_outside_its_window():
+    from steadyrl.faults import math_answer_nonfinite_burst
+
+    comps, answers = ["The answer is 12", "I think 7", "12", "so 40"], ["12", "12", "12", "40"]
+    before = math_answer_nonfinite_burst(comps, answers, start=3, steps=1, trainer_state=SimpleNamespace(global_step=0))
+    assert before == [1.0, 0.0, 1.0, 1.0]
+    during = math_answer_nonfinite_burst(comps, answers, fraction=0.5, start=3, steps=1, seed=1,
+                                         trainer_state=SimpleNamespace(global_step=2))  # fmt: skip
+    assert sorted(repr(v) for v in during if v is None or not math.isfinite(v)) == ["None", "nan"]
