@@ -20,7 +20,8 @@ def test_guard_parts_expand_the_yaml_section_and_validate_it() -> None:
     every = guard_parts("all")
     filled = sorted(k for k, v in vars(every).items() if v not in (None, False, [], {}, frozenset()))
     assert filled == [
-        "advantage_fn", "finite_checks", "logprob_min", "opefo", "quatro", "reward_processor", "step_guards",
+        "advantage_fn", "finite_checks", "logprob_min", "mismatch", "opefo", "quatro", "reward_processor",
+        "step_guards",
     ]  # fmt: skip
     only_gepo = guard_parts({"gepo": {"enabled": True, "spike": {"min_ratio": 7.0}}})
     assert only_gepo.quatro is None and only_gepo.step_guards[0].config.min_ratio == 7.0
