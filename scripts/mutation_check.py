@@ -329,7 +329,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "monitor_never_warns_of_hacking",
         "the monitor never runs the rollout reward-hacking rules",
-        (("steadyrl/callbacks/monitor.py", "in rollout_hacking(history_of(state.log_history)):", "in []:"),),
+        (("steadyrl/callbacks/monitor.py", "in rollout_hacking(history):", "in []:"),),
         ("tests/unit/test_monitor.py::test_monitor_warns_once_per_rollout_hacking_rule_while_the_reward_rises",),
     ),
     Mutant(

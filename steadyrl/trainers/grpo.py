@@ -157,10 +157,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
         return trl_state.mix_buffered_inputs(self, lambda fresh: self.rollout.mix(fresh, step), inputs)
 
     def _generate_and_score_completions(self, inputs):
-        if self.use_vllm and self.vllm_mode == "server":
-            with server_errors(self.args, self.state.global_step + 1):
-                output = super()._generate_and_score_completions(inputs)
-        else:
+        server = self.use_vllm and self.vllm_mode == "server"  # a server gone mid-run: named, with the checkpoint
+        with server_errors(self.args, self.state.global_step + 1) if server else contextlib.nullcontext():
             output = super()._generate_and_score_completions(inputs)
         training = self.model.training
         if self.rollout.replay_on(training):
