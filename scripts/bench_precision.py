@@ -11,10 +11,14 @@ zero-variance groups, the doctor's warnings about steadyrl's own controllers, an
 Fault scenarios (``fault-<fault>-<step>``): one fault at an early step (inside the warm-ups), a middle and a late
 one; each run stops ``AFTER`` steps past it. ``caught``: a ledger action of the kinds in ``ACTIONS`` within
 ``WINDOW`` steps from the fault, the run finished with finite weights and no non-finite optimizer state left;
-``steps_to_action``: the steps from the fault to the first such action (0: the step itself).
+``steps_to_action``: the steps from the fault to the first such action (0: the step itself). ``--resume-lead L``
+trains the steps before a late fault once: one healthy run per (variant, seed) saves a checkpoint L steps before
+each fault step past L, and those fault runs resume from it (the fault's own overrides apply from the resume on;
+meant for a constant learning rate, as SmolLM2's config has: a decaying schedule would follow the base run's length).
 
     python scripts/bench_precision.py --sft runs/tiny-sft/final --seeds 8 --results docs/results/precision_recall.json
     python scripts/bench_precision.py --sft runs/tiny-sft/final --only healthy --seeds 2 --steps 20   # a smoke
+    python scripts/bench_precision.py --settings smollm2 --only faults --seeds 2 --variants all --resume-lead 5
 """
 
 from __future__ import annotations
@@ -65,7 +69,12 @@ FAULTS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {  # cal
     "grad_spike": ("GradSpikeAtStep", ("trainer.max_grad_norm=1e9",), {FAULT_SCALE_ENV: "1e4"}),  # clipping off
     "nonfinite_rewards": (None, (), {}),
 }
+# SmolLM2's config makes 16 completions a step in one micro-batch: the micro-batch NaN splits those same 16 in 4
+SMALL_OVERRIDES = {
+    "nan_micro_batch": ("trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=4"),
+}
 FAULT_STEPS = {"tiny": (5, 100, 180), "small": (3, 35, 65)}
+BASE = "base"  # --resume-lead: the healthy run per (variant, seed) whose checkpoints the later fault runs resume from
 AFTER, WINDOW = 15, 12  # fault runs stop AFTER steps past the fault; an action counts within WINDOW steps
 ACTIONS = ("skipped_step", "nonfinite_masked", "dropped_micro_batch", "rollback", "state_repair")
 OWN_CONTROLLERS = "saturated_controller"  # the doctor's mode for steadyrl's own settings that do not fit a run
@@ -177,15 +186,35 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
                     how[jobs[-1].key] = healthy_summary
     if args.only in ("all", "faults"):
         model = "small" if "smollm2" in args.settings else "tiny"
+        fault_steps = args.fault_steps or FAULT_STEPS[model]
+        lead = args.resume_lead
+        resumed = [k for k in fault_steps if lead and k > lead]  # these fault runs start from a base checkpoint
+        bases = {}
+        if resumed:
+            every = math.gcd(*(k - lead for k in resumed))
+            for variant in args.variants:
+                for seed in seeds[: args.plain_fault_seeds] if variant == "plain" else seeds:
+                    out = Path(args.out) / BASE / f"{variant}-s{seed}"
+                    save = ("trainer.save_strategy=steps", f"trainer.save_steps={every}")
+                    save += ("trainer.save_total_limit=null",)
+                    extra = (*VARIANTS[variant], "eval.every=0", *save)
+                    cmd = command(model, args.sft, out, seed, max(resumed) - lead, extra)
+                    jobs.append(X.Job(variant, BASE, seed, out, tuple(cmd), (("OMP_NUM_THREADS", str(args.threads)),)))
+                    how[jobs[-1].key] = lambda job, run: {"status": run.status, "last_step": run.last_step}
+                    bases[variant, seed] = out
         for fault in args.faults:
             callback, overrides, env = FAULTS[fault]
-            for step in args.fault_steps or FAULT_STEPS[model]:
+            overrides = SMALL_OVERRIDES.get(fault, overrides) if model == "small" else overrides
+            for step in fault_steps:
                 for variant in args.variants:
                     flags = VARIANTS[variant]
                     for seed in seeds[: args.plain_fault_seeds] if variant == "plain" else seeds:
                         scenario = f"fault-{fault}-{step}"
                         out = Path(args.out) / scenario / f"{variant}-s{seed}"
                         extra = [*overrides, *flags, "eval.every=0"]
+                        if step in resumed:
+                            checkpoint = bases[variant, seed] / f"checkpoint-{step - lead}"
+                            extra.append(f"trainer.resume_from_checkpoint={checkpoint}")
                         if callback is not None:
                             extra.append(f"callbacks=['steadyrl.faults:{callback}']")
                         elif model == "small":
@@ -303,6 +332,13 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["demo", "lr3e-5", "lr3e-4"], choices=list(SETTINGS))
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
     ap.add_argument("--fault-steps", nargs="+", type=int, default=None)
+    ap.add_argument(
+        "--resume-lead",
+        type=int,
+        default=0,
+        help="fault runs at a step past this resume from a checkpoint of one healthy run per (variant, seed) saved "
+        "this many steps before the fault, instead of training the steps before it again (0: every run from step 0)",
+    )
     ap.add_argument("--only", choices=("all", "healthy", "faults"), default="all")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="in run order")
     ap.add_argument("--steps", type=int, default=None, help="healthy runs' max_steps (default: the config's)")
@@ -322,7 +358,7 @@ def main() -> None:
     print(text)
     if args.results:
         cells = []
-        for scenario in dict.fromkeys(job.scenario for job in jobs):
+        for scenario in dict.fromkeys(job.scenario for job in jobs if job.scenario != BASE):
             for variant in VARIANTS:
                 present = sorted(seed for (v, s, seed) in results if v == variant and s == scenario)
                 if not present:

@@ -1,0 +1,48 @@
+"""The precision/recall bench's run plan: late fault runs resume from one healthy run's checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_precision as B
+
+
+def plan(**overrides: object) -> list:
+    args = argparse.Namespace(
+        seeds=[0, 1], plain_fault_seeds=1, settings=["smollm2"], faults=["nan_loss", "nan_micro_batch"],
+        fault_steps=None, only="faults", variants=["plain", "all"], steps=None, out="/tmp/pr", threads=2,
+        resume_lead=5, sft=None,
+    )  # fmt: skip
+    vars(args).update(overrides)
+    return B.jobs_and_summaries(args)[0]
+
+
+def test_late_faults_resume_from_a_base_checkpoint_saved_lead_steps_before() -> None:
+    jobs = plan()
+    bases = [j for j in jobs if j.scenario == B.BASE]
+    assert [(j.variant, j.seed) for j in bases] == [("plain", 0), ("all", 0), ("all", 1)]
+    assert jobs[: len(bases)] == bases  # trained before any run that resumes from them
+    base = " ".join(bases[1].cmd)
+    assert "trainer.max_steps=60" in base and "trainer.save_steps=30" in base and "save_total_limit=null" in base
+    by_key = {(j.scenario, j.variant, j.seed): " ".join(j.cmd) for j in jobs}
+    late = by_key["fault-nan_loss-65", "all", 1]
+    assert "trainer.resume_from_checkpoint=/tmp/pr/base/all-s1/checkpoint-60" in late
+    assert "trainer.max_steps=80" in late
+    assert "checkpoint-30" in by_key["fault-nan_loss-35", "plain", 0]
+    early = by_key["fault-nan_loss-3", "all", 0]  # inside the lead: trained from step 0
+    assert "trainer.resume_from_checkpoint=/" not in early and "trainer.max_steps=18" in early
+
+
+def test_smollm2_micro_batch_fault_keeps_the_configs_completions_per_step() -> None:
+    cmd = " ".join(next(j for j in plan() if j.scenario == "fault-nan_micro_batch-3").cmd)
+    assert "per_device_train_batch_size=4" in cmd and "gradient_accumulation_steps=4" in cmd  # 16 = the config's
+
+
+def test_without_a_lead_every_fault_run_starts_at_step_0() -> None:
+    jobs = plan(resume_lead=0)
+    assert not [j for j in jobs if j.scenario == B.BASE]
+    assert not [j for j in jobs if any("checkpoint-" in a for a in j.cmd)]
