@@ -24,6 +24,7 @@ meant for a constant learning rate, as SmolLM2's config has: a decaying schedule
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -253,8 +254,20 @@ def _head(*columns: str) -> list[str]:
     return ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
+def results_from_cells(cells: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """The per-run summaries ``tables`` reads, back from a results file's cells (``--retable``)."""
+    out = {}
+    for c in cells:
+        for i, seed in enumerate(c["seeds"]):
+            run = {key: values[i] for key, values in c["metrics"].items()}
+            run.update(status="died" if c["died"][i] else "ok", accuracy=c["accuracy"][i], model=c.get("model"))
+            out[c["variant"], c["scenario"], seed] = run
+    return out
+
+
 def tables(results: dict[tuple[str, str, int], dict[str, Any]]) -> str:
-    """Markdown: one row per healthy setting (all against plain, paired by seed), one per fault scenario."""
+    """Markdown: one row per healthy setting (all against plain, paired by seed), one per fault scenario (and
+    model, where the runs say which)."""
     lines = [
         "| healthy setting | runs with a skip, rollback or repair | largest per-kind share of steps (worst run) | "
         "interventions per 100 steps, by layer | rows filtered outside zero-variance groups | runs with a "
@@ -311,16 +324,19 @@ def tables(results: dict[tuple[str, str, int], dict[str, Any]]) -> str:
             spans.append(f"{min(vals):.2f}–{max(vals):.2f}" if vals else "-")
         if calm:
             lines.append(f"| {scenario} | " + " | ".join(spans) + " |")
-    lines += _head("fault scenario", "caught (all)", "steps to action (max)", "all: runs died", "plain: runs died")
-    for scenario in [s for s in scenarios if s.startswith("fault-")]:
-        runs = [r for (v, s, _), r in results.items() if s == scenario and v == "all"]
-        plain = [r for (v, s, _), r in results.items() if s == scenario and v == "plain"]
+    head = ("fault scenario", "model", "caught (all)", "steps to action (max)", "all: runs died", "plain: runs died")
+    lines += _head(*head)
+    faults = {(s, r.get("model") or "-") for (_, s, _), r in results.items() if s.startswith("fault-")}
+    for scenario, model in sorted(faults, key=lambda sm: (sm[1], sm[0].rsplit("-", 1)[0], int(sm[0].rsplit("-")[-1]))):
+        mine = [(v, r) for (v, s, _), r in results.items() if s == scenario and (r.get("model") or "-") == model]
+        runs, plain = [r for v, r in mine if v == "all"], [r for v, r in mine if v == "plain"]
         delays = [r["steps_to_action"] for r in runs if r["steps_to_action"] is not None]
         died = sum(r["status"] != "ok" for r in runs)
         plain_died = sum(r["status"] != "ok" for r in plain)
         caught = f"{sum(r['caught'] for r in runs)}/{len(runs)}"
         delay = str(max(delays)) if delays else "-"
-        lines.append(f"| {scenario} | {caught} | {delay} | {died}/{len(runs)} | {plain_died}/{len(plain)} |")
+        row = [scenario, model, caught, delay, f"{died}/{len(runs)}", f"{plain_died}/{len(plain)}"]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -348,12 +364,24 @@ def main() -> None:
     ap.add_argument("--collect-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (SmolLM2 runs: 2)")
+    ap.add_argument("--retable", action="store_true", help="rewrite --results' table from its cells; run nothing")
     args = ap.parse_args()
+    if args.retable:
+        doc = json.loads(Path(args.results).read_text())
+        doc["table"] = tables(results_from_cells(doc["cells"]))
+        print(doc["table"])
+        X.write_results(args.results, doc)
+        return
     sha = X.commit()
+    models = sorted({SETTINGS[s][0] for s in args.settings})
+    model = ", ".join(
+        {"tiny": "tiny-llama-0.9m (SFT checkpoint)", "small": "smollm2-135m-instruct + LoRA"}[m] for m in models
+    )
     jobs, how = jobs_and_summaries(args)
     results = X.run_jobs(
-        jobs, lambda job, run: how[job.key](job, run), timeout=args.timeout, collect_only=args.collect_only
-    )
+        jobs, lambda job, run: {**how[job.key](job, run), "model": model}, timeout=args.timeout,
+        collect_only=args.collect_only,
+    )  # fmt: skip
     text = tables(results)
     print(text)
     if args.results:
@@ -366,10 +394,6 @@ def main() -> None:
                 runs = [results[(variant, scenario, seed)] for seed in present]
                 keys = HEALTHY_METRICS if scenario.startswith("healthy-") else FAULT_METRICS
                 cells.append(X.cell(scenario, variant, present, runs, keys, died=lambda r: r["status"] != "ok"))
-        models = sorted({SETTINGS[s][0] for s in args.settings})
-        model = ", ".join(
-            {"tiny": "tiny-llama-0.9m (SFT checkpoint)", "small": "smollm2-135m-instruct + LoRA"}[m] for m in models
-        )
         doc = X.results_doc(
             "precision_recall",
             cells,
@@ -379,7 +403,10 @@ def main() -> None:
             steps=args.steps or "config",
             table=text,
         )
-        X.write_results(args.results, doc, merge=args.merge)
+        doc = X.write_results(args.results, doc, merge=args.merge)
+        if args.merge:  # the table of every cell in the file, not only of this invocation's
+            doc["table"] = tables(results_from_cells(doc["cells"]))
+            X.write_results(args.results, doc)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,20 @@ def test_without_a_lead_every_fault_run_starts_at_step_0() -> None:
     jobs = plan(resume_lead=0)
     assert not [j for j in jobs if j.scenario == B.BASE]
     assert not [j for j in jobs if any("checkpoint-" in a for a in j.cmd)]
+
+
+def test_the_table_of_a_merged_file_counts_every_cell_per_model() -> None:
+    fault = {"caught": [True, False], "steps_to_action": [0, 7], "interventions": [{}, {}]}
+    cells = [
+        {"scenario": "fault-nan_loss-3", "variant": "all", "seeds": [0, 1], "died": [False, True],
+         "accuracy": [0.5, None], "metrics": fault, "model": "small"},
+        {"scenario": "fault-nan_loss-3", "variant": "plain", "seeds": [0], "died": [True], "accuracy": [None],
+         "metrics": {k: v[:1] for k, v in fault.items()}, "model": "small"},
+        {"scenario": "fault-nan_loss-5", "variant": "all", "seeds": [0], "died": [False], "accuracy": [0.7],
+         "metrics": {k: v[:1] for k, v in fault.items()}, "model": "tiny"},
+    ]  # fmt: skip
+    rows = [line for line in B.tables(B.results_from_cells(cells)).splitlines() if line.startswith("| fault-")]
+    assert rows == [
+        "| fault-nan_loss-3 | small | 1/2 | 7 | 1/2 | 1/1 |",
+        "| fault-nan_loss-5 | tiny | 1/1 | 0 | 0/1 | 0/0 |",
+    ]
