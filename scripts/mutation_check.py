@@ -808,6 +808,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_mismatch.py::test_gate_skips_below_ess_min_and_stops_when_it_never_recovers",),
     ),
     Mutant(
+        "mismatch_skips_fed_back",
+        "error feedback keeps the gradient of a step the mismatch gate skipped and feeds the off-policy batch back",
+        (
+            (
+                "steadyrl/trainers/step_gate.py",
+                "if self.feedback is not None and feeds_back(self.guards, decisions):",
+                "if self.feedback is not None:",
+            ),
+        ),
+        ("tests/unit/test_step_gate.py::test_a_step_the_mismatch_gate_skips_is_not_fed_back_a_spike_skip_is",),
+    ),
+    Mutant(
         "mismatch_ess_unshifted",
         "the ESS takes exp of the summed log-ratios as they are: one long mismatched sequence overflows it to NaN",
         (("steadyrl/guards/mismatch.py", "shifted = (sums - sums.max()).exp()", "shifted = sums.exp()"),),

@@ -59,6 +59,9 @@ class StepDecision:
 
 
 class StepGuard(Protocol):
+    """A veto on the optimizer step. A guard whose skipped gradients must not come back through error feedback
+    (wrong in direction, not only in size) sets a class attribute ``feeds_back = False``."""
+
     def decide(self, grad_norm: torch.Tensor, step: int) -> StepDecision:
         """grad_norm: global pre-clip norm (0-d tensor, may be non-finite); step: optimizer steps done so far."""
 

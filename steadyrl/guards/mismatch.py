@@ -99,7 +99,10 @@ def measure(log_ratio: torch.Tensor, mode: str, clip_min: float | None, clip_max
 class MismatchGate:
     """A StepGuard: skips every optimizer step while the generation batch it trains on had ``mismatch/ess`` below
     ``ess_min`` (``note`` sets it when the batch is generated; the value is identical on every rank). More than
-    ``max_consecutive`` skips in a row raise ``MismatchError``: the sync is broken, skipping only hides it."""
+    ``max_consecutive`` skips in a row raise ``MismatchError``: the sync is broken, skipping only hides it. A step it
+    skips is not fed back by OPEFO's error feedback: its gradient is off-policy in direction, not only in size."""
+
+    feeds_back = False
 
     def __init__(self, ess_min: float, max_consecutive: int = 10) -> None:
         self.ess_min, self.max_consecutive = ess_min, max_consecutive

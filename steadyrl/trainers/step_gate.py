@@ -34,6 +34,12 @@ from steadyrl.trainers.micro_batch_gate import MicroBatchGate
 logger = logging.getLogger(__name__)
 
 
+def feeds_back(guards: list[StepGuard], decisions: list[StepDecision]) -> bool:
+    """Whether error feedback may keep a skipped step's gradients: not when a guard that vetoed it says they are
+    wrong in direction, not only in size (``feeds_back = False``: the mismatch gate's off-policy batch)."""
+    return all(getattr(g, "feeds_back", True) for g, d in zip(guards, decisions, strict=True) if d.skip)
+
+
 class StepGate:
     """Step guards + the skip bookkeeping (``counters``: saved in the checkpoint). ``observers``: step guards in
     observe mode. ``feedback``: error feedback; with ``would`` (OPEFO observing: its counts) a skip only counts what
@@ -81,13 +87,14 @@ class StepGate:
         """Ask every step guard about the global pre-clip norm; on a veto, hand them this rank's ``gradients`` (its
         partition under ZeRO-2) and count it. Dropping them is the caller's job."""
         step = self.ctx.global_step()
-        decision = combine_decisions([guard.decide(norm, step) for guard in self.guards])
+        decisions = [guard.decide(norm, step) for guard in self.guards]
+        decision = combine_decisions(decisions)
         if self.observers:
             self._observe(norm, step)
         if decision.skip:
             for guard in self.guards:
                 guard.on_skip(gradients, decision, step)
-            if self.feedback is not None:
+            if self.feedback is not None and feeds_back(self.guards, decisions):
                 with self.ctx.timer(GUARD_PART_OPEFO_FEEDBACK):  # a copy of the skipped gradients
                     self.keep_skipped(gradients, step)
             self._count_skip(decision.reason, float(norm), step)

@@ -127,3 +127,22 @@ def test_deepspeed_hook_raises_overflow_on_a_veto_only() -> None:
     assert zero.step() is True and gate.counters["skipped_steps"] == 1
     zero.norm = 0.5
     assert zero.step() is False and gate.counters["skipped_steps"] == 1
+
+
+def test_a_step_the_mismatch_gate_skips_is_not_fed_back_a_spike_skip_is() -> None:
+    from steadyrl.guards.error_feedback import ErrorFeedback
+    from steadyrl.guards.mismatch import MismatchGate
+
+    mismatch, spike = MismatchGate(0.9), _Threshold(1.0)
+    feedback = ErrorFeedback()
+    gate = StepGate([spike, mismatch], FakeContext(step=3), feedback)
+    mismatch.note(0.5)  # off-policy batch, small gradient: only the mismatch gate vetoes
+    skipped = gate.clip_or_skip(_model_with_grad(0.1), max_grad_norm=1.0)[1]
+    assert skipped and gate.counters == {"skipped_steps": 1.0, "skipped_mismatch": 1.0}
+    assert not feedback.pending and feedback.stored == 0
+    mismatch.note(0.5)  # both veto: the off-policy direction wins, nothing kept
+    assert gate.clip_or_skip(_model_with_grad(3.0), max_grad_norm=1.0)[1]
+    assert not feedback.pending and gate.counters["skipped_spike"] == 1.0
+    mismatch.note(0.99)  # on-policy spike: kept for feedback as before
+    assert gate.clip_or_skip(_model_with_grad(3.0), max_grad_norm=1.0)[1]
+    assert feedback.pending and feedback.stored == 1
