@@ -362,6 +362,7 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
     ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="read back a run folder that has run.json, run the others")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (SmolLM2 runs: 2)")
     ap.add_argument("--retable", action="store_true", help="rewrite --results' table from its cells; run nothing")
@@ -380,7 +381,7 @@ def main() -> None:
     jobs, how = jobs_and_summaries(args)
     results = X.run_jobs(
         jobs, lambda job, run: {**how[job.key](job, run), "model": model}, timeout=args.timeout,
-        collect_only=args.collect_only,
+        collect_only=args.collect_only, reuse=args.reuse,
     )  # fmt: skip
     text = tables(results)
     print(text)

@@ -808,6 +808,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_mismatch.py::test_gate_skips_below_ess_min_and_stops_when_it_never_recovers",),
     ),
     Mutant(
+        "resume_keeps_a_buffer_of_another_layout",
+        "a resume with another steps_per_generation restores the saved rollout buffer anyway: TRL indexes past it",
+        (("steadyrl/trainers/trl_state.py", "        if found != expected:", "        if False:"),),
+        ("tests/integration/test_resume.py::test_resume_with_another_batch_layout_drops_the_saved_rollouts",),
+    ),
+    Mutant(
         "mismatch_skips_fed_back",
         "error feedback keeps the gradient of a step the mismatch gate skipped and feeds the off-policy batch back",
         (

@@ -6,6 +6,7 @@ private state); the stations return what should change. Why writing these attrib
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 
 from steadyrl.metrics import OPEFO_LR_FACTOR
 from steadyrl.trainers.context import Controls, TrainerSettings
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -34,10 +37,31 @@ def mix_buffered_inputs(trainer: Any, mix: Callable[[list[Any]], list[Any]], ser
     return trainer._buffered_inputs[next(i for i, batch in enumerate(fresh) if batch is served)]
 
 
+def buffer_layout(buffered: list[dict[str, Any]]) -> tuple[int, int]:
+    """(micro-batches, rows of the first) of TRL's rollout buffer."""
+    return len(buffered), int(buffered[0]["completion_ids"].shape[0]) if buffered else 0
+
+
 def restore_rollouts(trainer: Any, rollouts: dict[str, Any] | None) -> None:
-    """A checkpoint's rollout buffer and micro-step counter back into TRL (None: the checkpoint had none)."""
-    if rollouts is not None:
-        trainer._step, trainer._buffered_inputs = rollouts["step"], rollouts["buffered_inputs"]
+    """A checkpoint's rollout buffer and micro-step counter back into TRL (None: the checkpoint had none). A buffer
+    cut for another batch layout (``steps_per_generation`` micro-batches of ``per_device_train_batch_size`` rows,
+    the same on every rank) is dropped with a warning: TRL generates afresh, as after a resume without one."""
+    if rollouts is None:
+        return
+    buffered = rollouts["buffered_inputs"]
+    if buffered is not None:
+        found = buffer_layout(buffered)
+        expected = (trainer.args.steps_per_generation, trainer.args.per_device_train_batch_size)
+        if found != expected:
+            if trainer.accelerator.is_main_process:
+                logger.warning(
+                    "the checkpoint's rollouts not yet trained on are %d micro-batches of %d rows and this run has "
+                    "steps_per_generation=%d micro-batches of per_device_train_batch_size=%d: they are dropped and "
+                    "generated afresh (resume with the checkpoint's batch settings to resume exactly)",
+                    *found, *expected,
+                )  # fmt: skip
+            return
+    trainer._step, trainer._buffered_inputs = rollouts["step"], buffered
 
 
 def set_beta_factor(trainer: Any, name: str, value: float) -> None:

@@ -64,6 +64,23 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, label, args, resume_step):
     assert all(int(s["step"]) == 4 for s in final.values())
 
 
+def test_resume_with_another_batch_layout_drops_the_saved_rollouts(tiny_model_dir, tmp_path, caplog):
+    """Saved mid-window with 2 micro-batches per generation, resumed with 4: TRL would serve micro-batch
+    ``_step % 4 = 3`` of a 2-long buffer (IndexError); the buffer is dropped and generated afresh instead."""
+    common = dict(save_strategy="steps", save_steps=3, max_steps=5)
+    _trainer(tiny_model_dir, tmp_path / "first", steps_per_generation=2, **common).train()
+    checkpoint = tmp_path / "first" / "checkpoint-3"
+    resumed = _trainer(tiny_model_dir, tmp_path / "resumed", steps_per_generation=4, **common)
+    with caplog.at_level("WARNING", logger="steadyrl.trainers.trl_state"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 5
+    assert all(torch.isfinite(v).all() for v in weights(resumed.model).values())
+    assert "rollouts not yet trained on are 2 micro-batches of 8 rows and this run has steps_per_generation=4" in (
+        caplog.text
+    )
+    assert len(resumed._buffered_inputs) == 4  # generated with this run's layout
+
+
 def _fake_checkpoints(root):
     """checkpoint-2 and -4 complete, checkpoint-6 incomplete (no completion marker)."""
     for step, complete in ((2, True), (4, True), (6, False)):

@@ -4,13 +4,15 @@ DeepSpeed it relies on. ``test_hooks.py`` and ``test_ppo_hooks.py`` check both (
 upgrade that moves one fails in CI.
 
 Relied on: TRL's ``_prepare_inputs`` assigns a new ``_buffered_inputs`` list exactly when it generates and serves
-``_buffered_inputs[i]``; ``_compute_loss`` reads ``inputs["old_per_token_logps"]`` when present, unsqueezes only 1-D
-advantages, adds the KL term only ``if self.beta != 0.0`` and reads ``entropy_coef`` / ``epsilon_low/high`` on every
-call; ``_entropy_bonus_enabled`` is fixed in ``__init__``; ``_metrics["train"]`` gets one ``kl`` (beta != 0) and one
-``entropy`` entry per micro-batch; the Trainer calls ``_clip_grad_norm`` once per optimizer step, after the last
-backward, whenever ``max_grad_norm > 0``. accelerate's ``AcceleratedOptimizer._is_overflow`` is what
-``optimizer_step_was_skipped`` reports. DeepSpeed's ``DeepSpeedZeroOptimizer.step`` calls ``scaled_global_norm()``,
-then ``_update_scale(overflow)``, then returns early ``if self.overflow`` (``StepGate.install_deepspeed``).
+``_buffered_inputs[_step % steps_per_generation]``, micro-batches whose ``completion_ids`` have a row per completion (a
+resumed buffer of another layout is dropped, ``trl_state.restore_rollouts``); ``_compute_loss`` reads
+``inputs["old_per_token_logps"]`` when present, unsqueezes only 1-D advantages, adds the KL term only ``if self.beta !=
+0.0`` and reads ``entropy_coef`` / ``epsilon_low/high`` on every call; ``_entropy_bonus_enabled`` is fixed in
+``__init__``; ``_metrics["train"]`` gets one ``kl`` (beta != 0) and one ``entropy`` entry per micro-batch; the Trainer
+calls ``_clip_grad_norm`` once per optimizer step, after the last backward, whenever ``max_grad_norm > 0``. accelerate's
+``AcceleratedOptimizer._is_overflow`` is what ``optimizer_step_was_skipped`` reports. DeepSpeed's
+``DeepSpeedZeroOptimizer.step`` calls ``scaled_global_norm()``, then ``_update_scale(overflow)``, then returns early
+``if self.overflow`` (``StepGate.install_deepspeed``).
 """
 
 from __future__ import annotations
@@ -81,9 +83,14 @@ def internals_problems() -> list[str]:
     if "self._entropy_bonus_enabled =" not in init:
         problems.append("trl: GRPOTrainer.__init__ no longer sets _entropy_bonus_enabled")
     prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
-    for text in ("self._buffered_inputs = [", "inputs = self._buffered_inputs["):
+    for text in (
+        "self._buffered_inputs = [",
+        "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]",
+    ):
         if text not in prepare:
             problems.append(f"trl: GRPOTrainer._prepare_inputs no longer contains {text!r}")
+    if '"completion_ids": completion_ids,' not in inspect.getsource(GRPOTrainer._generate_and_score_completions):
+        problems.append("trl: GRPOTrainer._generate_and_score_completions no longer returns completion_ids")
     for text in (
         'old_per_token_logps = inputs.get("old_per_token_logps")',
         "if self._entropy_bonus_enabled:",
