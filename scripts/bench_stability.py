@@ -56,18 +56,21 @@ LAYERS = {
     "QUATRO": ("guards.quatro.enabled=true",),
 }
 VARIANT_NAMES = ("plain TRL", "GRADE", "GEPO", "OPEFO", "QUATRO", "all on")
-# Ablations (issue 13): all on minus one layer or one QUATRO part, and the layers added in the order of the design
-# notes (seed 000 §5.2: bare GRPO, then GEPO + OPEFO, then QUATRO's filters, the KL anchor, the entropy floor last).
-QUATRO_PARTS_OFF = {
+# Ablations (issue 13): all on minus one layer or one part (OPEFO's error feedback, QUATRO's), and the layers added
+# in the order of the design notes (seed 000 §5.2: bare GRPO, then GEPO + OPEFO, then QUATRO's filters, the KL
+# anchor, the entropy floor last).
+PARTS_OFF = {  # a layer's part turned off within "all on"
+    "feedback": "guards.opefo.error_feedback.enabled=false",
     "kl": "guards.quatro.kl.enabled=false",
     "entropy": "guards.quatro.entropy.enabled=false",
     "filters": "guards.quatro.filters.enabled=false",
 }
-ABLATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (layers on, QUATRO parts off)
+ABLATIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (layers on, parts off)
     "all - GRADE": (("GEPO", "OPEFO", "QUATRO"), ()),
     "all - GEPO": (("GRADE", "OPEFO", "QUATRO"), ()),
     "all - OPEFO": (("GRADE", "GEPO", "QUATRO"), ()),
     "all - QUATRO": (("GRADE", "GEPO", "OPEFO"), ()),
+    "all - OPEFO feedback": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("feedback",)),
     "all - QUATRO kl": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("kl",)),
     "all - QUATRO entropy": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("entropy",)),
     "all - QUATRO filters": (("GRADE", "GEPO", "OPEFO", "QUATRO"), ("filters",)),
@@ -133,7 +136,7 @@ def variants(quatro: bool) -> dict[str, tuple[str, ...] | None]:
         if "QUATRO" in layers and not quatro:
             out[name] = None
             continue
-        out[name] = (*(f for layer in layers for f in LAYERS[layer]), *(QUATRO_PARTS_OFF[p] for p in parts_off))
+        out[name] = (*(f for layer in layers for f in LAYERS[layer]), *(PARTS_OFF[p] for p in parts_off))
     return out
 
 
