@@ -118,6 +118,7 @@ SCENARIOS = {
     ),
     "repetition_reward": Scenario(reward="{{name: repetition, fn: 'steadyrl.faults:repetition_reward'}}"),
 }
+STEP_FAULTS = ("nan_loss", "inf_exp_avg_sq", "nonfinite_rewards", "grad_spike")  # the faults at step k
 
 
 def quatro_validates(sft: str) -> bool:
@@ -165,8 +166,10 @@ def results_json(
     command: str,
     steps: int,
     sha: str,
+    fault_step: int | None = None,
 ) -> dict[str, Any]:
-    """The run in the format of the shared RESULTS.md: one cell per (scenario, variant), per-seed lists."""
+    """The run in the format of the shared RESULTS.md: one cell per (scenario, variant), per-seed lists; with
+    ``fault_step`` a step fault's cell is named ``<fault>-<step>`` (runs at several steps merged into one file)."""
     cells = []
     for scenario in scenarios:
         for name in names:
@@ -177,7 +180,8 @@ def results_json(
             note = None
             if any(r["status"] == "not_run" for r in runs):
                 note = "not run: the variant does not validate in this steadyrl version"
-            cell = X.cell(scenario, result_name(name), present, runs, CELL_METRICS, note=note)
+            named = f"{scenario}-{fault_step}" if fault_step is not None and scenario in STEP_FAULTS else scenario
+            cell = X.cell(named, result_name(name), present, runs, CELL_METRICS, note=note)
             cell["accuracy"] = [r.get("accuracy") for r in runs]
             metrics = cell["metrics"]
             metrics["nonfinite_weights"] = [r["status"] == "nonfinite_weights" for r in runs]
@@ -512,6 +516,11 @@ def main() -> None:
         "pool their seeds (e.g. seeds 0-2 from one invocation, 3-8 from another; a run in two files is an error)",
     )
     ap.add_argument(
+        "--name-by-step",
+        action="store_true",
+        help="with --results: name the step faults' cells <fault>-<k> (to merge runs at several fault steps)",
+    )
+    ap.add_argument(
         "--merge",
         action="store_true",
         help="with --results: replace only this run's (scenario, variant) cells in the existing file, each marked "
@@ -582,8 +591,9 @@ def main() -> None:
     if args.png:
         plot(results, names, scenarios, Path(args.png))
     if args.results:
-        X.write_results(args.results, results_json(results, names, scenarios, list(seeds), command, steps, sha),
-                        merge=args.merge)  # fmt: skip
+        named = fault_step if args.name_by_step else None
+        doc = results_json(results, names, scenarios, list(seeds), command, steps, sha, named)
+        X.write_results(args.results, doc, merge=args.merge)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,18 @@ def test_stability_chart_records_from_cells_name_each_variant_and_mark_failed_ru
     }
 
 
+def test_stability_cells_named_by_step_keep_runs_at_two_fault_steps_apart() -> None:
+    """--name-by-step: a step fault's cell is <fault>-<k>; the clean run and the ablation's name are unchanged."""
+    bench = _stability()
+    run = {"status": "ok", "accuracy": 0.6}
+    results = {("all - OPEFO feedback", "grad_spike", 0): run, ("plain TRL", "clean", 0): run}
+    names, scenarios = ["plain TRL", "all - OPEFO feedback"], ["clean", "grad_spike"]
+    for step, expected in ((100, "grad_spike-100"), (None, "grad_spike")):
+        doc = bench.results_json(results, names, scenarios, [0], "cmd", 200, "abc", step)
+        named = [(c["scenario"], c["variant"]) for c in doc["cells"]]
+        assert named == [("clean", "plain"), (expected, "all-minus-opefo-feedback")]
+
+
 def test_real_model_cell_keeps_each_seeds_machine() -> None:
     """A run's environment.json machine goes into its cell per seed, and survives a merge with an older seed."""
     bench = _bench()
