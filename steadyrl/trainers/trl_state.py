@@ -55,7 +55,7 @@ def restore_rollouts(trainer: Any, rollouts: dict[str, Any] | None) -> None:
         if found != expected:
             if trainer.accelerator.is_main_process:
                 logger.warning(
-                    "the checkpoint's rollouts not yet trained on are %d micro-batches of %d rows and this run has "
+                    "the checkpoint's rollouts not yet trained on are %d micro-batch(es) of %d rows and this run has "
                     "steps_per_generation=%d micro-batches of per_device_train_batch_size=%d: they are dropped and "
                     "generated afresh (resume with the checkpoint's batch settings to resume exactly)",
                     *found, *expected,

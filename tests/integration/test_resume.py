@@ -75,7 +75,7 @@ def test_resume_with_another_batch_layout_drops_the_saved_rollouts(tiny_model_di
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 5
     assert all(torch.isfinite(v).all() for v in weights(resumed.model).values())
-    assert "rollouts not yet trained on are 2 micro-batches of 8 rows and this run has steps_per_generation=4" in (
+    assert "rollouts not yet trained on are 2 micro-batch(es) of 8 rows and this run has steps_per_generation=4" in (
         caplog.text
     )
     assert len(resumed._buffered_inputs) == 4  # generated with this run's layout
