@@ -826,6 +826,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_step_gate.py::test_a_step_the_mismatch_gate_skips_is_not_fed_back_a_spike_skip_is",),
     ),
     Mutant(
+        "error_feedback_on_by_default",
+        "error feedback on by default: a spike-skipped step's direction is fed back at the current gradients' size",
+        (
+            (
+                "steadyrl/config/guard_sections.py",
+                "    enabled: bool = False\n    weights: list[float] = field(",
+                "    enabled: bool = True\n    weights: list[float] = field(",
+            ),
+        ),
+        ("tests/unit/test_config.py::test_opefo_section_validates_its_parts",),
+    ),
+    Mutant(
         "mismatch_ess_unshifted",
         "the ESS takes exp of the summed log-ratios as they are: one long mismatched sequence overflows it to NaN",
         (("steadyrl/guards/mismatch.py", "shifted = (sums - sums.max()).exp()", "shifted = sums.exp()"),),

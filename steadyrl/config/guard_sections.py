@@ -91,9 +91,10 @@ class GradeSection(GradeConfig, GuardSection, Layer):
 
 @dataclass
 class OpefoErrorFeedbackSection(Checked):
-    """Feed a skipped step's gradient back over the next steps, each piece rescaled to the current gradient."""
+    """Feed a skipped step's gradient back over the next steps, each piece rescaled to the current gradient (off by
+    default: docs/DESIGN.md, "OPEFO: error feedback")."""
 
-    enabled: bool = True
+    enabled: bool = False
     weights: list[float] = field(  # the ranges of ErrorFeedbackConfig.weights, which also sum them
         default_factory=lambda: [0.3, 0.3, 0.2, 0.2], metadata=bounds(gt=0, finite=True, min_len=1)
     )

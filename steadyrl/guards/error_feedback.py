@@ -18,7 +18,7 @@ from steadyrl.ranges import Checked, bounded
 
 @dataclass
 class ErrorFeedbackConfig(Checked):
-    enabled: bool = True
+    enabled: bool = False  # off by default: docs/DESIGN.md, "OPEFO: error feedback"
     weights: tuple[float, ...] = bounded((0.3, 0.3, 0.2, 0.2), gt=0, finite=True, min_len=1)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from steadyrl.faults import CorruptOptimizerState
 from steadyrl.guards import moment_floor
 from steadyrl.guards.base import StepDecision
+from steadyrl.guards.error_feedback import ErrorFeedbackConfig
 from steadyrl.guards.moment_floor import FloorConfig
 from steadyrl.guards.opefo import OpefoConfig
 from steadyrl.guards.rollback import RollbackConfig
@@ -65,7 +66,8 @@ def _trainer(model_dir, out, guards, opefo=None, callbacks=(), **args):
 
 def _opefo(**rollback):
     rb = dict(snapshot_interval=2, check_interval=1, recovery_steps=2, recovery_lr_factor=0.3, **rollback)
-    return OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), rollback=RollbackConfig(**rb))
+    ef = ErrorFeedbackConfig(enabled=True)  # off by default; these tests watch it
+    return OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), error_feedback=ef, rollback=RollbackConfig(**rb))
 
 
 def test_inf_in_exp_avg_sq_rolls_back_and_recovers(tiny_model_dir, tmp_path, caplog):
@@ -201,7 +203,8 @@ def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path, m
     def opefo():
         floor = FloorConfig(interval=2, trigger_frac=0.0)
         rollback = RollbackConfig(snapshot_interval=2, check_interval=1)
-        return OpefoConfig(enabled=True, floor=floor, rollback=rollback)
+        ef = ErrorFeedbackConfig(enabled=True)
+        return OpefoConfig(enabled=True, floor=floor, error_feedback=ef, rollback=rollback)
 
     common = dict(max_steps=6, save_steps=3, save_strategy="steps", beta=0.04)
     straight, _ = _trainer(tiny_model_dir, tmp_path / "straight", [SkipAt({1})], opefo(), [ZeroLiveSecondMoment(1)],

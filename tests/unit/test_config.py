@@ -256,6 +256,7 @@ def test_opefo_section_validates_its_parts(base: Path) -> None:
     cfg = load_config(base, ["guards.opefo.enabled=true", "guards.opefo.rollback.storage=disk"])
     opefo = cfg.guards.opefo.to_config()
     assert opefo.enabled and opefo.error_feedback.weights == (0.3, 0.3, 0.2, 0.2)
+    assert not opefo.error_feedback.enabled  # off by default: it cost a SmolLM2 run 36 points after a spike
     assert opefo.rollback.storage == "disk" and opefo.floor.interval == 100
     with pytest.raises(
         ConfigError, match=r"guards.opefo.rollback.storage \(set in command line\): must be one of \['memory', 'disk'\]"
@@ -421,16 +422,16 @@ def test_what_a_guard_cannot_protect_is_refused(base: Path, tmp_path: Path, monk
 
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}')
+    ef_on = [*opefo, "guards.opefo.error_feedback.enabled=true"]  # off by default
     with pytest.raises(ConfigError, match=r"ZeRO-Offload \(offload_optimizer.device=cpu\).*feedback.enabled=false"):
-        load_config(base, [*opefo, f"trainer.deepspeed={ds}"])
-    ef_off = [*opefo, "guards.opefo.error_feedback.enabled=false", f"trainer.deepspeed={ds}"]
-    assert load_config(base, ef_off).guards.opefo.enabled
+        load_config(base, [*ef_on, f"trainer.deepspeed={ds}"])
+    assert load_config(base, [*opefo, f"trainer.deepspeed={ds}"]).guards.opefo.enabled
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "nvme")  # the accelerate plugin, no JSON
     monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
     with pytest.raises(ConfigError, match=r"offload_optimizer.device=nvme"):
-        load_config(base, opefo)
+        load_config(base, ef_on)
     monkeypatch.delenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
 
     ds.write_text('{"zero_optimization": {"stage": 2, "compute_grad_norm": false}}')

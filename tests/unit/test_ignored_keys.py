@@ -53,6 +53,7 @@ CONTEXT: dict[str, dict[str, Any]] = {  # what else a key needs to be read at al
         for key in ("target", "calibration_steps", "target_ratio", "update_every", "up", "down", "beta_range")
     },
     "guards.quatro.filters.zscore.max_abs_z": {"guards.quatro.filters.zscore.enabled": True},  # off by default
+    "guards.opefo.error_feedback.weights": {"guards.opefo.error_feedback.enabled": True},  # off by default
 }
 RL_CONTEXT: dict[str, dict[str, Any]] = {  # the same, for keys whose context only GRPO and PPO accept (trainer keys)
     f"guards.gepo.mismatch.{key}": {"trainer.use_vllm": True} for key in ("ess_min", "max_consecutive_skips")

@@ -17,6 +17,7 @@ from steadyrl.evidence.history import History
 from steadyrl.evidence.observe import format_observe_summary
 from steadyrl.guards.advantages import group_normalized_advantages
 from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.error_feedback import ErrorFeedbackConfig
 from steadyrl.guards.kl_controller import KLConfig
 from steadyrl.guards.moment_floor import FloorConfig
 from steadyrl.guards.opefo import OpefoConfig
@@ -308,7 +309,8 @@ def test_opefo_observing_counts_a_would_repair_for_a_few_bad_entries_and_changes
 
 
 def test_opefo_observing_error_feedback_keeps_nothing_and_injects_nothing(tmp_path: Path) -> None:
-    opefo, ctx, model, _ = _opefo(tmp_path, floor=FloorConfig(enabled=False))
+    ef = ErrorFeedbackConfig(enabled=True)
+    opefo, ctx, model, _ = _opefo(tmp_path, floor=FloorConfig(enabled=False), error_feedback=ef)
     gate = StepGate([], ctx, feedback=opefo.feedback, notes=opefo.notes, would=opefo.would)
     gate.keep_skipped([p.grad.clone() for p in model.parameters()], 1)  # an acting guard skipped this step
     grads = [torch.ones(2), torch.ones(3)]

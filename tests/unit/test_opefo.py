@@ -21,6 +21,8 @@ from steadyrl.guards.rollback import RollbackConfig, RollbackLimitError, Rollbac
 
 NAN, INF = float("nan"), float("inf")
 
+ON = ErrorFeedbackConfig(enabled=True)  # off by default (docs/DESIGN.md, "OPEFO: error feedback")
+
 
 # ------------------------------------------------------------------------------------------------- helpers
 
@@ -109,7 +111,7 @@ E8 = [i * 1e-8 for i in range(20)]  # 0, 1e-8, ..., 19e-8: one tiny entry in 20 
 def test_floor_config_validation_and_defaults():
     c = OpefoConfig()
     assert not c.enabled and c.floor.interval == 100 and c.floor.trigger_frac == 0.01 and c.floor.percentile == 10
-    assert c.error_feedback.weights == (0.3, 0.3, 0.2, 0.2)
+    assert not c.error_feedback.enabled and c.error_feedback.weights == (0.3, 0.3, 0.2, 0.2)
     assert (c.rollback.snapshot_interval, c.rollback.recovery_lr_factor, c.rollback.recovery_steps) == (500, 0.3, 100)
     with pytest.raises(ValueError, match=r"percentile must be in \(0, 100\), got 100"):
         FloorConfig(percentile=100)
@@ -299,7 +301,7 @@ def test_four_steps_inject_the_residual_direction_with_total_weight_one():
     gen = torch.Generator().manual_seed(1)
     r = [torch.randn(3, 2, generator=gen), None, torch.randn(5, generator=gen)]
     g0 = [torch.randn(3, 2, generator=gen), torch.randn(4, generator=gen), torch.randn(5, generator=gen)]
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     assert ef.store(lists(*r)) and ef.pending
     r_norm = math.sqrt(sum(float(t.square().sum()) for t in r if t is not None))
     total = [torch.zeros_like(t) for t in g0]
@@ -322,7 +324,7 @@ def test_four_steps_inject_the_residual_direction_with_total_weight_one():
 
 
 def test_norm_20_residual_into_norm_2_gradient_adds_0_6():
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([torch.tensor([12.0, 0.0]), torch.tensor([16.0])])  # ||r|| = 20
     g = [torch.tensor([0.0, 2.0]), torch.tensor([0.0])]  # ||g|| = 2
     m = ef.apply(g)
@@ -333,7 +335,7 @@ def test_norm_20_residual_into_norm_2_gradient_adds_0_6():
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_nonfinite_residual_is_rejected_and_a_pending_one_is_kept(bad):
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     assert not ef.store([torch.tensor([1.0, bad])]) and not ef.pending and ef.rejected_nonfinite == 1
     ef.store([torch.tensor([3.0, 4.0])])
     ef.apply([torch.tensor([1.0, 0.0])])
@@ -345,7 +347,7 @@ def test_nonfinite_residual_is_rejected_and_a_pending_one_is_kept(bad):
 
 
 def test_zero_residual_is_rejected_and_zero_gradient_defers_the_schedule():
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     assert not ef.store([torch.zeros(3), None]) and ef.rejected_zero == 1 and not ef.pending
     ef.store([torch.tensor([0.0, 0.0, 2.0]), None])
     g = [torch.zeros(3), None]
@@ -357,7 +359,7 @@ def test_zero_residual_is_rejected_and_zero_gradient_defers_the_schedule():
 
 
 def test_second_skip_merges_the_remaining_fraction_into_one_buffer():
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([torch.tensor([3.0, 4.0])])  # direction [0.6, 0.8]
     buffer = ef._residual[0]
     ef.apply([torch.tensor([1.0, 0.0])])
@@ -375,17 +377,17 @@ def test_second_skip_merges_the_remaining_fraction_into_one_buffer():
 
 
 def test_merge_with_none_slots_and_exact_cancellation():
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([torch.tensor([2.0]), None])
     ef.store([None, torch.tensor([0.0, 5.0])])  # R = 1: [1] and [0, 1]
     assert torch.equal(ef._residual[0], torch.tensor([1.0])) and torch.equal(ef._residual[1], torch.tensor([0.0, 1.0]))
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([torch.tensor([2.0])])
     assert not ef.store([torch.tensor([-4.0])]) and not ef.pending  # 1 * [1] + [-1] = 0: nothing left
 
 
 def test_slot_mismatch_is_an_error():
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([torch.ones(2), torch.ones(3)])
     with pytest.raises(ValueError, match="got 1 gradients but holds a residual of 2"):
         ef.apply([torch.ones(2)])
@@ -401,13 +403,13 @@ def test_disabled_error_feedback_does_nothing():
 def test_state_round_trip_mid_schedule_gives_identical_gradients():
     gen = torch.Generator().manual_seed(3)
     steps = [[torch.randn(4, 3, generator=gen), torch.randn(2, generator=gen)] for _ in range(5)]
-    a = ErrorFeedback()
+    a = ErrorFeedback(ON)
     a.store([torch.randn(4, 3, generator=gen), torch.randn(2, generator=gen)])
     a.apply(lists(*steps[0]))
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
-    b = ErrorFeedback()
+    b = ErrorFeedback(ON)
     b.load_state_dict(torch.load(buf, weights_only=True))
     assert b._position == 1 and b.stored == 1 and all(r.device.type == "cpu" for r in b._residual)
     for grads in steps[1:]:
@@ -415,7 +417,7 @@ def test_state_round_trip_mid_schedule_gives_identical_gradients():
         assert a.apply(ga) == b.apply(gb)
         assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
     assert not a.pending and not b.pending
-    c = ErrorFeedback(ErrorFeedbackConfig(weights=(1.0,)))
+    c = ErrorFeedback(ErrorFeedbackConfig(enabled=True, weights=(1.0,)))
     c.load_state_dict(a.state_dict() | {"position": 1, "residual": [torch.ones(1)], "slot_sq": torch.ones(1)})
     assert not c.pending  # the saved position is past the configured schedule: dropped
 
@@ -439,13 +441,13 @@ def test_two_rank_split_equals_one_process():
             outs.append((ef.apply(g), g))
         return outs
 
-    single = run(ErrorFeedback(), lambda ts: lists(*ts))
+    single = run(ErrorFeedback(ON), lambda ts: lists(*ts))
     ranks = FakeRanks(2)
 
     def half(rank: int) -> Callable[[list[torch.Tensor | None]], list[torch.Tensor | None]]:
         return lambda ts: [None if t is None else t.tensor_split(2)[rank].clone() for t in ts]
 
-    split = ranks.run(lambda rank: run(ErrorFeedback(reduce_sum=ranks.reduce_sum(rank)), half(rank)))
+    split = ranks.run(lambda rank: run(ErrorFeedback(ON, reduce_sum=ranks.reduce_sum(rank)), half(rank)))
     for k, (m, g) in enumerate(single):
         (m0, g0), (m1, g1) = split[0][k], split[1][k]
         assert m0 == m1 and m0 == pytest.approx(m, rel=1e-12)
@@ -465,7 +467,7 @@ def test_two_rank_split_equals_one_process():
 def test_every_injected_piece_is_w_times_the_gradient_norm(r, g, steps):
     rt, gt = torch.tensor(r, dtype=torch.float64), torch.tensor(g, dtype=torch.float64)
     assume(rt.norm() > 1e-6 and gt.norm() > 1e-6)
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([rt])
     for _ in range(steps):
         ef.apply([torch.ones(4, dtype=torch.float64)])
@@ -672,7 +674,7 @@ def test_floor_property_exact_mode(values, zeros, percentile):
 
 
 def test_bf16_gradients_keep_a_bf16_residual():
-    ef = ErrorFeedback()
+    ef = ErrorFeedback(ON)
     ef.store([torch.tensor([3.0, 4.0], dtype=torch.bfloat16)])
     assert ef._residual[0].dtype == torch.bfloat16
     g = [torch.tensor([0.0, 8.0], dtype=torch.bfloat16)]

@@ -11,6 +11,7 @@ import torch
 from fake_context import FakeContext, Quatro
 
 from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.error_feedback import ErrorFeedbackConfig
 from steadyrl.guards.kl_controller import KLConfig
 from steadyrl.guards.moment_floor import FloorConfig
 from steadyrl.guards.opefo import OpefoConfig
@@ -358,7 +359,8 @@ def test_repair_moments_by_hand() -> None:
 
 def test_opefo_error_feedback_reinjects_a_skipped_gradient(tmp_path) -> None:
     model, optimizer = _adam_model()
-    opefo = StateRecovery(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False)))
+    ef = ErrorFeedbackConfig(enabled=True)
+    opefo = StateRecovery(OpefoConfig(enabled=True, floor=FloorConfig(enabled=False), error_feedback=ef))
     ctx = FakeContext()
     opefo.attach(ctx, optimizer, model.named_parameters, str(tmp_path), GuardState())
     gate = StepGate([], ctx, feedback=opefo.feedback, notes=opefo.notes)

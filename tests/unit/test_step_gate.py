@@ -130,11 +130,11 @@ def test_deepspeed_hook_raises_overflow_on_a_veto_only() -> None:
 
 
 def test_a_step_the_mismatch_gate_skips_is_not_fed_back_a_spike_skip_is() -> None:
-    from steadyrl.guards.error_feedback import ErrorFeedback
+    from steadyrl.guards.error_feedback import ErrorFeedback, ErrorFeedbackConfig
     from steadyrl.guards.mismatch import MismatchGate
 
     mismatch, spike = MismatchGate(0.9), _Threshold(1.0)
-    feedback = ErrorFeedback()
+    feedback = ErrorFeedback(ErrorFeedbackConfig(enabled=True))
     gate = StepGate([spike, mismatch], FakeContext(step=3), feedback)
     mismatch.note(0.5)  # off-policy batch, small gradient: only the mismatch gate vetoes
     skipped = gate.clip_or_skip(_model_with_grad(0.1), max_grad_norm=1.0)[1]
