@@ -131,11 +131,14 @@ def results_doc(
 OWN_FIELDS = ("command", "commit", "date", "machine", "model", "packages", "steps")
 
 
-def merge_results(old: dict[str, Any], new: dict[str, Any], same: Sequence[str] = ("steps",)) -> dict[str, Any]:
+def merge_results(
+    old: dict[str, Any], new: dict[str, Any], same: Sequence[str] = ("steps",), add_seeds: bool = False
+) -> dict[str, Any]:
     """``new``'s cells replace the same (scenario, variant) cells of ``old``, in place in its order (new ones at
     the end). Every cell carries the command, commit, date, machine, model, packages and steps of the run that made
     it (an old cell without them gets the old file's), and the file's own fields say "per cell" where they differ.
-    ``same``: fields the two files must agree on (or the old one says "per cell")."""
+    ``same``: fields the two files must agree on (or the old one says "per cell"). ``add_seeds``: a new cell joins
+    the old one seed by seed instead (``join_seeds``)."""
     old, new = copy.deepcopy(old), copy.deepcopy(new)  # the callers' documents stay as they were
     for key in same:
         if old.get(key) not in (new.get(key), "per cell"):
@@ -146,6 +149,9 @@ def merge_results(old: dict[str, Any], new: dict[str, Any], same: Sequence[str] 
     for c in new["cells"]:
         c.update({key: new.get(key) for key in OWN_FIELDS if key not in c})
     replaced = {(c["scenario"], c["variant"]): c for c in new["cells"]}
+    if add_seeds:
+        before = {(c["scenario"], c["variant"]): c for c in old["cells"]}
+        replaced = {key: join_seeds(before[key], c) if key in before else c for key, c in replaced.items()}
     cells = [replaced.pop((c["scenario"], c["variant"]), c) for c in old["cells"]] + list(replaced.values())
     merged = {**new, "cells": cells}
     for key in OWN_FIELDS:
@@ -154,14 +160,52 @@ def merge_results(old: dict[str, Any], new: dict[str, Any], same: Sequence[str] 
     return merged
 
 
+def _runs(cell: dict[str, Any]) -> list[dict[str, Any]]:
+    """The invocations behind a cell, each with its seeds and its own command, commit, date, machine, ..."""
+    return cell.get("runs") or [{"seeds": list(cell["seeds"]), **{key: cell.get(key) for key in OWN_FIELDS}}]
+
+
+def join_seeds(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """One cell of the seeds of both: ``new``'s seeds after ``old``'s, every per-seed list (``died``, ``accuracy``,
+    each metric; ``None`` where one side did not record it) in the same order. ``runs`` lists each invocation with
+    its seeds, command, commit, date, machine, packages and steps; the cell's own field is that value where every run
+    agrees, else "per run". Refused: a seed in both, another model, or another value of any other field."""
+    where = f"{old['scenario']}/{old['variant']}"
+    if both := sorted(set(old["seeds"]) & set(new["seeds"])):
+        raise SystemExit(f"--add-seeds: {where} already holds seed(s) {both}; without --add-seeds the cell is replaced")
+    if old.get("model") != new.get("model"):
+        raise SystemExit(f"--add-seeds: {where} holds runs of {old.get('model')!r}, this run is {new.get('model')!r}")
+    per_seed = {"scenario", "variant", "seeds", "died", "accuracy", "metrics", "runs", *OWN_FIELDS}
+    for key in sorted((set(old) | set(new)) - per_seed):
+        if old.get(key) != new.get(key):
+            raise SystemExit(f"--add-seeds: {where} has {key}={old.get(key)!r}, this run {new.get(key)!r}")
+    mine, theirs = old.get("metrics", {}), new.get("metrics", {})
+    metrics = {
+        key: [*mine.get(key, [None] * len(old["seeds"])), *theirs.get(key, [None] * len(new["seeds"]))]
+        for key in dict.fromkeys([*mine, *theirs])
+    }
+    joined = {**old, "seeds": [*old["seeds"], *new["seeds"]], "died": [*old["died"], *new["died"]]}
+    joined.update(accuracy=[*old["accuracy"], *new["accuracy"]], metrics=metrics, runs=_runs(old) + _runs(new))
+    for key in OWN_FIELDS:
+        values = {json.dumps(run.get(key), sort_keys=True) for run in joined["runs"]}
+        joined[key] = joined["runs"][0].get(key) if len(values) == 1 else "per run"
+    return joined
+
+
 def write_results(
-    path: str | Path, doc: dict[str, Any], *, merge: bool = False, same: Sequence[str] = ("steps",), indent: int = 1
+    path: str | Path,
+    doc: dict[str, Any],
+    *,
+    merge: bool = False,
+    same: Sequence[str] = ("steps",),
+    add_seeds: bool = False,
+    indent: int = 1,
 ) -> dict[str, Any]:
     """Write ``doc`` to ``path`` (with ``merge``: merged into the file already there, ``merge_results``); returns
     what was written."""
     path = Path(path)
     if merge and path.is_file():
-        doc = merge_results(json.loads(path.read_text()), doc, same)
+        doc = merge_results(json.loads(path.read_text()), doc, same, add_seeds)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=indent) + "\n")
     return doc

@@ -93,10 +93,13 @@ def results_problems(doc: dict[str, Any]) -> list[str]:
         problems.append(f"commit {top!r} is not 7-40 hex digits of a clean tree")
     if top == "per cell" and per_cell:
         problems += [f"cell {i} has no command" for i, c in enumerate(cells) if not str(c.get("command", "")).strip()]
+    joined = {f".cells[{i}].commit" for i, c in enumerate(cells) if isinstance(c, dict) and c.get("runs")}
     problems += [
         f"{where} = {value!r} is not a clean commit"
         for where, value in _commits(doc)
-        if where != ".commit" and not (isinstance(value, str) and CLEAN_COMMIT.fullmatch(value))
+        if where != ".commit"
+        and not (isinstance(value, str) and CLEAN_COMMIT.fullmatch(value))
+        and not (where in joined and value == "per run")  # a cell joined seed by seed: each run names its commit
     ]
     return problems
 
@@ -245,6 +248,12 @@ def test_the_checks_catch_a_wrong_default_and_an_untraced_results_file() -> None
     spliced = {**clean, "cells": [{"metrics": {"commit": ["4e0ff008613acfa0d990d54ec515d10cab720dde+dirty"]}}]}
     assert results_problems(spliced) == [
         ".cells[0].metrics.commit = '4e0ff008613acfa0d990d54ec515d10cab720dde+dirty' is not a clean commit"
+    ]
+    joined = {"command": "per cell", "commit": "per cell", "cells": [{"command": "a ; b", "commit": "per run",
+              "runs": [{"seeds": [0], "commit": "0e28276"}, {"seeds": [1], "commit": "a6713b6-dirty"}]}]}  # fmt: skip
+    assert results_problems(joined) == [".cells[0].runs[1].commit = 'a6713b6-dirty' is not a clean commit"]
+    assert results_problems({**joined, "cells": [{"command": "a", "commit": "per run"}]}) == [
+        ".cells[0].commit = 'per run' is not a clean commit"  # "per run" only where the cell lists its runs
     ]
 
 

@@ -177,6 +177,42 @@ def test_merge_replaces_only_this_runs_cells_each_keeping_its_command_and_commit
     assert X.write_results(path, new)["cells"] == new["cells"] and json.loads(path.read_text())["commit"] == "bbb-dirty"
 
 
+def test_add_seeds_joins_a_cell_seed_by_seed_and_each_run_keeps_its_commit() -> None:
+    """--add-seeds: a second seed run at another commit joins its cell (per-seed lists in seed order, a metric one
+    run lacks is None there), the cell lists both runs and says "per run" where they differ; a third run joins too;
+    a seed already there, another model or another setting is refused; cells only in one file pass through."""
+    base = {"date": "d", "machine": "m", "packages": {}, "steps": "config", "model": "smol"}
+
+    def fault(seeds: list[int], accuracy: list[float], **metrics: list[Any]) -> dict[str, Any]:
+        return {"scenario": "fault-nan_loss-3", "variant": "all", "seeds": seeds, "died": [False] * len(seeds),
+                "accuracy": accuracy, "metrics": metrics}  # fmt: skip
+
+    old = {**base, "command": "first", "commit": "aaa", "cells": [fault([0], [0.5], caught=[True], fed=[4])]}
+    new = {**base, "command": "second", "commit": "bbb", "date": "e",
+           "cells": [fault([1], [0.6], caught=[True], steps_to_action=[0]), _cell("clean", "plain", 0.7)]}  # fmt: skip
+    merged = X.merge_results(old, new, add_seeds=True)
+    cell, other = merged["cells"]
+    assert cell["seeds"] == [0, 1] and cell["accuracy"] == [0.5, 0.6] and cell["died"] == [False, False]
+    assert cell["metrics"] == {"caught": [True, True], "fed": [4, None], "steps_to_action": [None, 0]}
+    assert [(r["seeds"], r["command"], r["commit"], r["date"]) for r in cell["runs"]] == [
+        ([0], "first", "aaa", "d"), ([1], "second", "bbb", "e")]  # fmt: skip
+    assert cell["commit"] == cell["command"] == cell["date"] == "per run" and cell["machine"] == "m"
+    assert other["seeds"] == [0] and other["commit"] == "bbb" and "runs" not in other
+    assert merged["commit"] == "per cell" and merged["machine"] == "m"
+    third = X.merge_results(merged, {**new, "command": "third", "cells": [fault([2], [0.7], caught=[False])]},
+                            add_seeds=True)  # fmt: skip
+    assert third["cells"][0]["seeds"] == [0, 1, 2] and third["cells"][0]["metrics"]["caught"] == [True, True, False]
+    assert [r["command"] for r in third["cells"][0]["runs"]] == ["first", "second", "third"]
+    # without --add-seeds the cell is replaced, as before
+    assert X.merge_results(old, new)["cells"][0]["seeds"] == [1]
+    with pytest.raises(SystemExit, match=r"fault-nan_loss-3/all already holds seed\(s\) \[1\]"):
+        X.merge_results(merged, new, add_seeds=True)
+    with pytest.raises(SystemExit, match="holds runs of 'smol', this run is 'tiny'"):
+        X.merge_results(old, {**new, "model": "tiny"}, add_seeds=True)
+    with pytest.raises(SystemExit, match="has note=None, this run 'lr 1e-5'"):
+        X.merge_results(old, {**new, "cells": [fault([1], [0.6]) | {"note": "lr 1e-5"}]}, add_seeds=True)
+
+
 def test_commit_is_the_short_sha_with_dirty_when_the_tree_has_changes(tmp_path: Path, monkeypatch) -> None:
     import subprocess
 
