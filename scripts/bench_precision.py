@@ -39,6 +39,7 @@ from bench_stability import weights_finite  # noqa: E402
 
 from steadyrl import metrics as M  # noqa: E402
 from steadyrl.evidence.doctor import diagnose  # noqa: E402
+from steadyrl.evidence.history import to_float  # noqa: E402
 from steadyrl.evidence.interventions import KINDS, load_summary  # noqa: E402
 from steadyrl.faults import FAULT_SCALE_ENV, FAULT_STEP_ENV, FAULT_VALUE_ENV, read_fault_log  # noqa: E402
 from steadyrl.guards.spike import ZERO_NORM, SpikeConfig  # noqa: E402
@@ -53,11 +54,12 @@ SETTINGS = {  # healthy settings: (model, overrides)
     "lr3e-4": ("tiny", ("trainer.learning_rate=3.0e-4",)),
     "smollm2": ("small", ()),
 }
+BURST_STEPS = 5  # the reward burst makes a quarter of the rewards non-finite on this many steps from the fault on
 BURST = "{{name: bursty, fn: 'steadyrl.faults:exact_match_nonfinite_burst', kwargs: {{fraction: 0.25, start: {step}, "
-BURST += "steps: 5, seed: {seed}}}}}"
+BURST += f"steps: {BURST_STEPS}, " + "seed: {seed}}}}}"
 # SmolLM2: the burst on its verifier, under the verifier's name (the entropy gate reads it), its format reward kept
 SMALL_BURST = "{{name: math_answer, fn: 'steadyrl.faults:math_answer_nonfinite_burst', kwargs: {{fraction: 0.25, "
-SMALL_BURST += "start: {step}, steps: 5, seed: {seed}}}}}, "
+SMALL_BURST += f"start: {{step}}, steps: {BURST_STEPS}, " + "seed: {seed}}}}}, "
 SMALL_BURST += "{{fn: concise_answer, weight: 0.25, kwargs: {{max_words: 12}}}}"
 FAULTS: dict[str, tuple[str | None, tuple[str, ...], dict[str, str]]] = {  # callback, overrides, environment
     "nan_loss": ("NanLossAtStep", (), {}),  # one micro-batch per step: the step's loss
@@ -141,10 +143,22 @@ def healthy_summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     return out
 
 
-def fault_summary(job: X.Job, run: X.Outcome, fault_step: int) -> dict[str, Any]:
+def burst_fired(history: Any, fault_step: int) -> bool:
+    """The reward burst writes no faults.jsonl: it fired where a step of its window logged a non-finite training
+    reward (plain TRL's ``reward``, NaN: null in metrics.jsonl) or steadyrl counted non-finite rewards."""
+    for row in history.rows:
+        if fault_step <= row["step"] < fault_step + BURST_STEPS:
+            reward = to_float(row["reward"]) if "reward" in row else 0.0
+            if reward is None or not math.isfinite(reward) or (to_float(row.get(M.GEPO_NONFINITE_REWARDS)) or 0) > 0:
+                return True
+    return False
+
+
+def fault_summary(job: X.Job, run: X.Outcome, fault_step: int, burst: bool = False) -> dict[str, Any]:
     out = healthy_summary(job, run)
     faults = read_fault_log(job.out)
     out["fired"] = any(row["fault"] not in ("train_end",) for row in faults)
+    out["fired"] |= burst and run.history is not None and burst_fired(run.history, fault_step)
     end = [row for row in faults if row["fault"] == "train_end"]
     out["inf_left_in_adam"] = bool(end and end[-1].get("nonfinite_state_entries"))
     first = None
@@ -228,7 +242,7 @@ def jobs_and_summaries(args: argparse.Namespace) -> tuple[list[X.Job], dict[str,
                             {FAULT_STEP_ENV: str(step), "OMP_NUM_THREADS": str(args.threads), **env}.items()
                         )
                         jobs.append(X.Job(variant, scenario, seed, out, tuple(cmd), job_env))
-                        how[jobs[-1].key] = lambda job, run, k=step: fault_summary(job, run, k)
+                        how[jobs[-1].key] = lambda job, run, k=step, b=callback is None: fault_summary(job, run, k, b)
     return jobs, how
 
 
@@ -362,6 +376,9 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
     ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument(
+        "--commit", default=None, help="with --collect-only: the commit the runs were made at (default: HEAD)"
+    )
     ap.add_argument("--reuse", action="store_true", help="read back a run folder that has run.json, run the others")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (SmolLM2 runs: 2)")
@@ -373,7 +390,9 @@ def main() -> None:
         print(doc["table"])
         X.write_results(args.results, doc)
         return
-    sha = X.commit()
+    if args.commit and not args.collect_only:
+        ap.error("--commit names the commit of runs already made: use it with --collect-only")
+    sha = args.commit or X.commit()
     models = sorted({SETTINGS[s][0] for s in args.settings})
     model = ", ".join(
         {"tiny": "tiny-llama-0.9m (SFT checkpoint)", "small": "smollm2-135m-instruct + LoRA"}[m] for m in models

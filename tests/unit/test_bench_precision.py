@@ -63,3 +63,21 @@ def test_the_table_of_a_merged_file_counts_every_cell_per_model() -> None:
         "| fault-nan_loss-3 | small | 1/2 | 7 | 1/2 | 1/1 |",
         "| fault-nan_loss-5 | tiny | 1/1 | 0 | 0/1 | 0/0 |",
     ]
+
+
+def test_a_reward_burst_fired_where_its_window_logged_a_nonfinite_reward_or_a_masked_one() -> None:
+    """The burst writes no faults.jsonl: plain TRL's NaN reward (null in metrics.jsonl) or steadyrl's count of
+    masked rewards inside the burst's steps shows it fired; the same outside them, or finite rewards, do not."""
+    from steadyrl.evidence.history import History
+
+    def rows(*extra: dict) -> History:
+        return History([{"step": s, "reward": 0.5} for s in range(1, 12)] + list(extra))
+
+    assert B.burst_fired(History([{"step": 3, "reward": None}]), 3)  # plain TRL: NaN at the burst's first step
+    assert B.burst_fired(rows({"step": 3 + B.BURST_STEPS - 1, "reward": "nan"}), 3)
+    assert B.burst_fired(rows({"step": 4, "reward": 0.5, "gepo/nonfinite_rewards": 2.0}), 3)  # steadyrl masked them
+    assert not B.burst_fired(rows(), 3)
+    assert not B.burst_fired(rows({"step": 3 + B.BURST_STEPS, "reward": None}, {"step": 2, "reward": None}), 3)
+    assert not B.burst_fired(rows({"step": 4, "gepo/nonfinite_rewards": 0.0}), 3)
+    jobs = plan(faults=["nonfinite_rewards"], variants=["all"], seeds=[1])
+    assert f"steps: {B.BURST_STEPS}, seed: 1" in " ".join(jobs[-1].cmd)
