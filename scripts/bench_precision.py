@@ -284,8 +284,8 @@ def tables(results: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     model, where the runs say which)."""
     lines = [
         "| healthy setting | runs with a skip, rollback or repair | largest per-kind share of steps (worst run) | "
-        "interventions per 100 steps, by layer | rows filtered outside zero-variance groups | runs with a "
-        "doctor warning on steadyrl's own settings | accuracy, all − plain (paired, mean; worst seed) |",
+        "interventions per 100 steps, by layer (runs with any) | rows filtered outside zero-variance groups | "
+        "runs with a doctor warning on steadyrl's own settings | accuracy, all − plain (paired, mean; worst seed) |",
         "|---|---|---|---|---|---|---|",
     ]
     scenarios = sorted({s for (_, s, _) in results})
@@ -296,12 +296,13 @@ def tables(results: dict[tuple[str, str, int], dict[str, Any]]) -> str:
             continue
         any_hard = sum(bool(r["skipped_steps"] or r["rollbacks"] or r["repairs"]) for r in runs.values())
         worst = max((r["intervention_share_max"] or 0.0) for r in runs.values())
-        per_layer = {}
+        steps = sum(r["steps"] or 0 for r in runs.values())
+        per_layer = []
         for layer in ("gepo", "opefo", "quatro", "grade"):
-            total = sum(n for r in runs.values() for k, n in r["interventions"].items() if KINDS[k].layer == layer)
-            steps = sum(r["steps"] or 0 for r in runs.values())
-            per_layer[layer] = 100 * total / steps if steps else 0.0
-        layers = ", ".join(f"{k.upper()} {v:.2f}" for k, v in per_layer.items())
+            counts = [sum(n for k, n in r["interventions"].items() if KINDS[k].layer == layer) for r in runs.values()]
+            rate = 100 * sum(counts) / steps if steps else 0.0
+            per_layer.append(f"{layer.upper()} {rate:.2f} ({sum(n > 0 for n in counts)}/{len(runs)})")
+        layers = ", ".join(per_layer)
         rows = X.finite(r["filtered_row_share"] for r in runs.values())
         row_share = f"{100 * max(rows):.2f} % max" if rows else "-"
         warned = sum(r["own_controller_warning"] for r in runs.values())

@@ -65,6 +65,20 @@ def test_the_table_of_a_merged_file_counts_every_cell_per_model() -> None:
     ]
 
 
+def test_the_healthy_table_counts_interventions_per_100_steps_and_the_runs_with_any_per_layer() -> None:
+    healthy = {"skipped_steps": [0, 1], "rollbacks": [0, 0], "repairs": [0, 0], "intervention_share_max": [0.0, 0.03],
+               "filtered_row_share": [0.0, 0.002], "own_controller_warning": [False, False], "steps": [50, 50],
+               "interventions": [{}, {"filtered_rows": 2, "skipped_step": 1}], "eval": [{}, {}]}
+    cells = [{"scenario": "healthy-x", "variant": "all", "seeds": [0, 1], "died": [False, False],
+              "accuracy": [0.5, 0.6], "metrics": healthy}]  # fmt: skip
+    row = next(line for line in B.tables(B.results_from_cells(cells)).splitlines() if line.startswith("| healthy-x |"))
+    # 1 skip in 100 steps (GEPO, one run), 2 filtered rows (QUATRO, one run); no plain run to pair with
+    assert row == (
+        "| healthy-x | 1/2 | 3.00 % | GEPO 1.00 (1/2), OPEFO 0.00 (0/2), QUATRO 2.00 (1/2), GRADE 0.00 (0/2) | "
+        "0.20 % max | 0/2 | - |"
+    )
+
+
 def test_a_reward_burst_fired_where_its_window_logged_a_nonfinite_reward_or_a_masked_one() -> None:
     """The burst writes no faults.jsonl: plain TRL's NaN reward (null in metrics.jsonl) or steadyrl's count of
     masked rewards inside the burst's steps shows it fired; the same outside them, or finite rewards, do not."""
