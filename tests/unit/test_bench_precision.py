@@ -66,9 +66,17 @@ def test_the_table_of_a_merged_file_counts_every_cell_per_model() -> None:
 
 
 def test_the_healthy_table_counts_interventions_per_100_steps_and_the_runs_with_any_per_layer() -> None:
-    healthy = {"skipped_steps": [0, 1], "rollbacks": [0, 0], "repairs": [0, 0], "intervention_share_max": [0.0, 0.03],
-               "filtered_row_share": [0.0, 0.002], "own_controller_warning": [False, False], "steps": [50, 50],
-               "interventions": [{}, {"filtered_rows": 2, "skipped_step": 1}], "eval": [{}, {}]}
+    healthy = {
+        "skipped_steps": [0, 1],
+        "rollbacks": [0, 0],
+        "repairs": [0, 0],
+        "intervention_share_max": [0.0, 0.03],
+        "filtered_row_share": [0.0, 0.002],
+        "own_controller_warning": [False, False],
+        "steps": [50, 50],
+        "interventions": [{}, {"filtered_rows": 2, "skipped_step": 1}],
+        "eval": [{}, {}],
+    }
     cells = [{"scenario": "healthy-x", "variant": "all", "seeds": [0, 1], "died": [False, False],
               "accuracy": [0.5, 0.6], "metrics": healthy}]  # fmt: skip
     row = next(line for line in B.tables(B.results_from_cells(cells)).splitlines() if line.startswith("| healthy-x |"))
