@@ -36,7 +36,7 @@ import experiments as X  # noqa: E402
 from bench_precision import OFF, seed_list  # noqa: E402
 
 from steadyrl import metrics as M  # noqa: E402
-from steadyrl.callbacks.gold_watch import EVENT_GOLD_ROLLBACK  # noqa: E402
+from steadyrl.metrics import EVENT_GOLD_ROLLBACK  # noqa: E402
 
 VARIANTS = {"plain": OFF, "all": ()}
 SCENARIOS = {  # name: (model, config); the tiny model starts from the hedging SFT, SmolLM2 from its instruct weights

@@ -118,7 +118,7 @@ def main() -> None:
             sha=X.commit(),
             model=args.model,
             steps="per run",
-            gold_config={k: getattr(config, k) for k in ("drop", "confirm", "reward_slack")},
+            gold_config={k: getattr(config, k) for k in ("drop", "z", "confirm", "reward_slack", "regression")},
             every=args.every,
             table=table,
         )

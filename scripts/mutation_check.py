@@ -280,17 +280,114 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "gold_watch_blind_after_an_eval_before_training",
-        "a best policy from the eval before training (no reward yet) never gets a reward bar: its fall is never seen",
+        "a best policy from the eval before training (no reward yet) gets no reward bar: gaming reads as a collapse",
         (
             (
                 "steadyrl/guards/gold_watch.py",
-                "            self.reward_at_best = reward  # the best came",
-                "            pass  # the best came",
+                "        if not math.isfinite(self.reward_at_best) and math.isfinite(reward):",
+                "        if False:",
             ),
         ),
         (
             "tests/unit/test_gold_watch.py::"
             "test_an_eval_before_training_as_the_best_takes_the_first_reward_after_it_as_its_bar",
+        ),
+    ),
+    Mutant(
+        "gold_watch_bar_from_a_collapsed_interval",
+        "after an eval before training the reward bar is the first interval's mean: a collapse inside it looks held",
+        (("steadyrl/guards/gold_watch.py", "            if math.isfinite(first_reward):", "            if False:"),),
+        (
+            "tests/unit/test_gold_watch.py::test_a_collapse_inside_the_first_interval_is_a_regression_by_the_first_"
+            "reward_after_the_eval_before_training",
+        ),
+    ),
+    Mutant(
+        "gold_watch_ignores_eval_noise",
+        "a fall counts past drop alone: a plateau's luckiest sampled eval makes later ones falls (12-90 % of runs)",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "        return max(self.drop, self.z * math.hypot(self.best_se, _se(gold_se)))",
+                "        return self.drop",
+            ),
+        ),
+        ("tests/unit/test_gold_watch.py::test_a_plateaus_lucky_best_is_not_a_fall_but_a_fall_beyond_the_noise_is",),
+    ),
+    Mutant(
+        "gold_watch_reference_is_the_luckiest_eval",
+        "the reference is the highest single eval, however noisy, not the highest lower bound",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "        if gold - self.z * _se(gold_se) > self.best_bound:",
+                "        if self.best_gold is None or gold > self.best_gold:",
+            ),
+        ),
+        ("tests/unit/test_gold_watch.py::test_the_reference_is_the_highest_lower_bound_not_the_luckiest_eval",),
+    ),
+    Mutant(
+        "gold_watch_reward_held_by_a_coin_flip",
+        "the training reward 'holds' only when not below its level at the reference: noise labels gaming a regression",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "        allowed = max(self.reward_slack, self.z * math.hypot(self.reward_se_at_best, _se(reward_se)))",
+                "        allowed = self.reward_slack",
+            ),
+        ),
+        ("tests/unit/test_gold_watch.py::test_the_reward_holds_by_a_test_and_labels_the_fall",),
+    ),
+    Mutant(
+        "gold_watch_blind_to_regressions",
+        "a gold metric that falls with the training reward (a run failing by itself) is never acted on",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "        self.streak = self.streak + 1 if falling and (held or self.regression) else 0",
+                "        self.streak = self.streak + 1 if falling and held else 0",
+            ),
+        ),
+        (
+            "tests/unit/test_gold_watch.py::test_healthy_and_noisy_runs_are_not_confirmed_and_a_collapse_is_a_regression",
+        ),
+    ),
+    Mutant(
+        "eval_standard_error_not_logged",
+        "the periodic eval logs no standard error: the gold watch falls back to a bound or to drop alone",
+        (
+            (
+                "steadyrl/callbacks/periodic_eval.py",
+                "        metric_se = sample_mean_se(values[2 * k], values[-3], values[2 * k + 1])",
+                "        metric_se = math.nan",
+            ),
+        ),
+        ("tests/unit/test_periodic_eval.py::test_numbers_match_evaluate_rewards_and_hand_values",),
+    ),
+    Mutant(
+        "doctor_eval_fall_ignores_noise",
+        "the doctor reads an eval fall past eval_drop alone: a sampled plateau's lucky best reads as a regression",
+        (
+            (
+                "steadyrl/evidence/doctor.py",
+                "    margin = max(config.eval_drop, config.eval_z * float(np.hypot(",
+                "    margin = max(config.eval_drop, 0 * float(np.hypot(",
+            ),
+        ),
+        ("tests/unit/test_doctor.py::test_an_eval_fall_inside_its_noise_is_no_regression_and_outside_it_is",),
+    ),
+    Mutant(
+        "doctor_calls_a_collapsed_run_healthy",
+        "a run whose reward fell to 0 by itself (a learning rate 30x too high) is not a regression",
+        (
+            (
+                "steadyrl/evidence/doctor.py",
+                "    fell = reward.z <= -config.reward_fall_z and early - late",
+                "    fell = False and early - late",
+            ),
+        ),
+        (
+            "tests/unit/test_doctor.py::test_a_run_that_failed_by_itself_is_a_regression_with_no_learning_signal_never_healthy",
         ),
     ),
     Mutant(

@@ -41,6 +41,30 @@ def exact_match_cauchy(completions: Sequence[Any], answer: Sequence[str], scale:
     return [r + float(n) for r, n in zip(exact_match(completions, answer), noise, strict=True)]
 
 
+def exact_match_outliers(
+    completions: Sequence[Any],
+    answer: Sequence[str],
+    rate: float = 0.01,
+    low: float = 20.0,
+    high: float = 100.0,
+    seed: int = 0,
+    trainer_state: Any = None,
+    **_: Any,
+) -> list[float]:
+    """Exact match plus a reward model's rare huge outliers: ``artefact_offsets`` (each row with probability ``rate``,
+    +-[low, high]), seeded by (seed, optimizer step)."""
+    step = int(getattr(trainer_state, "global_step", 0) or 0)
+    offsets = artefact_offsets(len(completions), rate, low, high, seed, step)
+    return [r + float(o) for r, o in zip(exact_match(completions, answer), offsets, strict=True)]
+
+
+def last_digit_match(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+    """A verifier with systematic false positives: 1.0 when the completion is a number whose last digit is the
+    answer's ("45" for 95 pays, and so does "095"), else 0.0."""
+    texts = [_completion_text(c).strip() for c in completions]
+    return [float(t.isdigit() and t[-1] == a[-1]) for t, a in zip(texts, answer, strict=True)]
+
+
 class CorruptOptimizerState(TrainerCallback):
     """Write ``value`` into the first element of ``key`` of the first parameter with optimizer state (under ZeRO-2,
     this rank's first partition) at the end of optimizer step ``step``; ``rank``: only that ``RANK``, None: every

@@ -20,6 +20,7 @@ LOSS = "loss"
 GRAD_NORM = "grad_norm"
 REWARD = "reward"  # mean weighted reward of the generation batch
 REWARD_STD = "reward_std"
+FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # TRL: share of groups whose rewards are all equal
 REWARDS_PREFIX = "rewards/"  # rewards/<function>/mean, rewards/<function>/std
 ENTROPY = "entropy"
 KL = "kl"  # logged only when beta != 0
@@ -124,7 +125,7 @@ QUATRO_REPLAY_FRAC = "quatro/replay_frac"
 QUATRO_REPLAY_AGE_MEAN = "quatro/replay_age_mean"
 QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
 QUATRO_GOLD_BEST = "quatro/gold_best"  # the gold watch's best eval metric so far
-QUATRO_GOLD_STREAK = "quatro/gold_streak"  # evals in a row below the best while the training reward held
+QUATRO_GOLD_STREAK = "quatro/gold_streak"  # evals in a row significantly below the gold watch's reference
 QUATRO_GOLD_ROLLBACKS = "quatro/gold_rollbacks"  # cumulative: rollbacks to the best policy (a stop included)
 # observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
 QUATRO_KL_COEF_WOULD = would(QUATRO_KL_COEF)  # the controller's beta (TRL's beta is unchanged)
@@ -224,6 +225,7 @@ GUARD_PART_QUATRO_CONTROLLERS = "quatro/controllers"
 EVAL_PREFIX = "eval/"
 EVAL_REWARD = "eval/reward"
 EVAL_ACCURACY = "eval/accuracy"
+EVAL_ACCURACY_SE = "eval/accuracy_se"  # its standard error: the per-sample scores' std / sqrt(n)
 EVAL_MEAN_LENGTH = "eval/mean_length"
 EVAL_NUM_SAMPLES = "eval/num_samples"
 EVAL_REWARD_PREFIX = "eval/reward/"  # eval/reward/<function>
@@ -239,6 +241,7 @@ EVENT_SKIP = "skip"
 EVENT_MICRO_BATCH_DROP = "micro_batch_drop"
 EVENT_ROLLBACK = "rollback"
 EVENT_STATE_REPAIR = "state_repair"
+EVENT_GOLD_ROLLBACK = "gold_rollback"  # the gold watch went back to its best policy (fields: cause, verdict)
 EVENT_ENTROPY_FLOOR_WARNING = "entropy_floor_warning"
 EVENT_FILTER_WARNING = "filter_warning"
 

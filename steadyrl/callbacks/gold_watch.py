@@ -1,17 +1,19 @@
-"""GoldWatch: the reward-hacking watch at run time (``guards.quatro.gold``; the rule: steadyrl/guards/gold_watch.py).
+"""GoldWatch: the reward-hacking and regression watch at run time (``guards.quatro.gold``; the rule and its noise model:
+steadyrl/guards/gold_watch.py).
 
 After each periodic eval row (``PeriodicEval`` logs it at the start of the next step; this callback comes after it):
 
-- a new best gold metric: the policy is kept in ``OUTPUT_DIR/best-gold/`` -- the model (or LoRA adapter) as
-  ``save_model`` writes it, ``gold_state_rank<r>.pt`` with the trainable tensors and the optimizer state of each
-  rank, and ``gold.json`` (step, gold metric, training reward). It is written to ``best-gold.tmp`` and swapped in,
-  so a crash mid-write leaves the previous best whole.
-- a confirmed divergence (the training reward holds while the gold metric falls): ``rollback`` restores the kept
-  trainable tensors and optimizer state (the LR schedule and the other guards' state run on), scales the learning
-  rate by ``lr_factor`` and ``trainer.beta`` by ``beta_factor`` (when beta > 0), and training goes on; past
-  ``max_rollbacks``, or with ``action: stop``, it restores the best policy at the end of the step under way (the eval
-  row comes at a step's start, and a begun step cannot be skipped) and ends the run, which then saves and evaluates
-  that policy. With QUATRO in observe mode it only logs what it would do.
+- a new reference (the eval with the highest lower bound gold - z*se, the "best"): the policy is kept in
+  ``OUTPUT_DIR/best-gold/`` -- the model (or LoRA adapter) as ``save_model`` writes it, ``gold_state_rank<r>.pt`` with
+  the trainable tensors and the optimizer state of each rank, and ``gold.json`` (step, gold metric, training reward).
+  It is written to ``best-gold.tmp`` and swapped in, so a crash mid-write leaves the previous best whole.
+- a confirmed fall of the gold metric beyond its noise -- a divergence (the training reward held: gaming) or, with
+  ``regression``, a regression (the reward fell with it: a run failing by itself, e.g. a learning rate too high) --:
+  ``rollback`` restores the kept trainable tensors and optimizer state (the LR schedule and the other guards' state
+  run on), scales the learning rate by ``lr_factor`` and ``trainer.beta`` by ``beta_factor`` (when beta > 0), and
+  training goes on; past ``max_rollbacks``, or with ``action: stop``, it restores the best policy at the end of the
+  step under way (the eval row comes at a step's start, and a begun step cannot be skipped) and ends the run, which
+  then saves and evaluates that policy. With QUATRO in observe mode it only logs what it would do.
 
 Metrics: ``quatro/gold_best``, ``quatro/gold_streak``, ``quatro/gold_rollbacks`` (cumulative; the ledger's
 ``gold_rollback``), ``quatro/would_gold_rollbacks`` in observe mode. The watch's state is guard state (checkpointed);
@@ -32,10 +34,11 @@ import torch
 from transformers import TrainerCallback
 
 from steadyrl.callbacks.periodic_eval import _bare_model, trainer_log_fn
-from steadyrl.guards.gold_watch import GoldConfig, GoldDetector
+from steadyrl.guards.gold_watch import CONFIRMED, EvalPoint, GoldConfig, GoldDetector, eval_point
 from steadyrl.guards.rollback import cpu_copy
 from steadyrl.metrics import (
     EVAL_ACCURACY,
+    EVENT_GOLD_ROLLBACK,
     QUATRO_GOLD_BEST,
     QUATRO_GOLD_ROLLBACKS,
     QUATRO_GOLD_STREAK,
@@ -48,7 +51,6 @@ from steadyrl.trainers.trl_state import set_beta_factor
 logger = logging.getLogger("steadyrl.quatro")
 
 BEST_DIR = "best-gold"
-EVENT_GOLD_ROLLBACK = "gold_rollback"
 
 
 class GoldWatch(TrainerCallback):
@@ -109,7 +111,7 @@ class GoldWatch(TrainerCallback):
             return False
         cause = (
             f"the run ends with the eval metric ({EVAL_ACCURACY}) at {self._last_gold:.4g}, below its best "
-            f"{d.best_gold:.4g} at step {d.best_step}, after {self.rollbacks} reward-hacking rollback(s)"
+            f"{d.best_gold:.4g} at step {d.best_step}, after {self.rollbacks} gold-watch rollback(s)"
         )
         self.trainer.emit_event(EVENT_GOLD_ROLLBACK, step=step, cause=cause, snapshot_step=d.best_step)
         logger.warning("step %d: %s: the best policy is restored, and it is what the run saves and evaluates (kept in "
@@ -123,18 +125,19 @@ class GoldWatch(TrainerCallback):
             if row.get(REWARD) is not None and math.isfinite(float(row[REWARD])):
                 self._since.append(float(row[REWARD]))
             if row.get(EVAL_ACCURACY) is not None:
-                reward = sum(self._since) / len(self._since) if self._since else math.nan
+                point = eval_point(row, self._since, int(row.get("step", state.global_step)))
                 self._since = []
-                self._judge(int(row.get("step", state.global_step)), float(row[EVAL_ACCURACY]), reward, control)
+                self._judge(point, control)
 
-    def _judge(self, step: int, gold: float, reward: float, control: Any) -> None:
-        verdict = self.detector.update(step, gold, reward)
+    def _judge(self, point: EvalPoint, control: Any) -> None:
+        step, gold, reward, se = point.step, point.gold, point.reward, point.gold_se
+        verdict = self.detector.update(*point)
         self._last_gold = gold
         log = self.trainer.ctx.log_metric
         if verdict == "best" and self.config.save_best and not self.observe:
             self._keep(step, gold, reward)
-        if verdict == "diverged":
-            self._diverged(step, gold, reward, control)
+        if verdict in CONFIRMED:
+            self._diverged(step, gold, reward, se, verdict, control)
         row = {QUATRO_GOLD_BEST: self.detector.best_gold} if self.detector.best_gold is not None else {}
         row[QUATRO_GOLD_STREAK] = float(self.detector.streak)
         row[QUATRO_WOULD_GOLD_ROLLBACKS if self.observe else QUATRO_GOLD_ROLLBACKS] = float(self.rollbacks)
@@ -144,41 +147,46 @@ class GoldWatch(TrainerCallback):
             for name, value in row.items():
                 log(name, value)
 
-    def _evidence(self, step: int, gold: float, reward: float) -> str:
-        d = self.detector
+    def _evidence(self, step: int, gold: float, reward: float, se: float, verdict: str) -> str:
+        d, c = self.detector, self.config
+        how = "held" if verdict == "diverged" else "fell with it"
         return (
             f"the eval metric ({EVAL_ACCURACY}) fell from {d.best_gold:.4g} at step {d.best_step} to {gold:.4g} at "
-            f"step {step} ({d.streak} evals in a row more than guards.quatro.gold.drop={self.config.drop} below it) "
-            f"while the training reward held ({reward:.4g} against {d.reward_at_best:.4g} at step {d.best_step})"
+            f"step {step} ({d.streak} evals in a row more than {d.margin(se):.3g} below it: the larger of "
+            f"guards.quatro.gold.drop={c.drop} and z={c.z} standard errors of the difference) while the training "
+            f"reward {how} ({reward:.4g} against {d.reward_at_best:.4g} at step {d.best_step})"
         )
 
-    def _diverged(self, step: int, gold: float, reward: float, control: Any) -> None:
-        evidence = self._evidence(step, gold, reward)
+    def _diverged(self, step: int, gold: float, reward: float, se: float, verdict: str, control: Any) -> None:
+        evidence = self._evidence(step, gold, reward, se, verdict)
+        what = "reward hacking" if verdict == "diverged" else "the run regressed"
         self.rollbacks += 1
         if self.observe:
-            logger.warning("step %d: reward hacking suspected: %s; observe mode: nothing restored", step, evidence)
+            logger.warning("step %d: %s suspected: %s; observe mode: nothing restored", step, what, evidence)
             return
         if not (self.best_dir / "gold.json").is_file():
-            logger.warning("step %d: reward hacking suspected: %s; no best policy was kept (save_best: false)", step,
+            logger.warning("step %d: %s suspected: %s; no best policy was kept (save_best: false)", step, what,
                            evidence)  # fmt: skip
             return
         self.detector.restart()
-        self.trainer.emit_event(EVENT_GOLD_ROLLBACK, cause=evidence, snapshot_step=self.detector.best_step)
+        self.trainer.emit_event(
+            EVENT_GOLD_ROLLBACK, cause=evidence, snapshot_step=self.detector.best_step, verdict=verdict
+        )
         if self.config.action == "stop" or self.rollbacks > self.config.max_rollbacks:
             self.stopped = self._stop_pending = True
             logger.warning(
-                "step %d: reward hacking: %s. Stopping the run with the best policy restored (step %d, %s %.4g; kept "
-                "in %s): what it saves and evaluates is that policy. Fix the reward, or turn the watch off "
-                "(guards.quatro.gold.enabled=false) to train on",
-                step, evidence, self.detector.best_step, EVAL_ACCURACY, self.detector.best_gold, self.best_dir,
+                "step %d: %s: %s. Stopping the run with the best policy restored (step %d, %s %.4g; kept "
+                "in %s): what it saves and evaluates is that policy. Fix the reward (or, for a regression, lower "
+                "trainer.learning_rate), or turn the watch off (guards.quatro.gold.enabled=false) to train on",
+                step, what, evidence, self.detector.best_step, EVAL_ACCURACY, self.detector.best_gold, self.best_dir,
             )  # fmt: skip
             return
         self._restore()
         self._tighten()
         logger.warning(
-            "step %d: reward hacking: %s. Rolled back to the best policy (step %d; rollback %d of %d); learning rate "
+            "step %d: %s: %s. Rolled back to the best policy (step %d; rollback %d of %d); learning rate "
             "x%g%s from now on",
-            step, evidence, self.detector.best_step, self.rollbacks, self.config.max_rollbacks,
+            step, what, evidence, self.detector.best_step, self.rollbacks, self.config.max_rollbacks,
             self.config.lr_factor,
             f", beta x{self.config.beta_factor}" if self.trainer.beta_base > 0 and self.config.beta_factor != 1 else "",
         )  # fmt: skip

@@ -1,11 +1,13 @@
-"""PeriodicEval: greedy eval on held-out prompts every ``every`` optimizer steps, logged beside training metrics.
+"""PeriodicEval: eval on held-out prompts every ``every`` optimizer steps, logged beside training metrics.
 
-After optimizer step k (a multiple of ``every``) each rank greedy-decodes its contiguous shard of the eval set and
-scores it with the run's reward functions; sums and counts are all-reduced, so every rank logs the same row
-(``eval/reward``, ``eval/accuracy``, ``eval/reward/<name>``, ``eval/mean_length``, ``eval/num_samples``;
-docs/DESIGN.md "Periodic eval"). It runs at the start of step k+1 or at the end of training, so the row follows step
-k's training row, checkpoint and rollback; a run resumed from checkpoint-k evaluates step k again. The RNG states are
-restored afterwards. Left out: sampled (pass@k) eval; ZeRO-3 and FSDP (sharded parameters) raise.
+After optimizer step k (a multiple of ``every``) each rank decodes its contiguous shard of the eval set -- greedily,
+or sampled with the training temperature / top_p / top_k (``sampling``, seeded by ``seed`` and k, as TRL's own eval
+samples) -- and scores it with the run's reward functions; sums, sums of squares and counts are all-reduced, so every
+rank logs the same row (``eval/reward``, ``eval/accuracy`` and its standard error ``eval/accuracy_se``,
+``eval/reward/<name>``, ``eval/mean_length``, ``eval/num_samples``; docs/DESIGN.md "Periodic eval"). It runs at the
+start of step k+1 or at the end of training, so the row follows step k's training row, checkpoint and rollback; a run
+resumed from checkpoint-k evaluates step k again. The RNG states are restored afterwards. Left out: pass@k; ZeRO-3
+and FSDP (sharded parameters) raise.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ import torch.distributed as dist
 from datasets import Dataset
 from transformers import Trainer, TrainerCallback
 
-from steadyrl.evaluation import finite_scores, greedy_scores
-from steadyrl.metrics import EVAL_ACCURACY, EVAL_MEAN_LENGTH, EVAL_NUM_SAMPLES, EVAL_REWARD, eval_reward
+from steadyrl.evaluation import eval_scores, finite_scores
+from steadyrl.metrics import (
+    EVAL_ACCURACY,
+    EVAL_ACCURACY_SE,
+    EVAL_MEAN_LENGTH,
+    EVAL_NUM_SAMPLES,
+    EVAL_REWARD,
+    eval_reward,
+)
 
 logger = logging.getLogger("steadyrl.eval")
 
@@ -72,12 +81,21 @@ def contiguous_shard(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + size + (rank < extra)
 
 
+def sample_mean_se(total: float, total_sq: float, n: float) -> float:
+    """The standard error of a mean of n scores from their sum and sum of squares: sqrt(s^2 / n), s^2 the unbiased
+    sample variance (NaN for n < 2)."""
+    if n < 2:
+        return math.nan
+    variance = max(total_sq - total * total / n, 0.0) / (n - 1)
+    return math.sqrt(variance / n)
+
+
 def _noop(*_: Any, **__: Any) -> None:
     return None
 
 
 class PeriodicEval(TrainerCallback):
-    """Greedy eval every ``every`` optimizer steps, scored with ``reward_fns``, logged as ``eval/...``.
+    """Eval every ``every`` optimizer steps, scored with ``reward_fns``, logged as ``eval/...``.
 
     eval_dataset: held-out rows with a ``prompt`` column (text or messages) and the columns the rewards need.
     reward_fns: name -> TRL-style reward function; each one's mean is logged as ``eval/reward/<name>``.
@@ -88,6 +106,8 @@ class PeriodicEval(TrainerCallback):
     num_samples_to_log: prompt -> completion pairs from rank 0's shard written to the ``steadyrl.eval`` log.
     log_fn: called with each eval row on every rank (``trainer_log_fn(trainer)``); None: ``state.log_history`` only.
     eval_on_start: also evaluate before the first optimizer step (step 0).
+    sampling: None decodes greedily; else ``generate``'s sampling settings (``temperature``, ``top_p``, ``top_k``),
+        torch seeded with ``seed`` + the step on every rank (a resumed run samples the same eval again).
     """
 
     def __init__(
@@ -105,6 +125,8 @@ class PeriodicEval(TrainerCallback):
         reward_weights: Mapping[str, float] | None = None,
         log_fn: LogFn | None = None,
         eval_on_start: bool = False,
+        sampling: Mapping[str, Any] | None = None,
+        seed: int = 0,
     ) -> None:
         if every < 1:
             raise ValueError(f"PeriodicEval: every={every} must be >= 1 (leave the callback out to turn it off)")
@@ -135,6 +157,8 @@ class PeriodicEval(TrainerCallback):
         self.reward_weights = dict(reward_weights) if reward_weights is not None else None
         self.log_fn = log_fn
         self.eval_on_start = eval_on_start
+        self.sampling = dict(sampling) if sampling is not None else None
+        self.seed = seed
         self._last_step: int | None = None  # the step last evaluated by this process
 
     def _due(self, step: int) -> bool:
@@ -180,11 +204,17 @@ class PeriodicEval(TrainerCallback):
         shard = self.eval_dataset.select(range(start, stop) if stop > start else [])  # range(1, 1) raises
         sizes = {"max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size}
         noops = {"trainer_state": trainer_state, "log_extra": _noop, "log_metric": _noop}
-        out = greedy_scores(model, self.tokenizer, shard, self.reward_fns, **sizes, reward_kwargs=noops)
+        if self.sampling is not None:  # the same draw on a rerun of this step (a resume), another at each step
+            step = int(getattr(trainer_state, "global_step", 0) or 0)
+            torch.manual_seed(self.seed * 1_000_003 + step)
+        kwargs = {"reward_kwargs": noops, "sampling": self.sampling}
+        out = eval_scores(model, self.tokenizer, shard, self.reward_fns, **sizes, **kwargs)
         totals: list[float] = []
         for name in self.reward_fns:  # same order on every rank: dicts keep insertion order
             finite = finite_scores(out["scores"][name])
             totals += [sum(finite), float(len(finite))]
+        metric_scores = finite_scores(out["scores"][self.metric])
+        totals.append(sum(s * s for s in metric_scores))
         totals += [float(sum(len(ids) for ids in out["completion_ids"])), float(len(out["completion_ids"]))]
         summed = torch.tensor(totals, dtype=torch.float64, device=next(model.parameters()).device)
         if world > 1:
@@ -195,11 +225,13 @@ class PeriodicEval(TrainerCallback):
             for i, name in enumerate(self.reward_fns)
         }
         length_sum, rows = values[-2:]
+        k = list(self.reward_fns).index(self.metric)
+        metric_se = sample_mean_se(values[2 * k], values[-3], values[2 * k + 1])
         if self.reward_weights is None:
             reward = means[self.metric]
         else:  # nan-skipping like TRL's nansum over reward functions
             reward = sum(self.reward_weights[n] * m for n, m in means.items() if not math.isnan(m))
-        metrics = {EVAL_REWARD: reward, EVAL_ACCURACY: means[self.metric]}
+        metrics = {EVAL_REWARD: reward, EVAL_ACCURACY: means[self.metric], EVAL_ACCURACY_SE: metric_se}
         metrics |= {eval_reward(name): mean for name, mean in means.items()}
         metrics |= {EVAL_MEAN_LENGTH: length_sum / rows if rows else math.nan, EVAL_NUM_SAMPLES: int(rows)}
         triples = zip(out["prompts"], out["completions"], out["scores"][self.metric], strict=True)

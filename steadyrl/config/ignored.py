@@ -189,7 +189,7 @@ READ_BY: dict[str, Read] = {
     "eval.enabled": Read(TRAINING, why=f"{REWARD_STAGE}; its held-out check is the calibration report"),
     **_rows("eval.", "max_new_tokens batch_size metric max_samples", Read(TRAINING, why=REWARD_STAGE, only_if=EVAL)),
     "eval.every": Read(RL, why=RL_PERIODIC, only_if=EVAL),
-    **_rows("eval.", "samples_to_log on_start", Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL))),
+    **_rows("eval.", "samples_to_log on_start do_sample", Read(RL, why=RL_PERIODIC, only_if=(PERIODIC, *EVAL))),
     "ppo": Read(("ppo",), why=PPO_ONLY),
     "preemption": Read(TRAINING, why=NO_SIGNALS),
     "callbacks": Read(TRAINING, why="the reward stage builds its Trainer with its own callbacks"),

@@ -95,8 +95,8 @@ class PeftSection:
 
 @dataclass
 class EvalSection(Checked):
-    """``eval``: greedy decoding of the eval split, scored with the run's rewards: at the end of training, and
-    every ``every`` optimizer steps during it (``eval/*`` metrics; 0 = only at the end)."""
+    """``eval``: decoding of the eval split (greedy, or sampled with ``do_sample``), scored with the run's rewards: at
+    the end of training, and every ``every`` optimizer steps during it (``eval/*`` metrics; 0 = only at the end)."""
 
     enabled: bool = True
     max_new_tokens: int = 16
@@ -106,6 +106,9 @@ class EvalSection(Checked):
     every: int = bounded(0, ge=0)  # 0: only at the end
     samples_to_log: int = 3  # prompt -> completion lines in the log at each periodic eval
     on_start: bool = False  # also evaluate before the first step
+    # periodic evals sample with trainer.temperature / top_p / top_k (as TRL's eval does) instead of greedy decoding;
+    # the gold watch reads the noise from eval/accuracy_se either way
+    do_sample: bool = False
 
 
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")  # preemption.signals

@@ -19,12 +19,21 @@ from steadyrl import metrics as M
 from steadyrl.evidence.early_warnings import logp_gap_allowance, logp_gap_verdict
 from steadyrl.evidence.history import History, to_float
 from steadyrl.evidence.saturation import saturation_checks
+from steadyrl.guards.gold_watch import gold_se
 
-MODES = ("hard_crash", "entropy_collapse", "reward_hacking", "off_policy_rollouts", "saturated_controller")
+MODES = (
+    "hard_crash",
+    "entropy_collapse",
+    "reward_hacking",
+    "regression",
+    "off_policy_rollouts",
+    "saturated_controller",
+)
 TITLES = {
     "hard_crash": "hard crash (inf/NaN, gradient explosion)",
     "entropy_collapse": "entropy collapse (the policy stops exploring and repeats itself)",
     "reward_hacking": "reward hacking (training reward up, real quality not)",
+    "regression": "regression (the run got worse by itself: training reward or held-out metric fell)",
     "off_policy_rollouts": "off-policy rollouts (vLLM generates from other weights than the trained ones)",
     "saturated_controller": "a guard held at its bound (its setting does not fit this run)",
 }
@@ -34,7 +43,7 @@ NONFINITE_COUNTERS += (M.GEPO_NONFINITE_LOSS, M.GEPO_NONFINITE_RATIOS)
 CHECKED = (M.LOSS, M.GRAD_NORM, M.REWARD, M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.GEPO_ADV_STD)
 CHECKED += (M.GEPO_SKIPPED_STEPS, *NONFINITE_COUNTERS, M.OPEFO_REPAIRS, M.OPEFO_ROLLBACKS, M.QUATRO_FLOOR_ACTIVE)
 CHECKED += (M.QUATRO_FLOOR_HELD_OFF, M.QUATRO_ENTROPY_FLOOR, M.EVAL_ACCURACY, M.COMPLETIONS_MEAN_LENGTH)
-CHECKED += (M.COMPLETIONS_CLIPPED_RATIO, LOGP_GAP)
+CHECKED += (M.COMPLETIONS_CLIPPED_RATIO, LOGP_GAP, M.FRAC_REWARD_ZERO_STD)
 REPETITION_WORDS = ("repet", "parrot")  # quatro/filtered/<reason> names that count repeated output
 
 
@@ -60,8 +69,14 @@ class DoctorConfig:
     kl_rise_ratio: float = 2.0  # late KL mean >= this x the early mean: KL rising
     flat_z: float = 0.5  # reward gain (late - early mean) below this x the windows' pooled std: flat
     rise_z: float = 1.0  # reward gain above this x the pooled std: rising
-    eval_drop: float = 0.05  # the last eval accuracy this far (absolute) below the best: falling
+    eval_drop: float = 0.05  # the last eval accuracy this far (absolute) below the best: falling ...
+    # ... and eval_z standard errors of the difference (eval/accuracy_se, else the binomial bound over
+    # eval/num_samples; the gold watch's noise model, steadyrl/guards/gold_watch.py)
+    eval_z: float = 4.0
     eval_after_points: int = 2  # ... with at least this many evals after the best (one low eval is noise)
+    reward_fall_z: float = 2.0  # training reward: late mean below the early one by this x the pooled std ...
+    reward_fall_frac: float = 0.25  # ... and by this share of the early mean's size: the run regressed
+    zero_std_share: float = 0.9  # frac_reward_zero_std late mean at or above this: no learning signal left
     min_eval_points: int = 3  # eval rows needed to read an eval trend
     length_ratio: float = 2.0  # completions/mean_length late/early beyond this, or below 1/this: anomaly
     clipped_rise: float = 0.2  # completions/clipped_ratio late - early mean above this: truncation rising
@@ -283,6 +298,25 @@ def _rollbacks(history: History, config: DoctorConfig) -> Iterator[Hit]:
         yield Hit([evidence], severity="problem" if n >= config.rollbacks_problem else "warning")
 
 
+def _gold_rollbacks(verdict: str) -> Condition:
+    """The gold watch's rollbacks (events) whose confirmed fall was ``verdict`` (``diverged``: the reward held,
+    ``regressed``: it fell with the gold metric): what it acted on, a warning (the run ended on its best policy)."""
+
+    def condition(history: History, config: DoctorConfig) -> Iterator[Hit]:
+        events = [e for e in history.events_of(M.EVENT_GOLD_ROLLBACK) if e.get("verdict") == verdict]
+        if events:
+            steps = [int(e["step"]) for e in events]
+            detail = (
+                f"{len(events)} rollback(s) at step(s) {', '.join(map(str, steps))}; first: {events[0].get('cause')}"
+            )
+            where = "the best policy the watch kept (OUTPUT_DIR/best-gold)"
+            yield Hit(
+                [Evidence(M.EVENT_GOLD_ROLLBACK, steps[0], steps[-1], detail)], {"n": len(events), "where": where}
+            )
+
+    return condition
+
+
 def _repairs(history: History, config: DoctorConfig) -> Iterator[Hit]:
     if n := history.count(M.OPEFO_REPAIRS, M.EVENT_STATE_REPAIR):
         events = history.events_of(M.EVENT_STATE_REPAIR)
@@ -344,24 +378,67 @@ def _entropy_fall(history: History, config: DoctorConfig) -> Iterator[Hit]:
     yield Hit(evidence, fields | fixes, "problem" if signs and not rising else "warning")
 
 
+def _eval_fall(history: History, config: DoctorConfig) -> tuple[int, int, Evidence] | None:
+    """(best step, last step, evidence) when the last eval accuracy is below the best by more than its noise
+    (``eval_drop`` and ``eval_z`` standard errors of the difference) with ``eval_after_points`` evals after the best."""
+    points = [
+        (int(r["step"]), float(r[M.EVAL_ACCURACY]), r)
+        for r in history.rows
+        if to_float(r.get(M.EVAL_ACCURACY)) is not None and np.isfinite(float(r[M.EVAL_ACCURACY]))
+    ]
+    if len(points) < config.min_eval_points:
+        return None
+    best = max(range(len(points)), key=lambda i: points[i][1])
+    (best_step, top, _), (last_step, last, _) = points[best], points[-1]
+    se = [gold_se(row, gold) for _, gold, row in (points[best], points[-1])]
+    margin = max(config.eval_drop, config.eval_z * float(np.hypot(*[x if np.isfinite(x) else 0.0 for x in se])))
+    if len(points) - 1 - best < config.eval_after_points or top - last <= margin:
+        return None
+    detail = f"best {top:.4g} at step {best_step} -> {last:.4g} at step {last_step} ({margin:.3g} allowed by its noise)"
+    return best_step, last_step, Evidence(M.EVAL_ACCURACY, best_step, last_step, detail)
+
+
 def _eval_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
-    """Eval accuracy ``eval_drop`` below its best over ``eval_after_points`` evals, while reward rose after the best."""
-    e_steps, acc = history.finite(M.EVAL_ACCURACY)
+    """Eval accuracy fell beyond its noise (``_eval_fall``) while the reward rose after the best."""
+    fall = _eval_fall(history, config)
     r_steps, reward = history.finite(M.REWARD)
-    if len(acc) < config.min_eval_points:
+    if fall is None:
         return
-    best = int(np.argmax(acc))
-    best_step, last_step = int(e_steps[best]), int(e_steps[-1])
+    best_step, last_step, evidence = fall
     before, after = r_steps <= best_step, (r_steps > best_step) & (r_steps <= last_step)
     w = min(config.window, int(before.sum()), int(after.sum()))
-    sustained = len(acc) - 1 - best >= config.eval_after_points and acc[best] - acc[-1] >= config.eval_drop
-    if not (sustained and w >= 2):
+    if w < 2:
         return
     idx = np.concatenate([np.flatnonzero(before)[-w:], np.flatnonzero(after)[-w:]])
     if (trend := _Trend(r_steps[idx], reward[idx], w)).z >= config.rise_z:
-        detail = f"best {acc[best]:.4g} at step {best_step} -> {acc[-1]:.4g} at step {last_step}"
-        evidence = [Evidence(M.EVAL_ACCURACY, best_step, last_step, detail)]
-        yield Hit([*evidence, trend.evidence(M.REWARD, f" (+{trend.z:.1f} pooled std)")], {"best_step": best_step})
+        yield Hit([evidence, trend.evidence(M.REWARD, f" (+{trend.z:.1f} pooled std)")], {"best_step": best_step})
+
+
+def _regressed(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """The run got worse by itself: the training reward fell (``reward_fall_z`` pooled std and ``reward_fall_frac`` of
+    its early level), or the eval accuracy fell beyond its noise while the reward did not rise (that is hacking)."""
+    reward = _trend(history, M.REWARD, config)
+    if reward is None:
+        return
+    early, late = float(reward.early.mean()), float(reward.late.mean())
+    fell = reward.z <= -config.reward_fall_z and early - late >= config.reward_fall_frac * max(abs(early), 1e-12)
+    fall = _eval_fall(history, config) if reward.z < config.rise_z else None
+    if not (fell or fall):
+        return
+    evidence = [reward.evidence(M.REWARD, f" ({reward.z:.1f} pooled std)")] if fell else []
+    best_step = None
+    if fall is not None:
+        best_step, _, eval_evidence = fall
+        evidence.append(eval_evidence)
+    signal = ""
+    zero = _trend(history, M.FRAC_REWARD_ZERO_STD, config)
+    if zero is not None and float(zero.late.mean()) >= config.zero_std_share:
+        evidence.append(zero.evidence(M.FRAC_REWARD_ZERO_STD, " (groups whose completions all got one reward)"))
+        signal = "; no learning signal left (nearly every group's rewards are equal: zero advantage, zero gradient)"
+    where = (
+        f"the checkpoint nearest step {best_step} (the best eval)" if best_step is not None else "an early checkpoint"
+    )
+    yield Hit(evidence, {"signal": signal, "where": where})
 
 
 def _while_reward_rises(drifted: Callable[[_Trend, DoctorConfig], bool], name: str) -> Condition:
@@ -462,6 +539,9 @@ CHANGE_SYNC = ("check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 w
 CHANGE_MISMATCH = ("meanwhile trainer.vllm_importance_sampling_mode: token_mask (or sequence_mask with a lower "
     "trainer.vllm_importance_sampling_clip_max, e.g. 2.0) drops the mismatched tokens, and "
     "guards.gepo.mismatch.ess_min: 0.5 skips the updates trained on such batches")
+CHANGE_REGRESSION = ("trainer.learning_rate: lower it 3-10x and resume from {where}; with a periodic eval (eval.every, "
+    "eval.on_start: true) the gold watch (guards.quatro.gold) rolls back to the best policy and halves the learning "
+    "rate when the held-out metric falls beyond its noise (docs/DESIGN.md: QUATRO: gold watch)")
 CRASH = (CHANGE_SPIKE, CHANGE_LR, CHANGE_LOGPROB)
 COLLAPSE_READS = (M.ENTROPY, M.QUATRO_ENTROPY, M.KL, M.QUATRO_KL_MEAN, M.QUATRO_FILTERED_PREFIX, M.REWARD)
 COLLAPSE_READS += (M.QUATRO_FLOOR_ACTIVE, M.QUATRO_FLOOR_HELD_OFF, M.QUATRO_ENTROPY_FLOOR)
@@ -504,6 +584,14 @@ RULES: tuple[Rule, ...] = (
          "training reward rises while eval accuracy falls",
          ("keep the checkpoint nearest step {best_step} (best eval accuracy), not the last one",
           CHANGE_KL.replace("to pull the policy back", "to anchor the policy"), CHANGE_FILTER, CHANGE_LOOK)),
+    Rule("regression", "problem", (M.REWARD, M.EVAL_ACCURACY, M.FRAC_REWARD_ZERO_STD), _regressed,
+         "the run regressed by itself{signal}", (CHANGE_REGRESSION,)),
+    Rule("reward_hacking", "warning", (M.EVENT_GOLD_ROLLBACK,), _gold_rollbacks("diverged"),
+         "the gold watch rolled back {n} time(s): the training reward held while the held-out metric fell",
+         (CHANGE_LOOK,)),
+    Rule("regression", "warning", (M.EVENT_GOLD_ROLLBACK,), _gold_rollbacks("regressed"),
+         "the gold watch rolled back {n} time(s): the training reward fell with the held-out metric",
+         (CHANGE_REGRESSION,)),
     Rule("reward_hacking", "warning", LENGTH,
          _while_reward_rises(lambda t, c: not 1 / c.length_ratio < t.ratio < c.length_ratio, LENGTH[0]),
          "completion length {way} {ratio:.2g}x while reward rises",

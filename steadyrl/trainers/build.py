@@ -273,6 +273,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
             eval_ds, fns, tokenizer, every=e.every, metric=e.metric, max_new_tokens=e.max_new_tokens,
             batch_size=e.batch_size, max_samples=e.max_samples, num_samples_to_log=e.samples_to_log,
             reward_weights=weights, eval_on_start=e.on_start, log_fn=trainer_log_fn(trainer),
+            sampling=eval_sampling(trainer.args) if e.do_sample else None, seed=trainer.args.seed,
         ))  # fmt: skip
         quatro = cfg.guards.quatro
         if cfg.algorithm == "grpo" and quatro.enabled and quatro.gold.enabled:  # after PeriodicEval: reads its rows
@@ -282,6 +283,14 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards
     return trainer
+
+
+def eval_sampling(args: Any) -> dict[str, Any]:
+    """``generate``'s sampling settings from the trainer arguments (TRL's temperature, top_p, top_k; 0 / None: off)."""
+    sampling: dict[str, Any] = {"temperature": float(args.temperature), "top_p": float(getattr(args, "top_p", 1.0))}
+    top_k = getattr(args, "top_k", None)
+    sampling["top_k"] = int(top_k) if top_k else 0
+    return sampling
 
 
 def final_eval(cfg: RunConfig, trainer: Any) -> dict[str, Any] | None:

@@ -135,11 +135,11 @@ def test_two_gloo_ranks_agree_with_one_process(tiny_model_dir, tmp_path):
         _rank_worker, lambda attempt: (str(attempt_dir(attempt)), str(tiny_model_dir)), timeout=150.0, retries=1
     )
     rank0, rank1 = (torch.load(tmp_path / f"try{done}" / f"rank{r}.pt") for r in range(2))
-    assert rank0 == rank1  # every rank logs the same numbers
+    assert repr(rank0) == repr(rank1)  # every rank logs the same numbers (as text: a one-row eval's se is NaN)
 
     model, tok = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     eval_ds = arithmetic_dataset("eval", max_operand=9, eval_size=7)
     for row, ds in zip(rank0, (eval_ds, eval_ds.select([0])), strict=True):
         single, _ = PeriodicEval(ds, eval_rewards(), tok, every=2, max_new_tokens=4, batch_size=4).evaluate(model)
         assert row["eval/num_samples"] == len(ds)
-        assert row == pytest.approx(single, rel=1e-12)
+        assert row == pytest.approx(single, rel=1e-12, nan_ok=True)

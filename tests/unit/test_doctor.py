@@ -421,8 +421,10 @@ def test_grade_clipping_far_more_than_its_tails_is_reported_and_tails_alone_are_
 
 
 def test_spike_streaks_and_rebases_are_reported():
-    rows = [{"step": t, "loss": 0.0, "grad_norm": 1.0, "gepo/skipped_steps": float(min(max(0, t - 40), 3))}
-            for t in range(1, 61)]  # fmt: skip
+    rows = [
+        {"step": t, "loss": 0.0, "grad_norm": 1.0, "gepo/skipped_steps": float(min(max(0, t - 40), 3))}
+        for t in range(1, 61)
+    ]
     for r in rows:
         r["gepo/spike_rebases"] = float(r["step"] >= 44)
     changes = _saturation(rows)
@@ -455,3 +457,85 @@ def test_a_falling_rollout_ess_is_named_with_the_keys_to_change():
             r[ess] = 0.3
     (finding,) = diagnose(History(rows))
     assert finding.severity == "problem" and "fell to 0.3" in finding.summary
+
+
+# ----------------------------------------------------------------------------------------------- regression
+
+
+def lr_collapse_rows(seed: int = 4) -> list[dict[str, Any]]:
+    """A learning rate 30x too high (the tiny task, measured): the reward falls from ~0.5 to 0 in 10 steps and stays
+    there, every group's rewards equal (no learning signal); the eval (200 samples, from step 0) 0.55 -> 0."""
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = [{"step": 0, "eval/accuracy": 0.55, "eval/accuracy_se": 0.035}]
+    for t in range(1, N + 1):
+        reward = max(0.0, 0.5 * (1 - t / 10)) + (float(abs(rng.normal(0, 0.03))) if t < 10 else 0.0)
+        rows.append(
+            {
+                "step": t,
+                "reward": reward,
+                "frac_reward_zero_std": 0.3 if t < 10 else 1.0,
+                "grad_norm": 0.5 if t < 10 else 0.0,
+                "entropy": float(0.9 + rng.normal(0, 0.05)),
+            }
+        )
+        if t % 25 == 0:
+            rows.append({"step": t, "eval/accuracy": 0.0, "eval/accuracy_se": 0.0})
+    rows.append({"step": N, "train_runtime": 100.0, "train_loss": 0.01})
+    return rows
+
+
+def sampled_plateau_rows(seed: int = 5) -> list[dict[str, Any]]:
+    """A healthy run that stopped improving: flat reward, a sampled eval (n 200: se 0.035) around 0.5 every 20 steps,
+    its luckiest eval 0.6 at step 40 and later ones 0.09-0.13 below it (inside the noise)."""
+    rows = [r for r in healthy_rows(seed) if "eval/accuracy" not in r and "train_runtime" not in r]
+    rng = np.random.default_rng(seed)
+    for r in rows:
+        if "reward" in r:
+            r["reward"] = float(rng.normal(0.5, 0.08))
+    for t, acc in zip(range(20, N + 1, 20), (0.52, 0.60, 0.50, 0.48, 0.51, 0.47, 0.49, 0.50, 0.47, 0.49), strict=True):
+        rows.append({"step": t, "eval/accuracy": acc, "eval/accuracy_se": 0.035, "eval/num_samples": 200})
+    return rows
+
+
+def test_a_run_that_failed_by_itself_is_a_regression_with_no_learning_signal_never_healthy():
+    findings = diagnose(History(rows=lr_collapse_rows()))
+    regression = only(findings, "regression")
+    assert regression.severity == "problem" and "no learning signal left" in regression.summary
+    assert "reward" in [e.metric for e in regression.evidence]
+    assert evidence_for(regression, "frac_reward_zero_std").detail.startswith("mean ")
+    assert "best 0.55 at step 0 -> 0 at step 200" in evidence_for(regression, "eval/accuracy").detail
+    assert regression.changes[0].startswith(
+        "trainer.learning_rate: lower it 3-10x and resume from the checkpoint nearest step 0"
+    )
+    assert "healthy" not in format_findings(findings, History(rows=lr_collapse_rows()))
+
+
+def test_an_eval_fall_inside_its_noise_is_no_regression_and_outside_it_is():
+    rows = sampled_plateau_rows()
+    assert diagnose(History(rows=rows)) == []
+    # no noise model (eval_z 0: eval_drop 0.05 alone): the plateau's lucky best reads as a regression
+    assert only(diagnose(History(rows=rows), DoctorConfig(eval_z=0.0)), "regression").severity == "problem"
+    # the binomial bound from eval/num_samples stands in for a missing se: still quiet
+    bare = [{k: v for k, v in r.items() if k != "eval/accuracy_se"} for r in rows]
+    assert diagnose(History(rows=bare)) == []
+    # a real fall: the last two evals 0.3 (0.3 below the best, the margin 4 * sqrt(2) * 0.035 = 0.198)
+    fallen = [{**r, "eval/accuracy": 0.3} if r.get("step", 0) >= 180 and "eval/accuracy" in r else r for r in rows]
+    regression = only(diagnose(History(rows=fallen)), "regression")
+    assert "best 0.6 at step 40 -> 0.3 at step 200 (0.198 allowed by its noise)" in regression.evidence[0].detail
+
+
+def test_the_gold_watchs_rollbacks_are_named_by_what_it_saw():
+    rows = healthy_rows()
+    cause = "the eval metric (eval/accuracy) fell from 0.55 at step 0 to 0 at step 40 ..."
+    events = [
+        {"step": 40, "event": "gold_rollback", "cause": cause, "verdict": "regressed", "snapshot_step": 0},
+        {"step": 80, "event": "gold_rollback", "cause": "...", "verdict": "regressed", "snapshot_step": 0},
+        {"step": 200, "event": "gold_rollback", "cause": "the run ends ..."},  # the end-of-run swap: not counted
+    ]
+    findings = diagnose(History(rows=rows, events=events))
+    regression = only(findings, "regression")
+    assert regression.severity == "warning" and regression.summary.startswith("the gold watch rolled back 2 time(s)")
+    assert "2 rollback(s) at step(s) 40, 80; first: the eval metric" in regression.evidence[0].detail
+    assert "resume from the best policy the watch kept" in regression.changes[0]
+    gamed = [{**e, "verdict": "diverged"} for e in events[:1]]
+    assert only(diagnose(History(rows=rows, events=gamed)), "reward_hacking").severity == "warning"

@@ -1,6 +1,7 @@
-"""The reward-hacking watch's rule (steadyrl/guards/gold_watch.py) on constructed histories: a run that games its
-reward (training reward up, gold metric down) is confirmed after ``confirm`` evals; healthy, noisy and collapsing
-runs are not; the replay over logged rows finds the same verdicts as the live rule."""
+"""The gold watch's rule (steadyrl/guards/gold_watch.py) on constructed histories: a run that games its reward
+(training reward up, gold metric down) is confirmed after ``confirm`` evals as "diverged", one whose reward falls with
+the gold metric as "regressed"; healthy and noisy runs are not, and a fall inside the evals' own noise (a plateau's
+lucky best) is not a fall; the replay over logged rows finds the same verdicts as the live rule."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import pytest
 
-from steadyrl.guards.gold_watch import GoldConfig, GoldDetector, eval_points, replay
+from steadyrl.guards.gold_watch import GoldConfig, GoldDetector, binomial_se, eval_points, gold_se, mean_se, replay
 
 NAN = float("nan")
 
@@ -35,33 +36,37 @@ def test_an_eval_before_training_as_the_best_takes_the_first_reward_after_it_as_
     verdicts = [gamed.update(step, gold, reward) for step, gold, reward in ((0, 0.21, nan), (10, 0.01, 0.8),
                                                                              (20, 0.0, 0.9))]  # fmt: skip
     assert verdicts == ["best", "falling", "diverged"] and gamed.reward_at_best == 0.8 and gamed.best_step == 0
-    # the same fall with the reward falling below its first level: a collapse, not confirmed
+    # the same fall with the reward falling below its first level: a regression (confirmed unless regression=False)
+    points = ((0, 0.21, nan), (10, 0.01, 0.8), (20, 0.0, 0.7))
     collapse = GoldDetector()
-    verdicts = [collapse.update(step, gold, reward) for step, gold, reward in ((0, 0.21, nan), (10, 0.01, 0.8),
-                                                                               (20, 0.0, 0.7))]  # fmt: skip
-    assert verdicts == ["best", "falling", "ok"]
+    assert [collapse.update(*p) for p in points] == ["best", "falling", "regressed"]
+    gaming_only = GoldDetector(regression=False)
+    assert [gaming_only.update(*p) for p in points] == ["best", "falling", "ok"]
 
 
-def test_healthy_noisy_and_collapsing_runs_are_not_confirmed():
+def test_healthy_and_noisy_runs_are_not_confirmed_and_a_collapse_is_a_regression():
     rising = [(0.5, 0.2), (0.6, 0.3), (0.7, 0.4), (0.8, 0.5)]
     assert _verdicts(rising) == ["best"] * 4
     noisy = [(0.80, 0.5), (0.74, 0.6), (0.79, 0.6), (0.74, 0.7), (0.81, 0.7)]  # never 2 in a row below 0.75
     assert _verdicts(noisy) == ["best", "falling", "ok", "falling", "best"]
-    # the gold metric falls, but so does the training reward: a collapse, not a gamed reward
+    # the gold metric falls, and so does the training reward: a regression, not a gamed reward
     collapse = [(0.80, 0.6), (0.70, 0.5), (0.60, 0.4), (0.50, 0.3)]
-    assert _verdicts(collapse) == ["best", "ok", "ok", "ok"]
+    assert _verdicts(collapse) == ["best", "falling", "regressed", "regressed"]
+    assert _verdicts(collapse, regression=False) == ["best", "ok", "ok", "ok"]
     # a drop of exactly `drop` is not a fall (strictly below best - drop)
     assert _verdicts([(0.5, 0.0), (0.25, 1.0), (0.25, 1.0)], drop=0.25) == ["best", "ok", "ok"]
 
 
 def test_reward_slack_confirm_and_non_finite_values():
     points = [(0.80, 0.60), (0.70, 0.58), (0.70, 0.58)]  # the reward slipped by 0.02
-    assert _verdicts(points) == ["best", "ok", "ok"]
+    assert _verdicts(points) == ["best", "falling", "regressed"]
+    assert _verdicts(points, regression=False) == ["best", "ok", "ok"]
     assert _verdicts(points, reward_slack=0.05) == ["best", "falling", "diverged"]
     assert _verdicts(points, reward_slack=0.05, confirm=1) == ["best", "diverged", "diverged"]
     # a NaN gold metric is skipped without breaking a streak; a NaN reward never counts as "rewarded"
     assert _verdicts([(0.8, 0.6), (0.7, 0.7), (NAN, 0.8), (0.7, 0.8)]) == ["best", "falling", "skip", "diverged"]
-    assert _verdicts([(0.8, 0.6), (0.7, NAN), (0.7, NAN)]) == ["best", "ok", "ok"]
+    assert _verdicts([(0.8, 0.6), (0.7, NAN), (0.7, NAN)]) == ["best", "falling", "regressed"]
+    assert _verdicts([(0.8, 0.6), (0.7, NAN), (0.7, NAN)], regression=False) == ["best", "ok", "ok"]
 
 
 def test_restart_keeps_the_best_and_state_round_trips():
@@ -76,6 +81,10 @@ def test_restart_keeps_the_best_and_state_round_trips():
     assert again == detector
     with pytest.raises(ValueError, match="version"):
         again.load_state_dict({"version": 0})
+    # a checkpoint from before the noise model (version 1, no standard errors): its reference counts as exact
+    old = {"version": 1, "best_gold": 0.8, "best_step": 0, "reward_at_best": 0.6, "streak": 1, "evals": 3}
+    again.load_state_dict(old)
+    assert (again.best_gold, again.best_se, again.reward_se_at_best, again.streak) == (0.8, 0.0, 0.0, 1)
 
 
 def test_eval_points_average_the_rewards_logged_since_the_previous_eval():
@@ -88,8 +97,11 @@ def test_eval_points_average_the_rewards_logged_since_the_previous_eval():
         {"step": 5, "eval/accuracy": 0.3},
     ]
     points = eval_points(rows)
-    assert points[:2] == [(2, 0.5, pytest.approx(0.3)), (4, 0.4, 0.6)]
-    assert points[2][:2] == (5, 0.3) and math.isnan(points[2][2])
+    assert points[0][:3] == (2, 0.5, pytest.approx(0.3)) and points[1][:3] == (4, 0.4, 0.6)
+    assert points[2][:2] == (5, 0.3) and math.isnan(points[2].reward)
+    # the reward's standard error: std of (0.2, 0.4) / sqrt(2) = 0.1414.. / 1.414.. = 0.1; one value: unknown
+    assert points[0].reward_se == pytest.approx(0.1) and math.isnan(points[1].reward_se)
+    assert all(math.isnan(p.gold_se) for p in points)  # no eval/accuracy_se, no eval/num_samples
 
 
 def test_replay_matches_the_live_rule():
@@ -107,3 +119,90 @@ def test_config_bounds():
         GoldConfig(action="pause")
     with pytest.raises(ValueError, match="lr_factor"):
         GoldConfig(lr_factor=1.5)
+
+
+# ----------------------------------------------------------------------------------- the noise model, by hand
+
+SE = 0.0354  # sqrt(0.5 * 0.5 / 200): a 0/1 metric near 0.5 on 200 samples
+
+
+def _noisy(points: list[tuple[float, float]], **kwargs) -> list[str]:
+    detector = GoldDetector(**kwargs)
+    return [detector.update(20 * (i + 1), gold, reward, SE, 0.01) for i, (gold, reward) in enumerate(points)]
+
+
+def test_a_plateaus_lucky_best_is_not_a_fall_but_a_fall_beyond_the_noise_is():
+    # a plateau at 0.50 whose second eval was lucky (+2.8 se), then evals back at the plateau, the reward flat: the
+    # old rule (z=0: drop 0.05 alone) rolls it back; with z=4 a fall must exceed 4 * sqrt(2) * SE = 0.2002
+    plateau = [(0.49, 0.5), (0.60, 0.5), (0.50, 0.5), (0.49, 0.5), (0.47, 0.5), (0.51, 0.5)]
+    assert _noisy(plateau, z=0.0) == ["best", "best", "falling", "diverged", "diverged", "diverged"]
+    assert _noisy(plateau) == ["best", "best", "ok", "ok", "ok", "ok"]
+    detector = GoldDetector()
+    detector.update(0, 0.60, 0.5, SE, 0.01)
+    assert detector.margin(SE) == pytest.approx(4 * math.sqrt(2) * SE)
+    # the gamed run: gold 0.60 -> 0.30 -> 0.25 (0.30 > 0.2002 below) while the reward rises: confirmed on the second
+    gamed = [(0.55, 0.5), (0.60, 0.6), (0.30, 0.8), (0.25, 0.9)]
+    assert _noisy(gamed) == ["best", "best", "falling", "diverged"]
+    # 0.20 below is inside the noise, 0.21 below is not
+    assert _noisy([(0.60, 0.5), (0.40, 0.5), (0.40, 0.5)]) == ["best", "ok", "ok"]
+    assert _noisy([(0.60, 0.5), (0.39, 0.5), (0.39, 0.5)]) == ["best", "falling", "diverged"]
+
+
+def test_drop_stays_a_floor_when_the_noise_is_small():
+    # se 0.001 (a huge eval): z * sqrt(2) * se = 0.0057, so drop=0.05 decides
+    detector = GoldDetector()
+    verdicts = [detector.update(i, g, 0.5, 0.001, 0.0) for i, g in enumerate((0.8, 0.76, 0.76, 0.74, 0.74))]
+    assert verdicts == ["best", "ok", "ok", "falling", "diverged"]
+
+
+def test_the_reference_is_the_highest_lower_bound_not_the_luckiest_eval():
+    detector = GoldDetector()
+    assert detector.update(0, 0.70, 0.5, 0.01, 0.0) == "best"  # bound 0.70 - 4 * 0.01 = 0.66
+    assert detector.update(1, 0.74, 0.5, 0.05, 0.0) == "ok"  # higher, but its bound 0.54 is lower: not the reference
+    assert (detector.best_gold, detector.best_step, detector.best_se) == (0.70, 0, 0.01)
+    assert detector.update(2, 0.76, 0.5, 0.01, 0.0) == "best"  # bound 0.72 > 0.66
+
+
+def test_the_reward_holds_by_a_test_and_labels_the_fall():
+    detector = GoldDetector()
+    detector.update(0, 0.60, 0.60, SE, 0.02)
+    # allowed fall of the reward: 4 * sqrt(0.02^2 + 0.02^2) = 0.113
+    assert detector.held(0.49, 0.02) and not detector.held(0.48, 0.02)
+    assert not detector.held(NAN, 0.02)
+    gamed, regressed = GoldDetector(), GoldDetector()
+    for d, reward in ((gamed, 0.55), (regressed, 0.40)):
+        verdicts = [
+            d.update(i, g, r, SE, 0.02) for i, (g, r) in enumerate(((0.60, 0.60), (0.30, reward), (0.30, reward)))
+        ]
+        assert verdicts[:2] == ["best", "falling"]
+    assert (
+        gamed.update(3, 0.30, 0.55, SE, 0.02) == "diverged" and regressed.update(3, 0.30, 0.40, SE, 0.02) == "regressed"
+    )
+
+
+def test_standard_errors_by_hand_and_from_a_logged_row():
+    assert binomial_se(0.5, 100) == pytest.approx(0.05)
+    assert binomial_se(0.0, 100) == 0.0 and math.isnan(binomial_se(1.5, 100)) and math.isnan(binomial_se(0.5, 0))
+    mean, se = mean_se([1.0, 2.0, 3.0, NAN])  # std 1, n 3
+    assert mean == 2.0 and se == pytest.approx(1 / math.sqrt(3))
+    assert math.isnan(mean_se([]).__getitem__(0)) and math.isnan(mean_se([4.0])[1])
+    assert gold_se({"eval/accuracy_se": 0.02, "eval/num_samples": 100}, 0.5) == 0.02
+    assert gold_se({"eval/num_samples": 100}, 0.5) == pytest.approx(0.05)  # the binomial bound
+    assert math.isnan(gold_se({"eval/num_samples": 100}, 3.0))  # not a metric in [0, 1]: unknown
+    assert gold_se({"eval/reward_se": 0.3}, 2.0, "eval/reward") == 0.3
+
+
+def test_a_collapse_inside_the_first_interval_is_a_regression_by_the_first_reward_after_the_eval_before_training():
+    # the eval before training (0.55); the reward of its own rollouts is 0.5 at step 1, then 0 from step 2 on (a
+    # learning rate far too high): the interval's mean (0.025) would make the fall look like a held reward
+    rows = [{"step": 0, "eval/accuracy": 0.55, "eval/accuracy_se": 0.035}]
+    for step in range(1, 61):
+        rows.append({"step": step, "reward": 0.5 if step == 1 else 0.0})
+        if step % 20 == 0:
+            rows.append({"step": step, "eval/accuracy": 0.0, "eval/accuracy_se": 0.0})
+    points = eval_points(rows)
+    assert points[1].first_reward == 0.5 and points[1].reward == pytest.approx(0.025)
+    assert [v for _, v in replay(rows)] == ["best", "falling", "regressed", "regressed"]
+    # without the first reward the bar is the interval's mean, and the same fall reads as a held reward
+    detector = GoldDetector()
+    assert [detector.update(*p[:5]) for p in points] == ["best", "falling", "diverged", "diverged"]

@@ -48,7 +48,8 @@ def test_registry_holds_the_names_and_the_templates() -> None:
     assert not metrics.is_declared("gepo/no_such_metric")
     assert not metrics.is_declared(metrics.QUATRO_FILTERED_PREFIX)  # a prefix alone names nothing
     assert metrics.EVENTS == {
-        "skip", "micro_batch_drop", "rollback", "state_repair", "entropy_floor_warning", "filter_warning"
+        "skip", "micro_batch_drop", "rollback", "state_repair", "gold_rollback", "entropy_floor_warning",
+        "filter_warning",
     }  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from types import SimpleNamespace
 from typing import Any
@@ -12,8 +13,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from steadyrl.callbacks.periodic_eval import PeriodicEval, contiguous_shard, preserved_rng
-from steadyrl.evaluation import evaluate_rewards, greedy_scores
+from steadyrl.callbacks.periodic_eval import PeriodicEval, contiguous_shard, preserved_rng, sample_mean_se
+from steadyrl.evaluation import eval_scores, evaluate_rewards
 from steadyrl.tasks.arithmetic import arithmetic_dataset, exact_match
 
 
@@ -108,11 +109,52 @@ def test_numbers_match_evaluate_rewards_and_hand_values(eval_ds, tiny):
     assert [p for p, _, _ in samples] == list(eval_ds["prompt"][:3])
 
     weighted = make(
-        eval_ds, tok, rewards=rewards, max_samples=10, metric="half",
+        eval_ds,
+        tok,
+        rewards=rewards,
+        max_samples=10,
+        metric="half",
         reward_weights={"exact_match": 0.0, "code": 0.0, "half": 2.0, "ones": -1.0},
-    )  # fmt: skip
+    )
     m, _ = weighted.evaluate(model)
     assert m["eval/reward"] == pytest.approx(2 * 0.25 - 1.0) and m["eval/accuracy"] == 0.25
+    assert m["eval/accuracy_se"] == 0.0  # every scored row 0.25: no spread
+    # the standard error of the metric by hand: the per-row codes' sample std / sqrt(n)
+    codes = make(eval_ds, tok, rewards={"code": first_char_code}, max_samples=10)
+    m, _ = codes.evaluate(model)
+    scores = torch.tensor(
+        first_char_code(
+            eval_scores(model, tok, eval_ds.select(range(10)), {"c": first_char_code}, max_new_tokens=3, batch_size=4)[
+                "completions"
+            ]
+        )
+    )
+    assert m["eval/accuracy"] == pytest.approx(scores.mean().item())
+    assert m["eval/accuracy_se"] == pytest.approx((scores.std() / 10**0.5).item(), rel=1e-9)
+
+
+def test_sample_mean_se_by_hand():
+    assert sample_mean_se(3.0, 3.0, 4.0) == pytest.approx(((3 - 9 / 4) / 3 / 4) ** 0.5)  # 0/1 scores 1, 1, 1, 0
+    assert math.isnan(sample_mean_se(1.0, 1.0, 1.0))
+
+
+def test_sampled_mode_draws_per_step_repeats_a_step_and_leaves_greedy_alone(eval_ds, tiny):
+    model, tok = tiny
+    rewards = {"code": first_char_code}
+    greedy = make(eval_ds, tok, rewards=rewards, max_new_tokens=4)
+    sampled = make(
+        eval_ds, tok, rewards=rewards, max_new_tokens=4, sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0}, seed=3
+    )
+    texts = {}
+    for name, cb in (("greedy", greedy), ("sampled", sampled)):
+        for step in (2, 4, 2):
+            st = state(step)
+            cb._last_step = None
+            texts.setdefault(name, []).append(cb.evaluate(model, trainer_state=st)[1])
+    g, s = texts["greedy"], texts["sampled"]
+    assert g[0] == g[1] == g[2]  # greedy: the same completions at every step
+    assert s[0] == s[2] and s[0] != s[1]  # sampled: a resume re-draws its step's eval, another step another one
+    assert s[0] != g[0]
 
 
 def test_rng_and_train_mode_are_restored(eval_ds, tiny):
@@ -153,9 +195,15 @@ def test_log_fn_gets_the_row_else_log_history(eval_ds, tiny, caplog):
         make(eval_ds, tok, log_fn=rows.append, num_samples_to_log=2).run(model, st)
     assert len(rows) == 1 and st.log_history == []
     assert set(rows[0]) == {
-        "eval/reward", "eval/accuracy", "eval/reward/exact_match", "eval/reward/half", "eval/reward/ones",
-        "eval/mean_length", "eval/num_samples",
-    }  # fmt: skip
+        "eval/reward",
+        "eval/accuracy",
+        "eval/accuracy_se",
+        "eval/reward/exact_match",
+        "eval/reward/half",
+        "eval/reward/ones",
+        "eval/mean_length",
+        "eval/num_samples",
+    }
     assert sum("eval sample at step 4" in r.getMessage() for r in caplog.records) == 2
 
     caplog.clear()
@@ -197,7 +245,7 @@ def test_empty_dataset_calls_nothing():
     def boom(**_: Any) -> list[float]:
         raise AssertionError("must not be called")
 
-    out = greedy_scores(None, None, Dataset.from_dict({"prompt": []}), {"r": boom}, max_new_tokens=1, batch_size=1)
+    out = eval_scores(None, None, Dataset.from_dict({"prompt": []}), {"r": boom}, max_new_tokens=1, batch_size=1)
     assert out == {"prompts": [], "completions": [], "completion_ids": [], "scores": {"r": []}}
 
 

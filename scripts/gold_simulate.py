@@ -1,0 +1,175 @@
+"""The gold watch's false alarms and catches on simulated histories: the real rule (``GoldDetector``, the code the
+live watch runs) over evals drawn from its noise model, at the shipped ``guards.quatro.gold`` settings and at the rule
+before the noise model (``z: 0, regression: false``: drop 0.05 below the luckiest eval, the reward "held" when not
+below its level at that eval).
+
+Plateau cells (``plateau-p<p>-n<n>``): a run that stopped improving. Each eval scores n fresh samples of a 0/1 metric
+whose true level is p (a sampled eval, or a fresh random subset), logged with its standard error as PeriodicEval logs
+it (the per-sample std / sqrt(n)); between two evals ``--every`` training rewards drawn around a flat mean (std
+``--reward-std``). ``false_alarm_share_at_<k>``: the share of ``--runs`` runs with any confirmed fall (a rollback)
+within their first k evals.
+
+Fall cells (``fall-<rate>``): p = 0.6 for 10 evals, then the true level falls by ``rate`` per eval (to 0) while the
+training reward rises (a gamed reward), n = 200. ``evals_to_catch``: the median and the 95th percentile of the evals
+from the first eval after the fall began to the confirmation; ``caught_share``: the runs confirmed within 10 evals.
+
+    python scripts/gold_simulate.py --results docs/results/gold_false_alarms_sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+import experiments as X  # noqa: E402
+
+from steadyrl.callbacks.periodic_eval import sample_mean_se  # noqa: E402
+from steadyrl.guards.gold_watch import CONFIRMED, GoldConfig, GoldDetector, mean_se  # noqa: E402
+
+VARIANTS = {"shipped": {}, "before-noise-model": {"z": 0.0, "regression": False}}
+EVAL_COUNTS = (10, 20, 30, 50)
+SIZES = (100, 200, 500, 1000)
+LEVELS = (0.2, 0.5, 0.8)
+FALL_RATES = (0.05, 0.1, 0.2)
+
+
+def eval_point(rng: np.random.Generator, level: float, n: int) -> tuple[float, float]:
+    """(mean, standard error) of n fresh 0/1 scores with success probability ``level``, as PeriodicEval logs them."""
+    k = int(rng.binomial(n, level))
+    return k / n, sample_mean_se(float(k), float(k), float(n))  # 0/1 scores: the sum of squares is the sum
+
+
+def rewards(rng: np.random.Generator, mean: float, every: int, std: float) -> tuple[float, float]:
+    return mean_se(list(rng.normal(mean, std, size=every)))
+
+
+def first_alarm(detector: GoldDetector, points: list[tuple[float, float, float, float]]) -> int | None:
+    """The 1-based index of the first confirmed fall, None when none."""
+    for i, (gold, se, reward, reward_se) in enumerate(points, start=1):
+        if detector.update(20 * i, gold, reward, se, reward_se) in CONFIRMED:
+            return i
+    return None
+
+
+def plateau_cell(variant: str, level: float, n: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    config = GoldConfig(**VARIANTS[variant])
+    firsts = []
+    for _ in range(args.runs):
+        points = [(*eval_point(rng, level, n), *rewards(rng, 0.5, args.every, args.reward_std)) for _ in range(50)]
+        firsts.append(first_alarm(GoldDetector.from_config(config), points))
+    shares = {
+        f"false_alarm_share_at_{k}": sum(f is not None and f <= k for f in firsts) / args.runs for k in EVAL_COUNTS
+    }
+    return {
+        "scenario": f"plateau-p{level}-n{n}",
+        "variant": variant,
+        "seeds": [seed],
+        "died": [False],
+        "accuracy": [None],
+        "metrics": {"runs": [args.runs], **{k: [v] for k, v in shares.items()}},
+    }
+
+
+def fall_cell(variant: str, rate: float, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    config = GoldConfig(**VARIANTS[variant])
+    lags = []
+    for _ in range(args.runs):
+        points = []
+        for i in range(30):
+            level = 0.6 if i < 10 else max(0.0, 0.6 - rate * (i - 9))
+            reward_mean = 0.5 if i < 10 else 0.5 + 0.02 * (i - 9)
+            points.append((*eval_point(rng, level, 200), *rewards(rng, reward_mean, args.every, args.reward_std)))
+        first = first_alarm(GoldDetector.from_config(config), points)
+        lags.append(None if first is None else first - 10)  # evals after the last plateau eval
+    caught = sorted(lag for lag in lags if lag is not None and lag >= 1)
+    early = sum(lag is not None and lag < 1 for lag in lags)
+    metrics = {
+        "runs": [args.runs],
+        "caught_share": [sum(lag <= 10 for lag in caught) / args.runs],
+        "alarm_before_the_fall_share": [early / args.runs],
+        "evals_to_catch_median": [statistics.median(caught) if caught else None],
+        "evals_to_catch_p95": [caught[math.ceil(0.95 * len(caught)) - 1] if caught else None],
+    }
+    return {
+        "scenario": f"fall-{rate}",
+        "variant": variant,
+        "seeds": [seed],
+        "died": [False],
+        "accuracy": [None],
+        "metrics": metrics,
+    }
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    lines = [
+        "| eval samples n | true level p | rule | "
+        + " | ".join(f"runs with a rollback, {k} evals" for k in EVAL_COUNTS)
+        + " |",
+        "|---|---|---|" + "---|" * len(EVAL_COUNTS),
+    ]
+    for c in cells:
+        if c["scenario"].startswith("plateau-"):
+            _, p, n = c["scenario"].split("-")
+            shares = " | ".join(f"{100 * c['metrics'][f'false_alarm_share_at_{k}'][0]:.1f} %" for k in EVAL_COUNTS)
+            lines.append(f"| {n[1:]} | {p[1:]} | {c['variant']} | {shares} |")
+    lines += [
+        "",
+        "| fall per eval (n 200) | rule | caught within 10 evals | evals to catch: median, p95 | alarm before"
+        " the fall |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cells:
+        if c["scenario"].startswith("fall-"):
+            m = c["metrics"]
+            lines.append(
+                f"| {c['scenario'][5:]} | {c['variant']} | {100 * m['caught_share'][0]:.1f} % | "
+                f"{m['evals_to_catch_median'][0]}, {m['evals_to_catch_p95'][0]} | "
+                f"{100 * m['alarm_before_the_fall_share'][0]:.1f} % |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=4000, help="simulated runs per cell")
+    ap.add_argument("--every", type=int, default=20, help="training rewards logged between two evals")
+    ap.add_argument("--reward-std", type=float, default=0.05, help="the std of one step's mean training reward")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", type=Path, help="write the RESULTS.md file here")
+    args = ap.parse_args()
+    cells = []
+    for variant in VARIANTS:
+        for i, (level, n) in enumerate((p, n) for p in LEVELS for n in SIZES):
+            cells.append(plateau_cell(variant, level, n, args, args.seed + i))
+        for j, rate in enumerate(FALL_RATES):
+            cells.append(fall_cell(variant, rate, args, args.seed + 100 + j))
+    text = table(cells)
+    print(text)
+    if args.results:
+        doc = X.results_doc(
+            "gold_false_alarms",
+            cells,
+            command=X.script_command("gold_simulate.py"),
+            sha=X.commit(),
+            model="none (simulated eval histories)",
+            steps="per run",
+            table=text,
+            gold_config=GoldConfig().__dict__,
+            every=args.every,
+        )
+        X.write_results(args.results, doc)
+
+
+if __name__ == "__main__":
+    main()
