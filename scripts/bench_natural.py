@@ -138,7 +138,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="read back a run folder that has run.json, run the others")
     ap.add_argument("--collect-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    ap.add_argument("--workers", type=int, default=1, help="runs at a time (tiny runs: 2 x 1 thread on 2 cores)")
     args = ap.parse_args()
     jobs = jobs_for(args)
     results = X.run_jobs(
@@ -147,6 +148,7 @@ def main() -> None:
         timeout=args.timeout,
         collect_only=args.collect_only,
         reuse=args.reuse,
+        workers=args.workers,
     )
     text = table(results)
     print(text)

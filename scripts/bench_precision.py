@@ -53,6 +53,11 @@ SETTINGS = {  # healthy settings: (model, overrides)
     "lr3e-5": ("tiny", ("trainer.learning_rate=3.0e-5",)),
     "lr3e-4": ("tiny", ("trainer.learning_rate=3.0e-4",)),
     "smollm2": ("small", ()),
+    # long runs well past convergence (run with --steps 1000), the gold watch reading an eval every 20 steps: the same
+    # 200 problems greedy, or sampled at the training temperature (a fresh draw each eval, seeded by the step)
+    "long-greedy": ("tiny", ("eval.every=20", "eval.on_start=true")),
+    "long-sampled": ("tiny", ("eval.every=20", "eval.on_start=true", "eval.do_sample=true")),
+    "smollm2-eval": ("small", ("eval.every=10", "eval.on_start=true")),
 }
 BURST_STEPS = 5  # the reward burst makes a quarter of the rewards non-finite on this many steps from the fault on
 BURST = "{{name: bursty, fn: 'steadyrl.faults:exact_match_nonfinite_burst', kwargs: {{fraction: 0.25, start: {step}, "
@@ -134,6 +139,8 @@ def healthy_summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     out["skipped_steps"] = kinds.get("skipped_step", {}).get("steps", 0)
     out["rollbacks"] = kinds.get("rollback", {}).get("steps", 0)
     out["repairs"] = kinds.get("state_repair", {}).get("steps", 0)
+    out["gold_rollbacks"] = kinds.get("gold_rollback", {}).get("steps", 0)
+    out["evals"] = len(history.finite(M.EVAL_ACCURACY)[1]) if history is not None else 0
     out["filtered_row_share"] = (ledger or {}).get("filtered_rows", {}).get("share")
     out["steps"] = (ledger or {}).get("steps")
     out.update(calm_statistics(history) if history is not None else {})
@@ -252,6 +259,8 @@ HEALTHY_METRICS = (
     "skipped_steps",
     "rollbacks",
     "repairs",
+    "gold_rollbacks",
+    "evals",
     "intervention_share_max",
     "filtered_row_share",
     "interventions",
@@ -383,6 +392,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="read back a run folder that has run.json, run the others")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (SmolLM2 runs: 2)")
+    ap.add_argument("--workers", type=int, default=1, help="runs at a time (tiny runs: 2 x 1 thread on 2 cores)")
     ap.add_argument("--retable", action="store_true", help="rewrite --results' table from its cells; run nothing")
     args = ap.parse_args()
     if args.retable:
@@ -401,7 +411,7 @@ def main() -> None:
     jobs, how = jobs_and_summaries(args)
     results = X.run_jobs(
         jobs, lambda job, run: {**how[job.key](job, run), "model": model}, timeout=args.timeout,
-        collect_only=args.collect_only, reuse=args.reuse,
+        collect_only=args.collect_only, reuse=args.reuse, workers=args.workers,
     )  # fmt: skip
     text = tables(results)
     print(text)
