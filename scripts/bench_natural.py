@@ -136,11 +136,14 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
     ap.add_argument("--reuse", action="store_true", help="read back a run folder that has run.json, run the others")
-    ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument("--collect-only", action="store_true", help="run nothing: read the runs in --out again")
+    ap.add_argument("--commit", default=None, help="with --collect-only: the commit the runs were made at")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     ap.add_argument("--workers", type=int, default=1, help="runs at a time (tiny runs: 2 x 1 thread on 2 cores)")
     args = ap.parse_args()
+    if args.commit and not args.collect_only:
+        ap.error("--commit names the commit of runs already made: use it with --collect-only")
     jobs = jobs_for(args)
     results = X.run_jobs(
         jobs,
@@ -163,10 +166,11 @@ def main() -> None:
             "natural_failures",
             cells,
             command=X.script_command("bench_natural.py"),
-            sha=X.commit(),
+            sha=args.commit or X.commit(),
             model="tiny-llama-0.9m (SFT checkpoint)",
             steps=args.steps or 200,
             table=text,
+            summarised_at=X.commit(),  # the code that read the runs (the doctor's findings), when collected later
         )
         X.write_results(args.results, doc, merge=args.merge)
 

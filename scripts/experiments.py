@@ -136,25 +136,30 @@ def merge_results(
 ) -> dict[str, Any]:
     """``new``'s cells replace the same (scenario, variant) cells of ``old``, in place in its order (new ones at
     the end). Every cell carries the command, commit, date, machine, model, packages and steps of the run that made
-    it (an old cell without them gets the old file's), and the file's own fields say "per cell" where they differ.
+    it (an old cell without them gets the old file's), as do the files' other top-level settings (e.g. a rule's
+    ``gold_config``), and the file's own fields say "per cell" where they differ.
     ``same``: fields the two files must agree on (or the old one says "per cell"). ``add_seeds``: a new cell joins
     the old one seed by seed instead (``join_seeds``)."""
     old, new = copy.deepcopy(old), copy.deepcopy(new)  # the callers' documents stay as they were
     for key in same:
         if old.get(key) not in (new.get(key), "per cell"):
             raise SystemExit(f"--merge: the file's runs have {old.get(key)} {key}, this run {new.get(key)}")
+    # the files' other settings (a rule's config, an eval interval) travel with their cells too
+    extra = [k for k in dict.fromkeys([*old, *new]) if k not in ("benchmark", "cells", "table", *OWN_FIELDS)]
     for c in old["cells"]:
         for key in OWN_FIELDS:
             c.setdefault(key, old.get(key))
+        c.update({key: old[key] for key in extra if key in old and key not in c})
     for c in new["cells"]:
         c.update({key: new.get(key) for key in OWN_FIELDS if key not in c})
+        c.update({key: new[key] for key in extra if key in new and key not in c})
     replaced = {(c["scenario"], c["variant"]): c for c in new["cells"]}
     if add_seeds:
         before = {(c["scenario"], c["variant"]): c for c in old["cells"]}
         replaced = {key: join_seeds(before[key], c) if key in before else c for key, c in replaced.items()}
     cells = [replaced.pop((c["scenario"], c["variant"]), c) for c in old["cells"]] + list(replaced.values())
     merged = {**new, "cells": cells}
-    for key in OWN_FIELDS:
+    for key in (*OWN_FIELDS, *extra):
         values = {json.dumps(c.get(key), sort_keys=True) for c in cells}
         merged[key] = cells[0].get(key) if len(values) == 1 else "per cell"
     return merged

@@ -391,6 +391,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "doctor_misses_a_fall_the_run_recovered_from",
+        "the doctor reads only the last eval against the best: a run that fell to 0.12 and ended at 0.39 is healthy",
+        (
+            (
+                "steadyrl/evidence/doctor.py",
+                "    if history.has(M.QUATRO_GOLD_BEST):\n        return None",
+                "    return None",
+            ),
+        ),
+        (
+            "tests/unit/test_doctor.py::test_a_run_that_fell_and_partly_recovered_is_a_regression_by_the_gold_watchs_"
+            "rule_replayed",
+        ),
+    ),
+    Mutant(
         "doctor_warns_on_runs_that_learn",
         "the doctor's entropy warning fires on a policy sharpening while its reward rises (healthy SmolLM2 runs)",
         (

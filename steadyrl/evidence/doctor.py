@@ -19,7 +19,7 @@ from steadyrl import metrics as M
 from steadyrl.evidence.early_warnings import logp_gap_allowance, logp_gap_verdict
 from steadyrl.evidence.history import History, to_float
 from steadyrl.evidence.saturation import saturation_checks
-from steadyrl.guards.gold_watch import gold_se
+from steadyrl.guards.gold_watch import GoldDetector, eval_points, gold_se
 
 MODES = (
     "hard_crash",
@@ -414,22 +414,52 @@ def _eval_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
         yield Hit([evidence, trend.evidence(M.REWARD, f" (+{trend.z:.1f} pooled std)")], {"best_step": best_step})
 
 
+def _watch_replay(history: History, verdict: str) -> tuple[int, Evidence] | None:
+    """(reference step, evidence) of the first fall the gold watch's rule (``guards.gold_watch``, its defaults)
+    confirms as ``verdict`` on this history; None when none, or when the watch ran live (its rollbacks say it)."""
+    if history.has(M.QUATRO_GOLD_BEST):
+        return None
+    detector = GoldDetector()
+    for point in eval_points(history.rows):
+        if detector.update(*point) == verdict:
+            assert detector.best_step is not None and detector.best_gold is not None
+            how = "held" if verdict == "diverged" else "fell with it"
+            detail = (
+                f"the gold watch's rule, replayed: {detector.best_gold:.4g} at step {detector.best_step} -> "
+                f"{point.gold:.4g} at step {point.step}, {detector.streak} evals in a row more than "
+                f"{detector.margin(point.gold_se):.3g} below it (its noise); the training reward {how}"
+            )
+            return detector.best_step, Evidence(M.EVAL_ACCURACY, detector.best_step, point.step, detail)
+    return None
+
+
+def _watch_diverged(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """The gold watch's rule, replayed on a run it did not watch, confirms a fall while the reward held."""
+    if (found := _watch_replay(history, "diverged")) is not None:
+        yield Hit([found[1]], {"best_step": found[0]})
+
+
 def _regressed(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """The run got worse by itself: the training reward fell (``reward_fall_z`` pooled std and ``reward_fall_frac`` of
-    its early level), or the eval accuracy fell beyond its noise while the reward did not rise (that is hacking)."""
+    its early level), the last eval is below the best beyond its noise while the reward did not rise (that is
+    hacking), or the gold watch's rule, replayed, confirms a fall with the reward (the run may have recovered since)."""
     reward = _trend(history, M.REWARD, config)
     if reward is None:
         return
     early, late = float(reward.early.mean()), float(reward.late.mean())
     fell = reward.z <= -config.reward_fall_z and early - late >= config.reward_fall_frac * max(abs(early), 1e-12)
     fall = _eval_fall(history, config) if reward.z < config.rise_z else None
-    if not (fell or fall):
+    watch = _watch_replay(history, "regressed")
+    if not (fell or fall or watch):
         return
     evidence = [reward.evidence(M.REWARD, f" ({reward.z:.1f} pooled std)")] if fell else []
     best_step = None
     if fall is not None:
         best_step, _, eval_evidence = fall
         evidence.append(eval_evidence)
+    if watch is not None:
+        best_step = watch[0] if best_step is None else best_step
+        evidence.append(watch[1])
     signal = ""
     zero = _trend(history, M.FRAC_REWARD_ZERO_STD, config)
     if zero is not None and float(zero.late.mean()) >= config.zero_std_share:
@@ -584,6 +614,10 @@ RULES: tuple[Rule, ...] = (
          "training reward rises while eval accuracy falls",
          ("keep the checkpoint nearest step {best_step} (best eval accuracy), not the last one",
           CHANGE_KL.replace("to pull the policy back", "to anchor the policy"), CHANGE_FILTER, CHANGE_LOOK)),
+    Rule("reward_hacking", "problem", (M.EVAL_ACCURACY, M.REWARD), _watch_diverged,
+         "the held-out metric fell beyond its noise while the training reward held",
+         ("keep the checkpoint nearest step {best_step} (the best eval), not the last one; the gold watch (GRPO with "
+          "eval.every) rolls back to it while the run trains", CHANGE_LOOK)),
     Rule("regression", "problem", (M.REWARD, M.EVAL_ACCURACY, M.FRAC_REWARD_ZERO_STD), _regressed,
          "the run regressed by itself{signal}", (CHANGE_REGRESSION,)),
     Rule("reward_hacking", "warning", (M.EVENT_GOLD_ROLLBACK,), _gold_rollbacks("diverged"),

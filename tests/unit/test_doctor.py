@@ -539,3 +539,26 @@ def test_the_gold_watchs_rollbacks_are_named_by_what_it_saw():
     assert "resume from the best policy the watch kept" in regression.changes[0]
     gamed = [{**e, "verdict": "diverged"} for e in events[:1]]
     assert only(diagnose(History(rows=rows, events=gamed)), "reward_hacking").severity == "warning"
+
+
+def test_a_run_that_fell_and_partly_recovered_is_a_regression_by_the_gold_watchs_rule_replayed():
+    # plain TRL at 10x the learning rate (tiny, seed 0, measured): the eval 0.55 before training, 0.12 at step 20,
+    # then a slow partial recovery to 0.39; the reward fell from 0.53 at step 1 and stays noisy: the last eval alone
+    # is within the noise margin of the best (0.16 < 0.198), the replayed rule confirms the fall at step 40
+    golds = [0.55, 0.12, 0.175, 0.115, 0.115, 0.18, 0.215, 0.26, 0.24, 0.35, 0.39]
+    rng = np.random.default_rng(6)
+    rows: list[dict[str, Any]] = []
+    for t in range(0, N + 1):
+        if t:
+            reward = 0.53 if t == 1 else float(np.clip(rng.normal(0.18, 0.12), 0, 1))
+            rows.append({"step": t, "reward": reward, "frac_reward_zero_std": 0.75})
+        if t % 20 == 0:
+            gold = golds[t // 20]
+            rows.append({"step": t, "eval/accuracy": gold, "eval/accuracy_se": (gold * (1 - gold) / 200) ** 0.5})
+    regression = only(diagnose(History(rows=rows)), "regression")
+    replayed = evidence_for(regression, "eval/accuracy")
+    assert replayed.detail.startswith("the gold watch's rule, replayed: 0.55 at step 0 -> 0.175 at step 40, 2 evals")
+    assert "the training reward fell with it" in replayed.detail
+    # the same history from a run whose watch ran live (quatro/gold_best logged): its own rollbacks are the finding
+    live = [{**r, "quatro/gold_best": 0.55} if "reward" in r else r for r in rows]
+    assert [f.mode for f in diagnose(History(rows=live))] == []

@@ -177,6 +177,21 @@ def test_merge_replaces_only_this_runs_cells_each_keeping_its_command_and_commit
     assert X.write_results(path, new)["cells"] == new["cells"] and json.loads(path.read_text())["commit"] == "bbb-dirty"
 
 
+def test_merge_keeps_each_files_settings_with_its_cells() -> None:
+    # gold_false_alarms: replays at the rule before the noise model, then the simulator at today's rule
+    base = {"date": "d", "machine": "m", "packages": {}, "steps": "per run", "every": 10}
+    old = {**base, "command": "replay", "commit": "aaa", "gold_config": {"drop": 0.05}, "table": "old",
+           "cells": [_cell("healthy", "all", None)]}  # fmt: skip
+    new = {**base, "command": "sim", "commit": "bbb", "gold_config": {"drop": 0.05, "z": 4.0}, "table": "new",
+           "cells": [_cell("plateau", "shipped", None)]}  # fmt: skip
+    merged = X.merge_results(old, new)
+    assert [c["gold_config"] for c in merged["cells"]] == [{"drop": 0.05}, {"drop": 0.05, "z": 4.0}]
+    assert merged["gold_config"] == "per cell" and merged["every"] == 10 and merged["table"] == "new"
+    # merged again, each cell keeps the settings it came with
+    again = X.merge_results(merged, {**new, "cells": [_cell("plateau", "shipped", None)]})
+    assert [c["gold_config"] for c in again["cells"]] == [{"drop": 0.05}, {"drop": 0.05, "z": 4.0}]
+
+
 def test_add_seeds_joins_a_cell_seed_by_seed_and_each_run_keeps_its_commit() -> None:
     """--add-seeds: a second seed run at another commit joins its cell (per-seed lists in seed order, a metric one
     run lacks is None there), the cell lists both runs and says "per run" where they differ; a third run joins too;
