@@ -2,7 +2,7 @@
 
 Scenario ``lenient-length`` (tiny model, ``configs/tiny/grpo-hacking.yaml``): GRPO against a lenient verifier
 (``answer_anywhere``: the right answer anywhere in the completion pays) plus a reward model's taste for length
-(``answer_length`` x 0.02), from an SFT model 2% of whose demonstrations hedged (``configs/tiny/sft-hedging.yaml``,
+(``answer_length`` x 0.02), from an SFT model 20% of whose demonstrations hedged (``configs/tiny/sft-hedging.yaml``,
 built from ``--sft`` when ``--hedging-sft`` is not given). The gold metric is ``exact_match`` on the held-out eval,
 which the training reward does not see, evaluated every 20 steps. ``smollm2-lenient-length``: the same rewards on
 SmolLM2-135M-Instruct + LoRA and the built-in word problems (``configs/small/grpo-hacking.yaml``, 0.01 per

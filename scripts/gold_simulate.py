@@ -1,7 +1,7 @@
 """The gold watch's false alarms and catches on simulated histories: the real rule (``GoldDetector``, the code the
 live watch runs) over evals drawn from its noise model, at the shipped ``guards.quatro.gold`` settings and at the rule
 before the noise model (``z: 0, regression: false``: drop 0.05 below the luckiest eval, the reward "held" when not
-below its level at that eval).
+below its level at that eval); ``z-3.5`` is the shipped rule with z 3.5.
 
 Plateau cells (``plateau-p<p>-n<n>``): a run that stopped improving. Each eval scores n fresh samples of a 0/1 metric
 whose true level is p (a sampled eval, or a fresh random subset), logged with its standard error as PeriodicEval logs
@@ -35,7 +35,8 @@ import experiments as X  # noqa: E402
 from steadyrl.callbacks.periodic_eval import sample_mean_se  # noqa: E402
 from steadyrl.guards.gold_watch import CONFIRMED, GoldConfig, GoldDetector, mean_se  # noqa: E402
 
-VARIANTS = {"shipped": {}, "before-noise-model": {"z": 0.0, "regression": False}}
+# the shipped rule, the same at z 3.5 (what the budget rules out), and the rule before the noise model
+VARIANTS = {"shipped": {}, "z-3.5": {"z": 3.5}, "before-noise-model": {"z": 0.0, "regression": False}}
 EVAL_COUNTS = (10, 20, 30, 50)
 SIZES = (100, 200, 500, 1000)
 LEVELS = (0.2, 0.5, 0.8)
