@@ -9,7 +9,8 @@ same periodic eval (every 20 steps and before training: the gold metric's path, 
 
 Per run: ``gold_start`` (the eval before training), ``gold_peak``, ``gold_final`` (the final eval of the policy the
 run ended on), ``died``, ``acted_at_step`` (the first step with any intervention in the ledger, None: none),
-``gold_rollbacks`` and the step of the first, the interventions (steps per kind), and the doctor's findings.
+``gold_rollbacks`` (rollbacks and the stop, not the end-of-run swap to the best policy) and the step of the first,
+the interventions (steps per kind), and the doctor's findings.
 
     python scripts/bench_natural.py --sft runs/tiny-sft/final --seeds 5 --results docs/results/natural_failures.json
 """
@@ -74,7 +75,9 @@ def natural_summary(job: X.Job, run: X.Outcome) -> dict[str, Any]:
     out["gold_final"] = out["accuracy"]
     firsts = [s for kind in KINDS if (s := first_step(history, M.ledger(kind))) is not None]
     out["acted_at_step"] = min(firsts) if firsts else None
-    out["gold_rollbacks"] = len(history.events_of("gold_rollback")) if history is not None else 0
+    # the watch's rollbacks and stops (a verdict), not the end-of-run swap to the best policy
+    events = history.events_of(M.EVENT_GOLD_ROLLBACK) if history is not None else []
+    out["gold_rollbacks"] = sum(1 for e in events if e.get("verdict"))
     out["first_gold_rollback_step"] = first_step(history, M.ledger("gold_rollback"))
     return out
 
