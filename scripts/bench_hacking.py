@@ -143,11 +143,15 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--merge", action="store_true", help="replace only this invocation's cells in --results")
     ap.add_argument("--collect-only", action="store_true")
+    ap.add_argument("--commit", default=None, help="with --collect-only: the commit the runs were made at")
+    ap.add_argument("--tag", default="", help="appended to the cells' scenario names, e.g. the CPU capability: -avx2")
     ap.add_argument("--reuse", action="store_true", help="read the runs already in --out, run the others")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (one run at a time)")
     args = ap.parse_args()
-    sha = X.commit()
+    if args.commit and not args.collect_only:
+        ap.error("--commit names the commit of runs already made: use it with --collect-only")
+    sha = args.commit or X.commit()
     models = {SCENARIOS[s][0] for s in args.scenarios}
     sft = None
     if "tiny" in models and args.collect_only:
@@ -177,8 +181,8 @@ def main() -> None:
                 present = sorted(seed for (v, s, seed) in results if v == variant and s == scenario)
                 if present:
                     runs = [results[(variant, scenario, seed)] for seed in present]
-                    cells.append(X.cell(scenario, variant, present, runs, METRICS, died=lambda r: r["status"] != "ok",
-                                        accuracy="gold_final"))  # fmt: skip
+                    cells.append(X.cell(scenario + args.tag, variant, present, runs, METRICS,
+                                        died=lambda r: r["status"] != "ok", accuracy="gold_final"))  # fmt: skip
         doc = X.results_doc("hacking", cells, command=X.script_command("bench_hacking.py"), sha=sha,
                             model=", ".join(MODELS[m] for m in sorted(models)), steps=args.steps or "config",
                             table=text)  # fmt: skip

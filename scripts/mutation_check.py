@@ -396,7 +396,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/evidence/doctor.py",
-                "    if history.has(M.QUATRO_GOLD_BEST):\n        return None",
+                '    if any(e.get("verdict") for e in history.events_of(M.EVENT_GOLD_ROLLBACK)):\n        return None',
                 "    return None",
             ),
         ),

@@ -416,8 +416,9 @@ def _eval_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
 
 def _watch_replay(history: History, verdict: str) -> tuple[int, Evidence] | None:
     """(reference step, evidence) of the first fall the gold watch's rule (``guards.gold_watch``, its defaults)
-    confirms as ``verdict`` on this history; None when none, or when the watch ran live (its rollbacks say it)."""
-    if history.has(M.QUATRO_GOLD_BEST):
+    confirms as ``verdict`` on this history; None when none, or when the watch acted live (its rollbacks are the
+    finding, and the history after them is another policy's). A watch in observe mode logs no rollback: replayed."""
+    if any(e.get("verdict") for e in history.events_of(M.EVENT_GOLD_ROLLBACK)):
         return None
     detector = GoldDetector()
     for point in eval_points(history.rows):

@@ -559,6 +559,7 @@ def test_a_run_that_fell_and_partly_recovered_is_a_regression_by_the_gold_watchs
     replayed = evidence_for(regression, "eval/accuracy")
     assert replayed.detail.startswith("the gold watch's rule, replayed: 0.55 at step 0 -> 0.175 at step 40, 2 evals")
     assert "the training reward fell with it" in replayed.detail
-    # the same history from a run whose watch ran live (quatro/gold_best logged): its own rollbacks are the finding
-    live = [{**r, "quatro/gold_best": 0.55} if "reward" in r else r for r in rows]
-    assert [f.mode for f in diagnose(History(rows=live))] == []
+    # a run whose watch acted (a rollback event with its verdict): its rollbacks are the finding, not a replay
+    acted = [{"step": 40, "event": "gold_rollback", "cause": "...", "verdict": "regressed", "snapshot_step": 0}]
+    findings = diagnose(History(rows=rows, events=acted))
+    assert [(f.mode, f.severity) for f in findings] == [("regression", "warning")]
