@@ -6,6 +6,7 @@ run's seeds with its command and commit under ``runs``.
 
     python scripts/merge_results.py docs/results/precision_recall.json /tmp/a.json /tmp/b.json
     python scripts/merge_results.py --add-seeds docs/results/precision_recall.json /tmp/seed1.json
+    python scripts/merge_results.py --mixed-steps docs/results/precision_recall.json /tmp/long.json   # 1,000 steps
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ def main() -> None:
     ap.add_argument("target", type=Path, help="the file to merge into (its cells come first)")
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--add-seeds", action="store_true", help="join cells seed by seed (their seeds must differ)")
+    ap.add_argument(
+        "--mixed-steps", action="store_true", help="cells of another run length join too (each keeps its own steps)"
+    )
     args = ap.parse_args()
     for path in args.files:
         doc = json.loads(path.read_text())
         benchmark = json.loads(args.target.read_text())["benchmark"] if args.target.is_file() else doc["benchmark"]
         if doc["benchmark"] != benchmark:
             raise SystemExit(f"{path} is benchmark {doc['benchmark']!r}, {args.target} is {benchmark!r}")
-        X.write_results(args.target, doc, merge=True, add_seeds=args.add_seeds)
+        same = () if args.mixed_steps else ("steps",)
+        X.write_results(args.target, doc, merge=True, add_seeds=args.add_seeds, same=same)
     print(f"{args.target}: {len(json.loads(args.target.read_text())['cells'])} cells")
 
 
