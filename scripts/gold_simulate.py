@@ -13,7 +13,8 @@ Fall cells (``fall-<rate>``): p = 0.6 for 10 evals, then the true level falls by
 training reward rises (a gamed reward), n = 200. ``evals_to_catch``: the median and the 95th percentile of the evals
 from the first eval after the fall began to the confirmation; ``caught_share``: the runs confirmed within 10 evals.
 
-    python scripts/gold_simulate.py --results docs/results/gold_false_alarms_sim.json
+    python scripts/gold_simulate.py --runs 4000 --results /tmp/sim.json
+    python scripts/merge_results.py docs/results/gold_false_alarms.json /tmp/sim.json
 """
 
 from __future__ import annotations
