@@ -7,12 +7,18 @@ same periodic eval (every 20 steps and before training: the gold metric's path, 
     reward-outliers           exact match plus a reward model's rare huge outliers (1 % of rows, +-20..100)
     false-positives           a verifier with systematic false positives (the last digit right pays)
 
+SmolLM2-135M + LoRA (``configs/small/grpo-lora.yaml``, its 3e-4; run with ``--steps 30`` on 2 cores), an eval every 10
+steps and before training:
+
+    smollm2-lr-x10, smollm2-lr-x30   the learning rate 10x, 30x the shipped one
+
 Per run: ``gold_start`` (the eval before training), ``gold_peak``, ``gold_final`` (the final eval of the policy the
 run ended on), ``died``, ``acted_at_step`` (the first step with any intervention in the ledger, None: none),
 ``gold_rollbacks`` (rollbacks and the stop, not the end-of-run swap to the best policy) and the step of the first,
 the interventions (steps per kind), and the doctor's findings.
 
     python scripts/bench_natural.py --sft runs/tiny-sft/final --seeds 5 --results docs/results/natural_failures.json
+    python scripts/bench_natural.py --scenarios smollm2-lr-x30 smollm2-lr-x10 --seeds 2 --steps 30 --results F.json
 """
 
 from __future__ import annotations
@@ -43,8 +49,17 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
         *GOLD,
     ),
     "false-positives": ("rewards=[{fn: 'steadyrl.faults:last_digit_match'}, {fn: exact_match, weight: 0.0}]", *GOLD),
+    "smollm2-lr-x10": ("trainer.learning_rate=3.0e-3",),
+    "smollm2-lr-x30": ("trainer.learning_rate=9.0e-3",),
 }
-EVAL = ("eval.every=20", "eval.on_start=true")
+EVAL = {"tiny": ("eval.every=20", "eval.on_start=true"), "small": ("eval.every=10", "eval.on_start=true")}
+MODELS = {"tiny": "tiny-llama-0.9m (SFT checkpoint)", "small": "smollm2-135m-instruct + LoRA"}
+
+
+def model_of(scenario: str) -> str:
+    return "small" if scenario.startswith("smollm2-") else "tiny"
+
+
 METRICS = (
     "gold_start",
     "gold_peak",
@@ -89,7 +104,8 @@ def jobs_for(args: argparse.Namespace) -> list[X.Job]:
             for seed in args.seeds:
                 out = Path(args.out) / scenario / f"{variant}-s{seed}"
                 extra = tuple(o.replace("{seed}", str(seed)) for o in SCENARIOS[scenario])
-                cmd = command("tiny", args.sft, out, seed, args.steps, (*extra, *EVAL, *VARIANTS[variant]))
+                model = model_of(scenario)
+                cmd = command(model, args.sft, out, seed, args.steps, (*extra, *EVAL[model], *VARIANTS[variant]))
                 jobs.append(X.Job(variant, scenario, seed, out, tuple(cmd), (("OMP_NUM_THREADS", str(args.threads)),)))
     return jobs
 
@@ -132,7 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", default="runs/tiny-sft/final", help="the tiny SFT checkpoint (configs/tiny/sft.yaml)")
     ap.add_argument("--seeds", type=seed_list, default=seed_list("5"), help="a count N (seeds 0..N-1) or a list 1,0,2")
-    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    tiny = [s for s in SCENARIOS if model_of(s) == "tiny"]
+    ap.add_argument("--scenarios", nargs="+", default=tiny, choices=list(SCENARIOS), help="default: the tiny ones")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--steps", type=int, default=None, help="max_steps (default: the config's 200)")
     ap.add_argument("--out", default="runs/natural")
@@ -147,6 +164,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.commit and not args.collect_only:
         ap.error("--commit names the commit of runs already made: use it with --collect-only")
+    models = {model_of(s) for s in args.scenarios}
+    if len(models) > 1:
+        ap.error("one model per invocation (a results file records one model): run the smollm2-* scenarios apart")
+    (model,) = models
     jobs = jobs_for(args)
     results = X.run_jobs(
         jobs,
@@ -170,8 +191,8 @@ def main() -> None:
             cells,
             command=X.script_command("bench_natural.py"),
             sha=args.commit or X.commit(),
-            model="tiny-llama-0.9m (SFT checkpoint)",
-            steps=args.steps or 200,
+            model=MODELS[model],
+            steps=args.steps or (200 if model == "tiny" else 70),
             table=text,
             summarised_at=X.commit(),  # the code that read the runs (the doctor's findings), when collected later
         )
