@@ -12,8 +12,8 @@ Signals, each the first step it fires on the history as logged up to that step:
 
 - steadyrl: ``gold_watch`` (the watch's rule at its shipped defaults, ``steadyrl.guards.gold_watch.replay``: a
   confirmed fall, gamed or regressed), the doctor's three reward-hacking rules (``eval_falls``, ``length_drift``,
-  ``clipped_rise``, run every ``--every`` steps as ``gold_replay.py`` runs them), ``doctor`` (any finding of the
-  doctor on the whole run: the step is the run's last).
+  ``clipped_rise``, run every ``--every`` steps as ``gold_replay.py`` runs them), ``doctor`` (any finding of
+  ``steadyrl doctor`` run every ``--every`` steps on the history so far).
 - soup-cli (``peer_soup.py``, its own code in its own virtualenv, ``--soup-python``): ``soup_info_rm_warn``,
   ``soup_info_rm_halt``, ``soup_length_trip``, ``soup_vote_trip``.
 - rules in common use, at the thresholds usually quoted: ``reward_std_jump`` (the reward's std above 2x the median
@@ -93,6 +93,16 @@ def first_common(steps: list[int], reward: list[float], std: list[float], entrop
     return found
 
 
+def first_finding(history: History, config: Any, every: int) -> int | None:
+    """The first step at which ``steadyrl doctor``, run every ``every`` steps on the history so far, finds anything."""
+    last = history.last_step
+    for step in [*range(every, last, every), last]:
+        rows = [r for r in history.rows if r["step"] <= step]
+        if diagnose(History(rows, [e for e in history.events if e["step"] <= step]), config):
+            return step
+    return None
+
+
 def training_series(history: History) -> dict[str, list[Any]]:
     """Per logged training step with a finite reward: step, reward, reward std, mean length, entropy."""
     steps, reward = history.finite(M.REWARD)
@@ -125,7 +135,7 @@ def judge(folder: Path, every: int) -> tuple[dict[str, Any], dict[str, list[Any]
     start, fell = fell_at(rows)
     first: dict[str, Any] = {"gold_watch": alarms[0] if alarms else None}
     first.update(first_hits(history, folder, every))
-    first["doctor"] = history.last_step if diagnose(history, doctor_config_for(folder)) else None
+    first["doctor"] = first_finding(history, doctor_config_for(folder), every)
     first.update(first_common(series["steps"], series["reward"], series["reward_std"], series["entropy"]))
     environment = folder / "environment.json"
     commit = json.loads(environment.read_text()).get("steadyrl_commit") if environment.is_file() else None
