@@ -391,6 +391,43 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "doctor_reads_a_reward_fall_over_3_steps",
+        "the doctor's reward-fall rule reads windows of any length: a healthy run's early dip is a regression",
+        (
+            (
+                "steadyrl/evidence/doctor.py",
+                "    fell = fell and reward.w >= config.reward_fall_points",
+                "    fell = fell and reward.w >= 2",
+            ),
+        ),
+        ("tests/unit/test_doctor.py::test_a_reward_dip_over_windows_shorter_than_reward_fall_points_is_no_regression",),
+    ),
+    Mutant(
+        "monitor_entropy_ignores_noise",
+        "the monitor's entropy warning ignores the windows' noise: a fall within 2 standard errors warns",
+        (
+            (
+                "steadyrl/evidence/early_warnings.py",
+                " or before - now <= ENTROPY_Z * se:",
+                " or before - now <= 0 * se:",
+            ),
+        ),
+        ("tests/unit/test_monitor.py::test_entropy_drop_within_the_noise_does_not_warn",),
+    ),
+    Mutant(
+        "monitor_entropy_reads_the_adjacent_window_only",
+        "the monitor's entropy warning compares the last window with the one just before it, not the highest of its "
+        "lookback: a fall in steps misses",
+        (
+            (
+                "steadyrl/evidence/early_warnings.py",
+                "    start = max(range(len(values) - 2 * w + 1), key=lambda i: statistics.fmean(values[i : i + w]))",
+                "    start = len(values) - 2 * w",
+            ),
+        ),
+        ("tests/unit/test_monitor.py::test_entropy_drop_reads_the_highest_earlier_window_of_the_lookback",),
+    ),
+    Mutant(
         "doctor_misses_a_fall_the_run_recovered_from",
         "the doctor reads only the last eval against the best: a run that fell to 0.12 and ended at 0.39 is healthy",
         (

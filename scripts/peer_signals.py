@@ -13,7 +13,10 @@ Signals, each the first step it fires on the history as logged up to that step:
 - steadyrl: ``gold_watch`` (the watch's rule at its shipped defaults, ``steadyrl.guards.gold_watch.replay``: a
   confirmed fall, gamed or regressed), the doctor's three reward-hacking rules (``eval_falls``, ``length_drift``,
   ``clipped_rise``, run every ``--every`` steps as ``gold_replay.py`` runs them), ``doctor`` (any finding of
-  ``steadyrl doctor`` run every ``--every`` steps on the history so far).
+  ``steadyrl doctor`` run every ``--every`` steps on the history so far), the live monitor's early warnings
+  (``monitor_entropy``, ``monitor_adv_std``: ``early_warnings`` every ``guards.gepo.monitor.every`` steps at its
+  defaults) and, for comparison, its entropy rule before its noise model (``monitor_entropy_before``: the last of 20
+  logged entropies below 0.7 x the first).
 - soup-cli (``peer_soup.py``, its own code in its own virtualenv, ``--soup-python``): ``soup_info_rm_warn``,
   ``soup_info_rm_halt``, ``soup_length_trip``, ``soup_vote_trip``.
 - rules in common use, at the thresholds usually quoted: ``reward_std_jump`` (the reward's std above 2x the median
@@ -45,6 +48,7 @@ from gold_replay import RUN, SIGNALS, first_hits  # noqa: E402
 
 from steadyrl import metrics as M  # noqa: E402
 from steadyrl.evidence.doctor import diagnose, doctor_config_for  # noqa: E402
+from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, recent  # noqa: E402
 from steadyrl.evidence.history import History, load_history  # noqa: E402
 from steadyrl.guards.gold_watch import CONFIRMED, GoldConfig, replay  # noqa: E402
 
@@ -53,7 +57,8 @@ STD_JUMP, STD_WINDOW = 2.0, 20
 TREND_WINDOW, TREND_Z = 50, 2.576  # one-sided p < 0.005
 COLLAPSE_WINDOW, COLLAPSE_SHARE = 10, 0.5
 SOUP = ("soup_info_rm_warn", "soup_info_rm_halt", "soup_length_trip", "soup_vote_trip")
-OWN = ("gold_watch", *SIGNALS, "doctor")
+OWN = ("gold_watch", *SIGNALS, "doctor", "monitor_entropy", "monitor_adv_std", "monitor_entropy_before")
+WARNINGS = {"monitor_entropy": "entropy falling fast", "monitor_adv_std": "advantage std rising steadily"}
 COMMON = ("reward_std_jump", "reward_trend", "entropy_collapse", "reward_collapse")
 ALL = (*OWN, *SOUP, *COMMON)
 
@@ -103,6 +108,24 @@ def first_finding(history: History, config: Any, every: int) -> int | None:
     return None
 
 
+def first_warnings(rows: list[dict[str, Any]]) -> dict[str, int | None]:
+    """The first step of each live-monitor warning, run every ``MonitorConfig.every`` steps as the monitor runs, and of
+    its entropy rule before the noise model (single points, ratio 0.7)."""
+    config, found = MonitorConfig(), dict.fromkeys((*WARNINGS, "monitor_entropy_before"))
+    rows = [r for r in rows if "event" not in r]
+    last = max((int(r["step"]) for r in rows), default=0)
+    for step in range(config.every, last + 1, config.every):
+        so_far = [r for r in rows if int(r["step"]) <= step]
+        for warning in early_warnings(so_far, config):
+            for name, start in WARNINGS.items():
+                if found[name] is None and warning.startswith(start):
+                    found[name] = step
+        ent = recent(so_far, M.ENTROPY, config.window)
+        if found["monitor_entropy_before"] is None and len(ent) == config.window and 0 < ent[0][1]:
+            found["monitor_entropy_before"] = step if ent[-1][1] < 0.7 * ent[0][1] else None
+    return found
+
+
 def training_series(history: History) -> dict[str, list[Any]]:
     """Per logged training step with a finite reward: step, reward, reward std, mean length, entropy."""
     steps, reward = history.finite(M.REWARD)
@@ -136,6 +159,7 @@ def judge(folder: Path, every: int) -> tuple[dict[str, Any], dict[str, list[Any]
     first: dict[str, Any] = {"gold_watch": alarms[0] if alarms else None}
     first.update(first_hits(history, folder, every))
     first["doctor"] = first_finding(history, doctor_config_for(folder), every)
+    first.update(first_warnings(rows))
     first.update(first_common(series["steps"], series["reward"], series["reward_std"], series["entropy"]))
     environment = folder / "environment.json"
     commit = json.loads(environment.read_text()).get("steadyrl_commit") if environment.is_file() else None

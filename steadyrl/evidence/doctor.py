@@ -75,7 +75,10 @@ class DoctorConfig:
     eval_z: float = 4.0
     eval_after_points: int = 2  # ... with at least this many evals after the best (one low eval is noise)
     reward_fall_z: float = 2.0  # training reward: late mean below the early one by this x the pooled std ...
-    reward_fall_frac: float = 0.25  # ... and by this share of the early mean's size: the run regressed
+    reward_fall_frac: float = 0.25  # ... and by this share of the early mean's size: the run regressed ...
+    # ... read over windows of at least this many logged rewards each: over 3-step windows a healthy run's early
+    # dip (0.68 -> 0.36 over steps 1-3 -> 8-10) and a reward model's outliers fell 2.2-2.3 std (peer_signals.json)
+    reward_fall_points: int = 10
     zero_std_share: float = 0.9  # frac_reward_zero_std late mean at or above this: no learning signal left
     min_eval_points: int = 3  # eval rows needed to read an eval trend
     length_ratio: float = 2.0  # completions/mean_length late/early beyond this, or below 1/this: anomaly
@@ -442,13 +445,15 @@ def _watch_diverged(history: History, config: DoctorConfig) -> Iterator[Hit]:
 
 def _regressed(history: History, config: DoctorConfig) -> Iterator[Hit]:
     """The run got worse by itself: the training reward fell (``reward_fall_z`` pooled std and ``reward_fall_frac`` of
-    its early level), the last eval is below the best beyond its noise while the reward did not rise (that is
-    hacking), or the gold watch's rule, replayed, confirms a fall with the reward (the run may have recovered since)."""
+    its early level, windows of ``reward_fall_points`` rewards or more), the last eval is below the best beyond its
+    noise while the reward did not rise (that is hacking), or the gold watch's rule, replayed, confirms a fall with
+    the reward (the run may have recovered since)."""
     reward = _trend(history, M.REWARD, config)
     if reward is None:
         return
     early, late = float(reward.early.mean()), float(reward.late.mean())
     fell = reward.z <= -config.reward_fall_z and early - late >= config.reward_fall_frac * max(abs(early), 1e-12)
+    fell = fell and reward.w >= config.reward_fall_points
     fall = _eval_fall(history, config) if reward.z < config.rise_z else None
     watch = _watch_replay(history, "regressed")
     if not (fell or fall or watch):

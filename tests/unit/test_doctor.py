@@ -510,6 +510,19 @@ def test_a_run_that_failed_by_itself_is_a_regression_with_no_learning_signal_nev
     assert "healthy" not in format_findings(findings, History(rows=lr_collapse_rows()))
 
 
+def test_a_reward_dip_over_windows_shorter_than_reward_fall_points_is_no_regression():
+    # a healthy tiny run's first 10 steps (measured, seed 3): 0.68 over steps 1-3, 0.36 over steps 8-10, 2.3 pooled std
+    rewards = [0.72, 0.66, 0.67, 0.5, 0.55, 0.45, 0.48, 0.36, 0.39, 0.34]
+    rows = [{"step": t, "reward": r, "reward_std": 0.45, "loss": 0.0} for t, r in enumerate(rewards, 1)]
+    assert diagnose(History(rows=rows)) == []  # windows of 3 (a third of 10) < reward_fall_points (10)
+    assert only(diagnose(History(rows=rows), DoctorConfig(reward_fall_points=3)), "regression").severity == "problem"
+    # the same fall held over windows of 10: a regression
+    held = [{"step": t, "reward": 0.7 if t <= 10 else 0.35, "reward_std": 0.45, "loss": 0.0} for t in range(1, 31)]
+    for r in held:
+        r["reward"] += 0.02 * ((r["step"] * 7) % 5 - 2)  # spread so the windows have a std
+    assert only(diagnose(History(rows=held)), "regression").severity == "problem"
+
+
 def test_an_eval_fall_inside_its_noise_is_no_regression_and_outside_it_is():
     rows = sampled_plateau_rows()
     assert diagnose(History(rows=rows)) == []

@@ -6,7 +6,8 @@ import pytest
 
 from steadyrl.evidence.early_warnings import MonitorConfig, early_warnings, recent
 
-CFG = MonitorConfig(window=5, adv_std_rise_ratio=1.5, entropy_drop_ratio=0.7)
+CFG = MonitorConfig(window=5, adv_std_rise_ratio=1.5, entropy_drop_ratio=0.5)
+W2 = MonitorConfig(window=2)  # entropy windows of 2 values: means and standard errors by hand
 
 
 def history(key, values, start=1):
@@ -16,6 +17,9 @@ def history(key, values, start=1):
 def test_healthy_run_has_no_warning():
     rows = history("gepo/adv_std", [1.0, 1.1, 0.9, 1.0, 1.05]) + history("entropy", [1.0, 0.95, 0.97, 0.9, 0.92])
     assert early_warnings(rows, CFG) == []
+    # a plateau's entropy scatters step to step (a healthy tiny run: 0.03-0.28): single low steps are not a fall
+    plateau = [0.25, 0.1, 0.2, 0.05, 0.18, 0.22, 0.04, 0.15, 0.2, 0.08] * 3
+    assert early_warnings(history("entropy", plateau), CFG) == []
 
 
 def test_rising_advantage_std_is_named_with_steps_and_values():
@@ -30,10 +34,29 @@ def test_rise_needs_both_steadiness_and_size():
     assert early_warnings(history("gepo/adv_std", [1.0, 2.0, 1.0, 2.0, 1.6]), CFG) == []  # big but not steady
 
 
-def test_entropy_drop():
-    (warning,) = early_warnings(history("entropy", [2.0, 1.8, 1.6, 1.5, 1.39], start=3), CFG)
-    assert warning.startswith("entropy falling fast: entropy 2 -> 1.39 over steps 3-7")
-    assert early_warnings(history("entropy", [2.0, 1.8, 1.6, 1.5, 1.41]), CFG) == []  # 1.41 >= 0.7 x 2.0
+def test_entropy_drop_compares_window_means():
+    (warning,) = early_warnings(history("entropy", [1.0, 1.0, 0.2, 0.2], start=3), W2)
+    assert warning.startswith("entropy falling fast: mean entropy 1 over steps 3-4 -> 0.2 over steps 5-6")
+    assert early_warnings(history("entropy", [1.0, 1.0, 0.5, 0.5]), W2) == []  # 0.5 is not below 0.5 x 1.0
+    assert early_warnings(history("entropy", [1.0, 1.0, 0.2]), W2) == []  # fewer than 2 windows
+
+
+def test_entropy_drop_within_the_noise_does_not_warn():
+    # windows [1.0, 0.6] (mean 0.8, var 0.04) and [0.6, 0.0] (mean 0.3, var 0.09): 0.3 < 0.5 x 0.8, but the fall 0.5
+    # is within 2 standard errors of the difference, 2 x sqrt((0.04 + 0.09) / 2) = 0.51. Single points (1.0 -> 0.0,
+    # the rule before) called it a collapse.
+    assert early_warnings(history("entropy", [1.0, 0.6, 0.6, 0.0]), W2) == []
+    # [0.55, 0.0] (mean 0.275, var 0.0756): 0.525 > 2 x sqrt((0.04 + 0.0756) / 2) = 0.48
+    (warning,) = early_warnings(history("entropy", [1.0, 0.6, 0.55, 0.0]), W2)
+    assert "mean entropy 0.8 over steps 1-2 -> 0.275 over steps 3-4" in warning
+
+
+def test_entropy_drop_reads_the_highest_earlier_window_of_the_lookback():
+    # the highest window is steps 1-2 (1.0), not the one just before the last (0.6): 0.4 < 0.5 x 1.0
+    (warning,) = early_warnings(history("entropy", [1.0, 1.0, 0.6, 0.6, 0.4, 0.4]), W2)
+    assert "mean entropy 1 over steps 1-2 -> 0.4 over steps 5-6" in warning
+    # older than ENTROPY_LOOKBACK (5) windows of values: the 1.0s are out of reach, 0.4 >= 0.5 x 0.45
+    assert early_warnings(history("entropy", [1.0, 1.0] + [0.45] * 8 + [0.4, 0.4]), W2) == []
 
 
 def test_short_history_and_none_values():
