@@ -391,6 +391,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "async_reward_wrapped_sync",
+        "an async def reward gets the plain wrapper: TRL never awaits it and the run stops on 'returned coroutine'",
+        (
+            (
+                "steadyrl/rewards/guarded.py",
+                "    cls = AsyncGuardedReward if is_async_reward(fn) else GuardedReward",
+                "    cls = GuardedReward",
+            ),
+        ),
+        ("tests/unit/test_reward_async.py::test_an_async_reward_stays_async_so_trl_awaits_it",),
+    ),
+    Mutant(
+        "async_reward_timeout_ignored",
+        "an async reward's timeout is not applied: a judge that never answers hangs the step",
+        (
+            (
+                "steadyrl/rewards/guarded.py",
+                "            async with asyncio.timeout(timeout):",
+                "            async with asyncio.timeout(None):",
+            ),
+        ),
+        ("tests/unit/test_reward_async.py::test_an_async_reward_past_its_timeout_is_cancelled_and_named",),
+    ),
+    Mutant(
         "doctor_reads_a_reward_fall_over_3_steps",
         "the doctor's reward-fall rule reads windows of any length: a healthy run's early dip is a regression",
         (

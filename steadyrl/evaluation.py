@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from steadyrl.rewards import TRL_REWARD_KWARGS, RewardFn
+from steadyrl.rewards.guarded import call_reward
 
 
 @torch.no_grad()
@@ -76,7 +77,8 @@ def eval_scores(
     chat = isinstance(prompts[0], list)
     completions_arg = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
     kwargs = {"prompts": prompts, "completions": completions_arg, "completion_ids": ids}
-    scores = {name: list(fn(**kwargs, **columns, **(reward_kwargs or {}))) for name, fn in reward_fns.items()}
+    extra = {**kwargs, **columns, **(reward_kwargs or {})}
+    scores = {name: list(call_reward(fn, **extra)) for name, fn in reward_fns.items()}
     return {"prompts": prompts, "completions": completions, "completion_ids": ids, "scores": scores}
 
 

@@ -74,10 +74,19 @@ def check_reward_columns(name: str, fn: RewardFn, columns: list[str]) -> None:
 
 
 def bind_reward(name: str, fn: RewardFn, kwargs: dict[str, Any]) -> RewardFn:
-    """``fn`` with config ``kwargs`` bound, named ``name`` (TRL logs rewards under ``__name__``)."""
+    """``fn`` with config ``kwargs`` bound, named ``name`` (TRL logs rewards under ``__name__``); async when ``fn`` is
+    (TRL awaits those on its event loop)."""
+    from steadyrl.rewards.guarded import is_async_reward
 
-    def reward(*args: Any, **kw: Any) -> list[float | None]:
-        return fn(*args, **{**kw, **kwargs})
+    if is_async_reward(fn):
+
+        async def reward(*args: Any, **kw: Any) -> list[float | None]:
+            return await fn(*args, **{**kw, **kwargs})
+
+    else:
+
+        def reward(*args: Any, **kw: Any) -> list[float | None]:
+            return fn(*args, **{**kw, **kwargs})
 
     reward.__name__ = reward.__qualname__ = name
     reward.__wrapped__ = fn  # type: ignore[attr-defined]  # keeps inspect.signature pointing at fn

@@ -10,7 +10,10 @@ doubling), then raises; ``skip`` does the same, then scores the call's completio
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import functools
+import inspect
 import logging
 import numbers
 import os
@@ -157,38 +160,66 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def is_async_reward(fn: Any) -> bool:
+    """Whether calling ``fn`` returns a coroutine (an ``async def``, a partial of one, or an instance whose
+    ``__call__`` is one), as TRL decides which rewards it awaits."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 class GuardedReward:
     """A reward callable with the entry's error policy, timeout and return checks; ``sleep`` waits between attempts,
-    ``output_dir`` is where the stop message looks for the last complete checkpoint."""
+    ``output_dir`` is where the stop message looks for the last complete checkpoint. For an ``async def`` reward use
+    ``AsyncGuardedReward`` (``guarded_reward`` picks)."""
 
     def __init__(self, name: str, fn: Callable[..., Any], policy: RewardSection, output_dir: str | Path | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:  # fmt: skip
+                 sleep: Callable[[float], Any] = time.sleep) -> None:  # fmt: skip
         self.__name__ = self.__qualname__ = name
         self.__wrapped__ = fn  # inspect.signature follows it: check_reward_columns sees the user's parameters
         self.fn, self.policy, self.output_dir, self.sleep = fn, policy, output_dir, sleep
         self.consecutive_skips = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
-        p, name = self.policy, self.__name__
-        completions = kwargs.get("completions", args[1] if len(args) > 1 else None)
-        expected = len(completions) if completions is not None else None
-        attempts = 1 if p.on_error == "raise" else 1 + p.retries
+        attempts, expected = self._plan(args, kwargs)
         errors, last = 0, None
         for attempt in range(attempts):
             if attempt:
-                self.sleep(p.backoff * 2 ** (attempt - 1))
+                self.sleep(self._backoff(attempt))
             try:
-                out = call_with_timeout(self.fn, p.timeout, args, kwargs, name)
+                out = call_with_timeout(self.fn, self.policy.timeout, args, kwargs, self.__name__)
             except Exception as exc:  # a reward service can fail in any way; the policy decides
-                errors, last = errors + 1, exc
-                logger.warning("reward %r failed (attempt %d of %d): %s", name, attempt + 1, attempts, _error_text(exc))
+                errors, last = self._failed(attempt, attempts, errors, exc)
                 continue
-            scores = check_scores(name, out, expected)
-            self.consecutive_skips = 0
-            self._log(kwargs, errors, skipped=0)
-            return scores
+            return self._scored(out, expected, kwargs, errors)
+        return self._give_up(last, attempts, expected, kwargs, errors)
+
+    def _plan(self, args: tuple, kwargs: dict[str, Any]) -> tuple[int, int | None]:
+        """(attempts allowed, completions expected)."""
+        completions = kwargs.get("completions", args[1] if len(args) > 1 else None)
+        expected = len(completions) if completions is not None else None
+        return (1 if self.policy.on_error == "raise" else 1 + self.policy.retries), expected
+
+    def _backoff(self, attempt: int) -> float:
+        return self.policy.backoff * 2 ** (attempt - 1)
+
+    def _failed(self, attempt: int, attempts: int, errors: int, exc: Exception) -> tuple[int, Exception]:
+        name, text = self.__name__, _error_text(exc)
+        logger.warning("reward %r failed (attempt %d of %d): %s", name, attempt + 1, attempts, text)
+        return errors + 1, exc
+
+    def _scored(self, out: Any, expected: int | None, kwargs: dict[str, Any], errors: int) -> list[Any]:
+        scores = check_scores(self.__name__, out, expected)
+        self.consecutive_skips = 0
+        self._log(kwargs, errors, skipped=0)
+        return scores
+
+    def _give_up(self, last: Exception | None, attempts: int, expected: int | None, kwargs: dict[str, Any],
+                 errors: int) -> list[Any]:  # fmt: skip
+        """Every attempt failed: raise the RewardError the policy names, or (``skip``) score the call unscorable."""
         from steadyrl.trainers.checkpoints import last_checkpoint_note
 
+        p, name = self.policy, self.__name__
         assert last is not None
         note = last_checkpoint_note(self.output_dir) if self.output_dir is not None else ""
         if p.on_error == "raise":
@@ -213,3 +244,57 @@ class GuardedReward:
         if callable(log_metric) and self.policy.on_error != "raise":
             log_metric(reward_errors(self.__name__), float(errors))
             log_metric(reward_skipped(self.__name__), float(skipped))
+
+
+class AsyncGuardedReward(GuardedReward):
+    """``GuardedReward`` for an ``async def`` reward (an LLM judge, a remote verifier): TRL awaits it on its event
+    loop, beside the other async rewards. ``timeout`` cancels the awaited call (``asyncio.timeout``: the coroutine
+    gets CancelledError at its next await); ``sleep`` may return an awaitable (``asyncio.sleep``, the default)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], policy: RewardSection, output_dir: str | Path | None = None,
+                 sleep: Callable[[float], Any] = asyncio.sleep) -> None:  # fmt: skip
+        super().__init__(name, fn, policy, output_dir, sleep)
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:  # type: ignore[override]
+        attempts, expected = self._plan(args, kwargs)
+        errors, last = 0, None
+        for attempt in range(attempts):
+            if attempt and inspect.isawaitable(pause := self.sleep(self._backoff(attempt))):
+                await pause
+            try:
+                out = await self._attempt(args, kwargs)
+            except Exception as exc:  # a reward service can fail in any way; the policy decides
+                errors, last = self._failed(attempt, attempts, errors, exc)
+                continue
+            return self._scored(out, expected, kwargs, errors)
+        return self._give_up(last, attempts, expected, kwargs, errors)
+
+    async def _attempt(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        timeout = self.policy.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.fn(*args, **kwargs)
+        except TimeoutError as exc:
+            rank = int(os.environ.get("RANK", "0"))
+            raise RewardTimeout(f"no answer within {timeout:g} s (reward {self.__name__!r} on rank {rank}; the call "
+                                "was cancelled)") from exc  # fmt: skip
+
+
+def guarded_reward(name: str, fn: Callable[..., Any], policy: RewardSection,
+                   output_dir: str | Path | None = None) -> GuardedReward:  # fmt: skip
+    """``AsyncGuardedReward`` for an async ``fn``, else ``GuardedReward``."""
+    cls = AsyncGuardedReward if is_async_reward(fn) else GuardedReward
+    return cls(name, fn, policy, output_dir)
+
+
+def call_reward(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` outside TRL (the periodic eval, ``steadyrl validate``): an async reward's coroutine is
+    run to its end on a fresh event loop (this thread runs none)."""
+    out = fn(*args, **kwargs)
+    if inspect.isawaitable(out):
+
+        async def wait() -> Any:
+            return await out
+
+        return asyncio.run(wait())
+    return out

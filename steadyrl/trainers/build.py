@@ -33,7 +33,7 @@ from steadyrl.data_rows import check_rows
 from steadyrl.environment import write_environment
 from steadyrl.evaluation import evaluate_rewards
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
-from steadyrl.rewards.guarded import GuardedReward
+from steadyrl.rewards.guarded import guarded_reward
 from steadyrl.tasks.smollm2 import BUILTIN_SMOLLM2, smollm2_folder
 from steadyrl.tasks.tiny_model import build_tiny_model
 from steadyrl.trainers import checkpoints
@@ -55,7 +55,7 @@ def reward_functions(cfg: RunConfig) -> dict[str, Any]:
             out[name] = entry.model
         else:  # on_error / retries / timeout / checked returns (steadyrl.rewards.guarded)
             bound = bind_reward(name, load_reward_fn(entry.fn), entry.kwargs)
-            out[name] = GuardedReward(name, bound, entry, output_dir=cfg.trainer.get("output_dir"))
+            out[name] = guarded_reward(name, bound, entry, output_dir=cfg.trainer.get("output_dir"))
     return out
 
 

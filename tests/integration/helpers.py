@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,17 @@ def flaky_reward(completions: list[str], fail_calls: list[int] = (), fail_from: 
     call = _FLAKY_CALLS["n"]
     if call in fail_calls or (fail_from is not None and call >= fail_from):
         raise ConnectionError(f"reward server dropped call {call}")
+    return byte_mean(completions)
+
+
+_JUDGE_CALLS = {"n": 0}
+
+
+async def async_judge(completions: list[str], hang_calls: list[int] = (), **_: Any) -> list[float]:
+    """An LLM judge's shape: ``async def``, awaiting its service; byte_mean, except that call number k (1-based, per
+    process) in ``hang_calls`` never answers."""
+    _JUDGE_CALLS["n"] += 1
+    await asyncio.sleep(3600 if _JUDGE_CALLS["n"] in hang_calls else 0)
     return byte_mean(completions)
 
 

@@ -54,6 +54,21 @@ def test_flaky_reward_is_skipped_and_counted_then_stops_the_run(tiny_model_dir, 
     ) in proc.stderr
 
 
+def test_an_async_judge_is_awaited_its_hung_call_cancelled_and_skipped_and_it_scores_the_eval(tiny_model_dir, tmp_path):
+    # an ``async def`` reward (before: "returned coroutine", the run stopped after the model loaded); call 2 never
+    # answers: cancelled after its 1 s timeout, step 2 scored unscorable; the final eval awaits it as well
+    judge = "{name: judge, fn: 'tests.integration.helpers:async_judge', on_error: skip, retries: 0, timeout: 1"
+    out = tmp_path / "judge"
+    extra = ("trainer.max_steps=3", f"rewards=[{judge}, kwargs: {{hang_calls: [2]}}}}]", "eval.enabled=true")
+    proc = steadyrl(*_args(tiny_model_dir, out, *extra, "eval.max_samples=8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in load_history(out).rows if "loss" in r]
+    assert [r[reward_skipped("judge")] for r in rows] == [0.0, 1.0, 0.0]
+    assert "RewardTimeout: no answer within 1 s (reward 'judge' on rank 0; the call was cancelled)" in proc.stderr
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["metric"] == "judge" and isinstance(results["accuracy"], float) and results["accuracy"] > 0
+
+
 def test_truncated_newest_checkpoint_is_refused_by_path_and_skipped_by_auto(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     first = steadyrl(*_args(tiny_model_dir, out, "trainer.max_steps=4", "trainer.save_steps=2"))
