@@ -391,6 +391,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "stopped_reward_leaves_its_processes",
+        "a reward call stopped at its deadline leaves the processes it started running (a sandbox per timeout)",
+        (
+            (
+                "steadyrl/rewards/guarded.py",
+                "        late = _started_since(self.t0)\n",
+                "        late = []\n        self.started = []\n",
+            ),
+        ),
+        ("tests/unit/test_reward_timeout.py::test_a_stopped_call_takes_the_processes_it_started_with_it",),
+    ),
+    Mutant(
+        "stopped_reward_leaves_its_alarm",
+        "a reward call stopped at its deadline leaves the SIGALRM it armed, to fire later in training code",
+        (
+            (
+                "steadyrl/rewards/guarded.py",
+                "                signal.setitimer(signal.ITIMER_REAL, 0)",
+                "                pass",
+            ),
+        ),
+        ("tests/unit/test_reward_timeout.py::test_a_stopped_call_leaves_no_sigalrm_armed",),
+    ),
+    Mutant(
         "async_reward_wrapped_sync",
         "an async def reward gets the plain wrapper: TRL never awaits it and the run stops on 'returned coroutine'",
         (

@@ -11,6 +11,7 @@ doubling), then raises; ``skip`` does the same, then scores the call's completio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import inspect
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from steadyrl.metrics import reward_errors, reward_skipped
 
@@ -54,9 +57,56 @@ def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
 
 
+CLOCK_SLACK_S = 0.05  # a process's start is read in clock ticks (10 ms): one started since t - this counts
+
+
+def _since_boot() -> float:
+    """Seconds since boot in the clock of a process's start (Linux: ``CLOCK_BOOTTIME``; psutil's create times are the
+    boot time, whole seconds, plus the start in ticks, so only their difference from the boot time is exact)."""
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.time() - psutil.boot_time()
+
+
+def _started_since(t: float) -> list[psutil.Process]:
+    """This process's children, grandchildren, ... started ``t`` (``_since_boot``) or later (those that vanish while
+    read are left out). Read only when a deadline fires: a call that returns in time costs nothing."""
+    out, boot = [], psutil.boot_time()
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.create_time() - boot >= t - CLOCK_SLACK_S:
+                out.append(child)
+    return out
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill(processes: list[psutil.Process], grace: float = 1.0) -> int:
+    """SIGTERM, then SIGKILL after ``grace`` seconds for those still running; returns how many were running."""
+    alive = [p for p in processes if _running(p)]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, left = psutil.wait_procs(alive, timeout=grace)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=grace)
+    return len(alive)
+
+
 class _Deadline:
     """``with _Deadline(seconds, what):`` raises ``self.token`` (at most once) inside the block when it runs past
-    ``seconds``; ``__exit__`` stops the watchdog and restores the signal handler whichever way the block ends."""
+    ``seconds``; ``__exit__`` stops the watchdog and restores the signal handler whichever way the block ends. A call
+    stopped by it also loses the processes it started (its children and their children, found at the deadline,
+    before the call unwinds and orphans them, and at the exit), and on the main thread any ``SIGALRM`` timer it armed
+    and handler it set (math-verify arms one per expression: stopped between its ``alarm`` and its ``try``, the alarm
+    would fire later in training code)."""
 
     def __init__(self, seconds: float, what: str) -> None:
         self.seconds, self.what = seconds, what
@@ -70,6 +120,8 @@ class _Deadline:
     def __enter__(self) -> _Deadline:
         if self.on_main:
             self.previous = signal.signal(DEADLINE_SIGNAL, self._handler)
+            self.alarm = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
+        self.t0, self.started = _since_boot(), []
         self.watchdog.start()
         return self
 
@@ -87,6 +139,7 @@ class _Deadline:
             if not self.armed:  # the call returned just now
                 return
             self.fired = True
+            self.started = _started_since(self.t0)
             if self.on_main:
                 signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)
             else:
@@ -108,6 +161,20 @@ class _Deadline:
             self.watchdog.join()
             if self.on_main:  # None: a handler installed outside Python, which Python cannot put back
                 signal.signal(DEADLINE_SIGNAL, signal.SIG_DFL if self.previous is None else self.previous)
+            if self.fired:
+                self._clean_up()
+
+    def _clean_up(self) -> None:
+        """After a stopped call: its processes killed, the SIGALRM state it left put back."""
+        late = _started_since(self.t0)
+        if killed := _kill(list({p.pid: p for p in [*self.started, *late]}.values())):
+            logger.warning("%s: killed %d process(es) the stopped call had started", self.what, killed)
+        if self.on_main:
+            handler, timer = self.alarm
+            if timer == (0.0, 0.0):
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            if handler is not None:
+                signal.signal(signal.SIGALRM, handler)
 
 
 def _example(value: Any) -> str:

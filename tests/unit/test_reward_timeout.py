@@ -122,3 +122,54 @@ def test_math_answer_scores_under_a_timeout() -> None:
     ]
     # right, wrong (12 != 13), right (last number 10), no number, right (chat message)
     assert guard(completions=completions, answer=["29", "13", "10", "4", "41"]) == [1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_stopped_call_takes_the_processes_it_started_with_it(tmp_path) -> None:
+    # a sandboxed executor: the reward runs a child that starts a grandchild, then waits on the child. Stopped, the
+    # call's subprocess.run kills the child and the grandchild is orphaned, still running: it must go as well
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "grandchild.pid"
+    child = (
+        "import subprocess, sys, time; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(60)"
+    )
+
+    def sandboxed(completions, **_):
+        subprocess.run([sys.executable, "-c", child], check=True)
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match="RewardTimeout: no answer within 1 s"):
+        _guard(sandboxed, timeout=1.0)(completions=COMPLETIONS)
+    grandchild = int(pid_file.read_text())
+    assert not _alive(grandchild)
+
+
+def test_a_stopped_call_leaves_no_sigalrm_armed() -> None:
+    # math-verify arms SIGALRM per expression; a deadline landing inside must not leave the alarm to fire later
+    def arms_an_alarm(completions, **_):
+        signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("late alarm")))
+        signal.alarm(2)
+        time.sleep(10)
+        return [1.0] * len(completions)
+
+    handler = signal.getsignal(signal.SIGALRM)
+    try:
+        with pytest.raises(RewardError, match="RewardTimeout"):
+            _guard(arms_an_alarm, timeout=0.2)(completions=COMPLETIONS)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        assert signal.getsignal(signal.SIGALRM) == handler
+    finally:  # a broken guard fails this test, not a later one when the alarm fires
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
