@@ -391,6 +391,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "spike_regime_becomes_the_baseline",
+        "4 spikes of x1e4 in a row rebase the spike guard's baseline: the poisoned regime is trained on",
+        (
+            (
+                "steadyrl/guards/spike.py",
+                "        return max(self._spike_norms[-c.rebase_after :]) <= c.max_ratio * baseline",
+                "        return True",
+            ),
+        ),
+        ("tests/unit/test_spike.py::test_a_streak_above_max_ratio_is_never_a_level_shift_and_stops_the_run",),
+    ),
+    Mutant(
         "stopped_reward_leaves_its_processes",
         "a reward call stopped at its deadline leaves the processes it started running (a sandbox per timeout)",
         (

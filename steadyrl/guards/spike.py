@@ -7,8 +7,9 @@ as a spike when ``log(norm) - m`` exceeds both ``log(min_ratio)`` (the floor: ne
 norm, from the first accepted norm on) and, once ``warmup_steps`` norms are in the window, ``z_threshold`` x ``s``
 -- but always above ``max_ratio`` x the median (a noisy window never hides a spike that large).
 ``max_consecutive_skips`` skips in a row stop the run. A norm of at most ``ZERO_NORM`` (no learning signal) proceeds
-but stays out of the baseline; ``rebase_after`` spikes in a row are a level shift: the window restarts from them and
-the step proceeds. Zeroing a skipped step's gradients is left to the trainer. ``min_ratio: .inf`` keeps only the
+but stays out of the baseline; the last ``rebase_after`` of a streak of spikes, none above ``max_ratio`` x the median
+before them, are a level shift: the window restarts from them and the step proceeds (norms above ``max_ratio``
+never are). Zeroing a skipped step's gradients is left to the trainer. ``min_ratio: .inf`` keeps only the
 non-finite test (OPEFO's guard, and GEPO's with ``spike.enabled: false``).
 """
 
@@ -115,11 +116,11 @@ class SpikeGuard:
             self.last_z = (math.log(norm) - median) / spread if spread > 0 else math.inf
         if norm > self.threshold():
             self._spike_norms.append(norm)
-            if not (c.rebase_after and len(self._spike_norms) >= c.rebase_after):
+            if not self._level_shift():
                 return self._skip("spike", norm, step)
             old = self.baseline
             self.window.clear()
-            self.window.extend(math.log(v) for v in self._spike_norms)
+            self.window.extend(math.log(v) for v in self._spike_norms[-c.rebase_after :])
             self.rebases += 1
             logger.warning(
                 "step %d: %d gradient-norm spikes in a row (baseline median %.4g, spikes' median %.4g) are a level "
@@ -133,6 +134,14 @@ class SpikeGuard:
         self.accepted += 1
         self.consecutive = 0
         return StepDecision.proceed()
+
+    def _level_shift(self) -> bool:
+        """The last ``rebase_after`` spikes in a row, none above ``max_ratio`` x the median before them: a new level.
+        Above it they stay spikes (a poisoned regime: skipped until ``max_consecutive_skips`` stops the run)."""
+        c, baseline = self.config, self.baseline
+        if not c.rebase_after or len(self._spike_norms) < c.rebase_after or baseline is None:
+            return False
+        return max(self._spike_norms[-c.rebase_after :]) <= c.max_ratio * baseline
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters, the baseline median norm and the last robust z-score (NaN before they exist); none

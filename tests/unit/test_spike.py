@@ -129,6 +129,28 @@ def test_a_level_shift_rebases_after_rebase_after_spikes_in_a_row():
     assert m["gepo/spike_rebases"] == 1.0 and m["gepo/spike_median"] == pytest.approx(math.sqrt(25 * 30))
 
 
+def test_a_streak_above_max_ratio_is_never_a_level_shift_and_stops_the_run():
+    # x1e4 on every step from step 10 on (a poisoned data shard): always skipped, never the new baseline
+    cfg = SpikeConfig(warmup_steps=1, min_ratio=10.0, max_ratio=1000.0, rebase_after=3, max_consecutive_skips=6)
+    g = SpikeGuard(cfg)
+    for i in range(10):
+        g.decide(norm(1.0), i)
+    assert all(g.decide(norm(1e4), i).skip for i in range(10, 15)) and g.rebases == 0
+    with pytest.raises(SpikeSkipError, match="6 optimizer steps in a row were skipped"):
+        g.decide(norm(1e4), 15)
+    # a level shift is read from the last rebase_after (3) spikes: 2000 (above 1000 x the median) is never one of them
+    g = SpikeGuard(SpikeConfig(warmup_steps=1, min_ratio=10.0, max_ratio=1000.0, rebase_after=3))
+    g.decide(norm(1.0), 0)
+    assert [g.decide(norm(x), i).skip for i, x in enumerate([999.0, 2000.0, 500.0, 600.0, 700.0], 1)] == [
+        True,
+        True,
+        True,
+        True,
+        False,  # the 3 in a row from 500 on: a level shift
+    ]
+    assert g.rebases == 1 and g.baseline == pytest.approx(600.0)
+
+
 def test_a_single_spike_between_healthy_steps_is_still_skipped_and_streaks_reset():
     g = SpikeGuard(SpikeConfig(warmup_steps=1, min_ratio=10.0, rebase_after=2))
     g.decide(norm(1.0), 0)
