@@ -391,6 +391,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "mismatch_quantiles_of_the_whole_batch",
+        "the mismatch ratio quantiles read every token: past 2^24 tokens torch.quantile raises and the step dies",
+        (("steadyrl/guards/mismatch.py", "    if x.numel() <= limit:\n        return x", "    return x"),),
+        ("tests/unit/test_mismatch.py::test_ratio_quantiles_of_a_batch_past_torch_quantiles_limit",),
+    ),
+    Mutant(
         "spike_regime_becomes_the_baseline",
         "4 spikes of x1e4 in a row rebase the spike guard's baseline: the poisoned regime is trained on",
         (

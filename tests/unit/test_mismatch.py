@@ -139,3 +139,15 @@ def test_trl_defaults_and_valid_choices_pass(tmp_path: Path, monkeypatch):
         base, [*overrides, "trainer.vllm_importance_sampling_clip_min=0.5", "guards.gepo.mismatch.ess_min=0.3"]
     )
     assert cfg.trainer["vllm_importance_sampling_mode"] == "token_mask"
+
+
+def test_ratio_quantiles_of_a_batch_past_torch_quantiles_limit():
+    # 2^24 + 1 scored tokens (a 7B batch of long completions): torch.quantile refuses the whole; a sample of 2^20
+    # reads the 1st and 99th percentile of a known distribution within 0.01 of the exact ones
+    n = (1 << 24) + 1
+    rank = torch.arange(n, dtype=torch.float64) / (n - 1)  # rho uniform on [1, 2]: q01 = 1.01, q99 = 1.99
+    found = measure(torch.log1p(rank).view(1, -1), "token_truncate", None, 3.0)
+    assert found["mismatch/ratio_q01"] == pytest.approx(1.01, abs=0.01)
+    assert found["mismatch/ratio_q99"] == pytest.approx(1.99, abs=0.01)
+    with pytest.raises(RuntimeError, match="too large"):
+        torch.quantile(torch.log1p(rank).exp(), torch.tensor([0.01], dtype=torch.float64))
