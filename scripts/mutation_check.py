@@ -391,6 +391,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "safetensors_error_is_not_a_failed_save",
+        "a full disk while safetensors writes the weights raises its own SafetensorError: a raw traceback",
+        (("steadyrl/trainers/checkpoints.py", "SAVE_ERRORS = (Exception,)", "SAVE_ERRORS = (OSError, RuntimeError)"),),
+        (
+            f"{IT}/test_disk_full_checkpoint.py::test_a_full_disk_while_trl_saves_the_optimizer_stops_the_run_cleanly"
+            "[SafetensorsFullAtCheckpoint4-SafetensorError: Error while serializing: IoError(Os { code: 28, kind: "
+            "StorageFull })]",
+        ),
+    ),
+    Mutant(
         "mismatch_quantiles_of_the_whole_batch",
         "the mismatch ratio quantiles read every token: past 2^24 tokens torch.quantile raises and the step dies",
         (("steadyrl/guards/mismatch.py", "    if x.numel() <= limit:\n        return x", "    return x"),),

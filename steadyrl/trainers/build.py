@@ -337,12 +337,17 @@ def run(cfg: RunConfig) -> dict[str, Any] | None:
         folder = Path(cfg.trainer["output_dir"]) / f"checkpoint-{callback.stopped_at}"  # what the Trainer just wrote
         checkpoint = str(folder) if (folder / "trainer_state.json").is_file() else None
         raise Preempted(callback.signal_name, callback.stopped_at, checkpoint, cfg.preemption.exit_code)
-    final_dir = Path(cfg.trainer["output_dir"]) / "final"
-    trainer.save_model(str(final_dir))
-    if trainer.accelerator.is_main_process:
-        trainer.processing_class.save_pretrained(str(final_dir))
-        if cfg.algorithm == "ppo":  # the critic also as a loadable folder (CriticModel.from_pretrained)
-            trainer.policy_and_value.critic.save_pretrained(final_dir / "critic")
+
+    def write_final(_: Path, folder: Path) -> None:
+        trainer.save_model(str(folder))
+        if trainer.accelerator.is_main_process:
+            trainer.processing_class.save_pretrained(str(folder))
+            if cfg.algorithm == "ppo":  # the critic also as a loadable folder (CriticModel.from_pretrained)
+                trainer.policy_and_value.critic.save_pretrained(folder / "critic")
+
+    # staged and renamed as a checkpoint is: a full disk stops the run with the message, no half-written final/
+    step, output_dir = trainer.state.global_step, Path(cfg.trainer["output_dir"])
+    checkpoints.save_atomically(trainer.accelerator, output_dir, step, None, write_final, name="final")
     result = final_eval(cfg, trainer)
     if getattr(trainer, "use_vllm", False):
         shutdown_vllm(trainer)

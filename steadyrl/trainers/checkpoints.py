@@ -31,8 +31,9 @@ GUARD_STATE_FILE = "steadyrl_state.pt"
 RANK_STATE_FILE = "steadyrl_rank{rank}.pt"
 COMPLETE_MARKER = "steadyrl_complete.json"
 STAGING_DIR = ".staging"
-# what a failed write raises: OSError (ENOSPC, EIO, ...), RuntimeError from torch.save and safetensors on a full disk
-SAVE_ERRORS = (OSError, RuntimeError)
+# what a failed write raises: any exception (OSError for ENOSPC/EIO, RuntimeError from torch.save, safetensors' own
+# SafetensorError, a filesystem client's): every one is a failed save, agreed by every rank before anything is published
+SAVE_ERRORS = (Exception,)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -80,16 +81,23 @@ class GuardState:
 
 
 def save_atomically(
-    accelerator: Any, run_dir: Path, global_step: int, save_total_limit: int | None, write: Callable[[Path, Path], None]
+    accelerator: Any,
+    run_dir: Path,
+    global_step: int,
+    save_total_limit: int | None,
+    write: Callable[[Path, Path], None],
+    name: str | None = None,
 ) -> None:
     """Stage, write, mark, rename, rotate. ``write(staging_root, folder)`` writes ``folder`` =
-    ``staging_root/checkpoint-N`` (every rank); ``run_dir`` is where it is published. A write that fails on any rank
-    (``SAVE_ERRORS``): the staged folder is removed, every rank raises CheckpointSaveError, nothing is published."""
-    name = f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
+    ``staging_root/<name>`` (every rank; ``name``: ``checkpoint-N`` unless given, e.g. ``final``, which is not
+    rotated); ``run_dir`` is where it is published. A write that fails on any rank (``SAVE_ERRORS``): the staged folder
+    is removed, every rank raises CheckpointSaveError, nothing is published (an earlier folder of that name stays)."""
+    checkpoint = name is None
+    name = name or f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
     staging_root = run_dir / STAGING_DIR
     staged = staging_root / name
     if accelerator.is_main_process and staging_root.is_dir():  # staged folders left by a save that crashed
-        for _, folder in _checkpoint_folders(staging_root):
+        for folder in [*(f for _, f in _checkpoint_folders(staging_root)), staged]:
             shutil.rmtree(folder, ignore_errors=True)
     accelerator.wait_for_everyone()
     error: BaseException | None = None
@@ -102,7 +110,8 @@ def save_atomically(
         if accelerator.is_main_process:
             try:
                 publish_checkpoint(staged, run_dir / name, global_step, accelerator.num_processes)
-                rotate_complete_checkpoints(run_dir, save_total_limit)
+                if checkpoint:
+                    rotate_complete_checkpoints(run_dir, save_total_limit)
             except SAVE_ERRORS as exc:
                 error = exc
         errors = _every_rank(accelerator, error)

@@ -35,22 +35,81 @@ class DiskFullAtCheckpoint4(TrainerCallback):
         shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
 
 
-def test_a_full_disk_while_trl_saves_the_optimizer_stops_the_run_cleanly(tiny_model_dir, tmp_path):
+class SafetensorsFullAtCheckpoint4(TrainerCallback):
+    """(``callbacks`` entry) The disk fills up while step 4's weights are written: safetensors raises its own
+    ``SafetensorError`` (not an OSError)."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import transformers.modeling_utils as modeling
+        from safetensors import SafetensorError
+
+        real_save = modeling.safe_save_file
+
+        def save(tensors, filename, *a, **k):
+            if Path(filename).parent.name == "checkpoint-4":
+                raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+            return real_save(tensors, filename, *a, **k)
+
+        modeling.safe_save_file = save
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
+
+
+@pytest.mark.parametrize(
+    ("callback", "error"),
+    [
+        ("DiskFullAtCheckpoint4", "OSError: [Errno 28] No space left on device: '{staged}/optimizer.pt'"),
+        ("SafetensorsFullAtCheckpoint4", "SafetensorError: Error while serializing: IoError(Os { code: 28, kind: "
+         "StorageFull })"),
+    ],
+)  # fmt: skip
+def test_a_full_disk_while_trl_saves_the_optimizer_stops_the_run_cleanly(tiny_model_dir, tmp_path, callback, error):
     out = tmp_path / "run"
     proc = steadyrl(
         "train", "configs/tiny/grpo.yaml", f"model.path={tiny_model_dir}", f"trainer.output_dir={out}",
         "trainer.max_steps=6", "trainer.save_steps=2", "trainer.per_device_train_batch_size=8",
         "trainer.num_generations=4", "trainer.max_completion_length=4", "eval.enabled=false",
-        "callbacks=[tests.integration.test_disk_full_checkpoint:DiskFullAtCheckpoint4]",
+        f"callbacks=[tests.integration.test_disk_full_checkpoint:{callback}]",
     )  # fmt: skip
     staged = out / STAGING_DIR / "checkpoint-4"
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1] == (
-        f"steadyrl: stopped: checkpoint-4 was not saved: OSError: [Errno 28] No space left on device: "
-        f"'{staged / 'optimizer.pt'}' (writing {staged}; 5.0 MiB free on the disk of {out}). The partial checkpoint "
-        f"was removed. Last complete checkpoint: {out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto "
-        "resumes from it)."
+        f"steadyrl: stopped: checkpoint-4 was not saved: {error.replace('{staged}', str(staged))} (writing {staged}; "
+        f"5.0 MiB free on the disk of {out}). The partial checkpoint was removed. Last complete checkpoint: "
+        f"{out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes from it)."
     )
     assert "Traceback" not in proc.stderr
     assert not staged.exists() and not (out / "checkpoint-4").exists()
     assert find_resume_checkpoint(out) == out / "checkpoint-2"
+
+
+class SafetensorsFullAtFinal(TrainerCallback):
+    """(``callbacks`` entry) The disk fills up while the final model's weights are written."""
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import transformers.modeling_utils as modeling
+        from safetensors import SafetensorError
+
+        def save(tensors, filename, *a, **k):
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+        modeling.safe_save_file = save
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
+
+
+def test_a_full_disk_while_the_final_model_is_written_stops_the_run_cleanly(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = steadyrl(
+        "train", "configs/tiny/grpo.yaml", f"model.path={tiny_model_dir}", f"trainer.output_dir={out}",
+        "trainer.max_steps=2", "trainer.save_steps=2", "trainer.per_device_train_batch_size=8",
+        "trainer.num_generations=4", "trainer.max_completion_length=4", "eval.enabled=false",
+        "callbacks=[tests.integration.test_disk_full_checkpoint:SafetensorsFullAtFinal]",
+    )  # fmt: skip
+    staged = out / STAGING_DIR / "final"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "steadyrl: stopped: final was not saved: SafetensorError: Error while serializing: IoError(Os { code: 28, "
+        f"kind: StorageFull }}) (writing {staged}; 5.0 MiB free on the disk of {out}). The partial checkpoint was "
+        f"removed. Last complete checkpoint: {out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes "
+        "from it)."
+    )
+    assert "Traceback" not in proc.stderr and not staged.exists() and not (out / "final").exists()
