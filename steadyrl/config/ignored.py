@@ -130,6 +130,11 @@ PERIODIC = Cond(
     lambda cfg, e: e.every > 0, "while eval.every is 0 (no periodic eval)", "set eval.every > 0, or remove it"
 )
 
+EVAL_ON = Cond(
+    lambda cfg, _: cfg.eval.enabled,
+    "while eval.enabled is false (the watch reads the periodic eval)",
+    "set eval.enabled=true, or remove it",
+)
 GOLD_PERIODIC = Cond(
     lambda cfg, _: cfg.eval.every > 0,
     "while eval.every is 0 (the watch reads the periodic eval)",
@@ -183,7 +188,7 @@ READ_BY: dict[str, Read] = {
         ("grpo",), why=f"PPO's vLLM rollouts are not measured yet; {GUARDS}", fix="remove it", only_if=(VLLM,)
     ),
     "guards.gepo.mismatch.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
-    "guards.quatro.gold": Read(("grpo",), why=GOLD_GRPO, fix="remove it", only_if=(GOLD_PERIODIC, *EVAL)),
+    "guards.quatro.gold": Read(("grpo",), why=GOLD_GRPO, fix="remove it", only_if=(EVAL_ON, GOLD_PERIODIC, *EVAL)),
     "guards.quatro.gold.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
     "guards.grade.kl_compensation_range": Read(RL, why=GUARDS, only_if=(KL_COMPENSATION,)),
     "eval.enabled": Read(TRAINING, why=f"{REWARD_STAGE}; its held-out check is the calibration report"),
@@ -256,6 +261,8 @@ def ignored_reason(cfg: Any, key: SetKey, tree: dict[str, Any]) -> str | None:
     row, alg = lookup(key.row_key), cfg.algorithm
     if row is None:  # a key without a row (tests/unit/test_ignored_keys.py fails on it): let it through
         return None
+    if key.dotted.endswith(".enabled") and key.value is False:
+        return None  # switching a part off is never an error, whatever runs (a shared base config's preemption)
     if alg not in row.by:
         return f"algorithm {alg} ignores it: {row.why}; {_fix(row.fix, key)}"
     for dotted, section in key.ancestors[1:]:  # the sections above the key, the run config itself excluded

@@ -110,9 +110,10 @@ def measure(log_ratio: torch.Tensor, mode: str, clip_min: float | None, clip_max
 
 class MismatchGate:
     """A StepGuard: skips every optimizer step while the generation batch it trains on had ``mismatch/ess`` below
-    ``ess_min`` (``note`` sets it when the batch is generated; the value is identical on every rank). More than
-    ``max_consecutive`` skips in a row raise ``MismatchError``: the sync is broken, skipping only hides it. A step it
-    skips is not fed back by OPEFO's error feedback: its gradient is off-policy in direction, not only in size."""
+    ``ess_min`` (``note`` sets it when the batch is generated; the value is identical on every rank). The
+    ``max_consecutive``-th such step in a row raises ``MismatchError`` (as the spike guard counts): the sync is
+    broken, skipping only hides it. A step it skips is not fed back by OPEFO's error feedback: its gradient is
+    off-policy in direction, not only in size."""
 
     feeds_back = False
 
@@ -130,7 +131,7 @@ class MismatchGate:
             return StepDecision.proceed()
         self.skipped += 1
         self.consecutive += 1
-        if self.consecutive > self.max_consecutive:
+        if self.consecutive >= self.max_consecutive:
             raise MismatchError(
                 f"step {step + 1}: {self.consecutive} optimizer steps in a row trained on rollouts whose effective "
                 f"sample size is below guards.gepo.mismatch.ess_min={self.ess_min:g} (last: {self.ess:.3g}): vLLM "

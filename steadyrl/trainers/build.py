@@ -133,11 +133,14 @@ def _check_resume_world_size(folder: Path, processes: int, cfg: RunConfig) -> No
     saved = checkpoints.saved_num_processes(folder)
     if saved is None or saved == processes or not (_deepspeed_launch() or _deepspeed_config(cfg) is not None):
         return
+    if ((_deepspeed_config(cfg) or {}).get("checkpoint") or {}).get("load_universal"):
+        return  # the way out this message names: DeepSpeed loads a universal checkpoint on any number
     raise ConfigError(
         f"trainer.resume_from_checkpoint: {folder} was written by {saved} processes and this DeepSpeed run has "
         f"{processes}; ZeRO's optimizer partitions only load on the same number. Launch with --num_processes "
         f"{saved}, or convert it with DeepSpeed's universal checkpoint (python -m "
-        "deepspeed.checkpoint.ds_to_universal) and load that, or start a new run from its weights "
+        'deepspeed.checkpoint.ds_to_universal) and load that ("checkpoint": {"load_universal": true} in the '
+        "DeepSpeed config), or start a new run from its weights "
         f"(model.path={folder}, trainer.resume_from_checkpoint=null)"
     )
 

@@ -173,7 +173,8 @@ def test_every_key_is_read_by_an_algorithm_or_refused_naming_key_algorithm_and_f
                 wrong.append(f"{alg} {key}: no valid non-default value among {results}; add one to VALUES")
                 continue
             kind, message = decided[0]
-            expect = "read" if alg in lookup(key).by else "ignored"
+            switched_off = key.endswith(".enabled") and default is True  # off is never an error, whatever runs
+            expect = "read" if alg in lookup(key).by or switched_off else "ignored"
             if kind != expect:
                 wrong.append(f"{alg} {key}: expected {expect}, got {kind} {message}")
             elif kind == "ignored":
@@ -296,4 +297,20 @@ def test_the_reward_stage_refuses_what_it_never_reads(tmp_path: Path) -> None:
     assert lines[-1] == (
         "preemption.exit_code (set in command line): algorithm reward ignores it: the reward stage installs no "
         "signal handler; remove it (its default: 75)"
+    )
+
+
+def test_switching_a_part_off_is_accepted_whatever_runs_and_the_gold_watch_needs_eval_on(tmp_path: Path) -> None:
+    # a base config shared with the reward stage switches preemption off: refused before, as if it were a setting
+    reward = str(REPO / "configs/tiny/reward.yaml")
+    assert load_config(reward, ["preemption.enabled=false"]).preemption.enabled is False
+    # the gold watch reads the periodic eval: with eval off its settings would be silently ignored
+    with pytest.raises(ConfigError) as info:
+        _grpo(
+            tmp_path,
+            ["eval.every=5", "eval.enabled=false", "guards.quatro.enabled=true", "guards.quatro.gold.drop=0.1"],
+        )
+    assert str(info.value) == (
+        "guards.quatro.gold.drop (set in command line): algorithm grpo ignores it while eval.enabled is false (the "
+        "watch reads the periodic eval); set eval.enabled=true, or remove it (its default: 0.05)"
     )

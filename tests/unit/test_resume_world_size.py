@@ -43,4 +43,11 @@ def test_deepspeed_refuses_another_number_of_processes_naming_both_and_the_fix(t
         _check_resume_world_size(folder, 1, cfg)
     message = str(err.value)
     assert "written by 2 processes and this DeepSpeed run has 1" in message
-    assert "--num_processes 2" in message and "ds_to_universal" in message
+    assert "--num_processes 2" in message and "ds_to_universal" in message and '"load_universal": true' in message
+    # the fix it names is let through: a universal checkpoint loads on any number of processes
+    universal = load_config(
+        REPO / "configs" / "tiny" / "grpo.yaml",
+        [f"trainer.output_dir={tmp_path / 'u'}", "trainer.deepspeed={zero_optimization: {stage: 2}, "
+         "checkpoint: {load_universal: true}}"],
+    )  # fmt: skip
+    _check_resume_world_size(folder, 1, universal)
