@@ -391,6 +391,34 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "gold_eval_without_its_own_reward_row_has_no_reward",
+        "an eval with no reward row logged since the previous one (logging_steps 10, eval.every 5) has no reward "
+        "level: with regression off the streak restarts and a divergence is never confirmed",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "        if self.since:\n            self.last, self.since = self.since, []\n        return self.last",
+                "        out, self.since = self.since, []\n        return out",
+            ),
+        ),
+        ("tests/unit/test_gold_watch.py::test_a_divergence_is_confirmed_when_trl_logs_less_often_than_the_eval_runs",),
+    ),
+    Mutant(
+        "gold_resume_forgets_the_rewards_before_the_checkpoint",
+        "a resumed run judges the eval it runs first with no reward level: a pending streak restarts",
+        (
+            (
+                "steadyrl/callbacks/gold_watch.py",
+                "        for row in state.log_history:\n            self._rewards.add(row.get(REWARD))",
+                "        for row in []:\n            self._rewards.add(row.get(REWARD))",
+            ),
+        ),
+        (
+            "tests/unit/test_gold_watch.py::test_a_resumed_run_judges_its_first_eval_with_the_rewards_logged_before_"
+            "the_checkpoint",
+        ),
+    ),
+    Mutant(
         "safetensors_error_is_not_a_failed_save",
         "a full disk while safetensors writes the weights raises its own SafetensorError: a raw traceback",
         (("steadyrl/trainers/checkpoints.py", "SAVE_ERRORS = (Exception,)", "SAVE_ERRORS = (OSError, RuntimeError)"),),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from transformers import TrainerCallback
 
 from steadyrl.callbacks.periodic_eval import _bare_model, trainer_log_fn
-from steadyrl.guards.gold_watch import CONFIRMED, EvalPoint, GoldConfig, GoldDetector, eval_point
+from steadyrl.guards.gold_watch import CONFIRMED, EvalPoint, GoldConfig, GoldDetector, RewardsSince, eval_point
 from steadyrl.guards.rollback import cpu_copy
 from steadyrl.metrics import (
     EVAL_ACCURACY,
@@ -66,7 +65,7 @@ class GoldWatch(TrainerCallback):
         self._ending = False
         self._seen = 0  # log_history rows already read
         self._last_gold: float | None = None  # the gold metric of the latest eval
-        self._since: list[float] = []  # training rewards logged since the last eval row
+        self._rewards = RewardsSince()  # the training rewards the next eval is judged with
 
     # ------------------------------------------------------------------ guard state
     def state_dict(self) -> dict[str, Any]:
@@ -82,7 +81,13 @@ class GoldWatch(TrainerCallback):
         return Path(self.trainer.args.output_dir) / BEST_DIR
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._seen = len(state.log_history)  # rows from before a resume were read by the run that logged them
+        # rows from before a resume were judged by the run that logged them; their rewards since the last eval are the
+        # level of the eval a resumed run runs again first (without them, that eval had none and reset a pending streak)
+        for row in state.log_history:
+            self._rewards.add(row.get(REWARD))
+            if row.get(EVAL_ACCURACY) is not None:
+                self._rewards.take()
+        self._seen = len(state.log_history)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._read(state, control)
@@ -122,12 +127,9 @@ class GoldWatch(TrainerCallback):
         rows = state.log_history[self._seen :]
         self._seen = len(state.log_history)
         for row in rows:
-            if row.get(REWARD) is not None and math.isfinite(float(row[REWARD])):
-                self._since.append(float(row[REWARD]))
+            self._rewards.add(row.get(REWARD))
             if row.get(EVAL_ACCURACY) is not None:
-                point = eval_point(row, self._since, int(row.get("step", state.global_step)))
-                self._since = []
-                self._judge(point, control)
+                self._judge(eval_point(row, self._rewards.take(), int(row.get("step", state.global_step))), control)
 
     def _judge(self, point: EvalPoint, control: Any) -> None:
         step, gold, reward, se = point.step, point.gold, point.reward, point.gold_se

@@ -4,8 +4,8 @@ training reward (docs/DESIGN.md, "QUATRO: gold watch").
 A run games its reward when the training reward holds while the metric it should serve falls; it regresses by itself
 (a learning rate too high) when both fall. At each periodic eval (``eval.every``) the watch compares the gold metric
 (``eval.metric``, logged as ``eval/accuracy`` with its standard error ``eval/accuracy_se``) with a reference, and the
-training reward (TRL's ``reward``: the mean of the rows logged since the previous eval, with the standard error of
-that mean) with its level at the reference.
+training reward (TRL's ``reward``: the mean of the rows logged since the previous eval, or the last rows logged when
+none was, with the standard error of that mean) with its level at the reference.
 
 Noise model: each eval is the mean of n per-sample scores, ``gold = true level + e`` with ``e ~ N(0, se^2)``
 independent between evals (a sampled eval, or a fresh subset; a greedy eval on fixed rows moves less, so its ``se``
@@ -191,20 +191,38 @@ def eval_point(row: Mapping[str, Any], rewards: Sequence[float], step: int, gold
     return EvalPoint(step, gold, reward, gold_se(row, gold, gold_key), reward_se, first)
 
 
+class RewardsSince:
+    """The training rewards an eval is judged with: those logged since the previous eval, or, when none was (TRL
+    logs every ``logging_steps``, 10 by default, and the Trainer logs a step's row after the eval of that step), the
+    last ones logged before it. Without that, every other eval at ``eval.every`` 5 had no reward level."""
+
+    def __init__(self) -> None:
+        self.since: list[float] = []
+        self.last: list[float] = []
+
+    def add(self, reward: Any) -> None:
+        if reward is not None and math.isfinite(float(reward)):
+            self.since.append(float(reward))
+
+    def take(self) -> list[float]:
+        """The rewards for the eval being read; starts the next interval."""
+        if self.since:
+            self.last, self.since = self.since, []
+        return self.last
+
+
 def eval_points(
     rows: Iterable[Mapping[str, Any]], gold_key: str = EVAL_ACCURACY, reward_key: str = REWARD
 ) -> list[EvalPoint]:
     """An ``EvalPoint`` per eval row of a logged history, in order: ``reward`` is the mean of the ``reward_key`` values
-    logged after the previous eval row up to this one (NaN when none), ``reward_se`` its standard error,
-    ``first_reward`` the first of them; ``gold_se`` is the row's ``<gold_key>_se``, else the binomial bound from
-    ``eval/num_samples``, else NaN."""
-    points, since = [], []
+    ``RewardsSince`` gives it (NaN when none was logged yet), ``reward_se`` its standard error, ``first_reward`` the
+    first of them; ``gold_se`` is the row's ``<gold_key>_se``, else the binomial bound from ``eval/num_samples``, else
+    NaN."""
+    points, rewards = [], RewardsSince()
     for row in rows:
-        if reward_key in row and row[reward_key] is not None:
-            since.append(float(row[reward_key]))
+        rewards.add(row.get(reward_key))
         if gold_key in row and row[gold_key] is not None:
-            points.append(eval_point(row, since, int(row.get("step", 0)), gold_key))
-            since = []
+            points.append(eval_point(row, rewards.take(), int(row.get("step", 0)), gold_key))
     return points
 
 

@@ -36,7 +36,7 @@ def _script(monkeypatch, **golds: float) -> None:
         monkeypatch.setitem(script, int(step.removeprefix("s")), gold)
 
 
-def _config(tmp_path, model_dir, gold: dict[str, Any]):
+def _config(tmp_path, model_dir, gold: dict[str, Any], every: int = 2, **trainer: Any):
     cfg = {
         "model": {"path": str(model_dir)},
         "data": {"path": "builtin:arithmetic", "eval_split": "eval", "builtin": {"max_operand": 9, "eval_size": 8}},
@@ -44,7 +44,7 @@ def _config(tmp_path, model_dir, gold: dict[str, Any]):
             {"fn": "tests.integration.helpers:byte_mean", "weight": 1.0},
             {"fn": "tests.integration.test_gold_watch:scripted_gold", "weight": 0.0, "name": "gold"},
         ],
-        "eval": {"every": 2, "metric": "gold", "max_samples": 8},
+        "eval": {"every": every, "metric": "gold", "max_samples": 8},
         "guards": {"quatro": {"enabled": True, "gold": {"confirm": 1, "reward_slack": 100.0, **gold}}},
         "trainer": {
             "output_dir": str(tmp_path / "run"),
@@ -55,6 +55,7 @@ def _config(tmp_path, model_dir, gold: dict[str, Any]):
             "learning_rate": 1e-2,
             "lr_scheduler_type": "constant",
             **QUIET_TRAINER,
+            **trainer,
         },
     }
     return write_config(tmp_path, cfg)
@@ -116,6 +117,21 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
     assert not (tmp_path / "run" / f"{BEST_DIR}.tmp").exists()
     ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
     assert ledger["kinds"]["gold_rollback"]["steps"] == 1 and ledger["kinds"]["gold_rollback"]["layer"] == "quatro"
+
+
+def test_trls_default_logging_steps_does_not_silence_the_watch(tiny_model_dir, tmp_path, monkeypatch):
+    # logging_steps 10 (TRL's default) against eval.every 5: the evals at 15 and 25 have no reward row of their own.
+    # They were judged with no reward level, which reset the streak (regression off): the fall was never confirmed
+    _script(monkeypatch, s5=0.5, s10=0.9, s15=0.2, s20=0.2)
+    seen = _spy_restore(monkeypatch)
+    gold = {"confirm": 2, "regression": False}
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, gold, every=5, logging_steps=10, max_steps=22))
+    trainer.train()
+    rollback, _end = seen  # the rollback, then the end of the run on the best policy (its last eval, 0.2, is below)
+    assert rollback["step"] == 20 and rollback["meta"]["step"] == 10  # back to the policy of step 10
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [e for e in events if e.get("event") == "gold_rollback" and e.get("verdict")]
+    assert event["verdict"] == "diverged" and "fell from 0.9 at step 10 to 0.2 at step 20" in event["cause"]
 
 
 def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, tmp_path, monkeypatch):

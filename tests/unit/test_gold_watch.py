@@ -98,10 +98,25 @@ def test_eval_points_average_the_rewards_logged_since_the_previous_eval():
     ]
     points = eval_points(rows)
     assert points[0][:3] == (2, 0.5, pytest.approx(0.3)) and points[1][:3] == (4, 0.4, 0.6)
-    assert points[2][:2] == (5, 0.3) and math.isnan(points[2].reward)
+    assert points[2][:3] == (5, 0.3, 0.6)  # none logged since step 4's eval: the last ones logged
     # the reward's standard error: std of (0.2, 0.4) / sqrt(2) = 0.1414.. / 1.414.. = 0.1; one value: unknown
     assert points[0].reward_se == pytest.approx(0.1) and math.isnan(points[1].reward_se)
     assert all(math.isnan(p.gold_se) for p in points)  # no eval/accuracy_se, no eval/num_samples
+    assert math.isnan(eval_points([{"step": 0, "eval/accuracy": 0.5}])[0].reward)  # nothing logged yet
+
+
+@pytest.mark.parametrize("regression", [True, False])
+def test_a_divergence_is_confirmed_when_trl_logs_less_often_than_the_eval_runs(regression):
+    # TRL's default logging_steps 10 against eval.every 5; at a step with both, the Trainer logs the eval row first.
+    # Gold 0.5 -> 0.2 from step 25 (n 200: margin 0.18), the reward holding at 0.8: every other eval has no reward
+    # row of its own; it is judged with the last one logged, so the fall is confirmed, and as what it is: diverged
+    rows = []
+    for step in range(5, 45, 5):
+        rows.append({"step": step, "eval/accuracy": 0.5 if step < 25 else 0.2, "eval/num_samples": 200})
+        if step % 10 == 0:
+            rows.append({"step": step, "reward": 0.8})
+    verdicts = replay(rows, GoldConfig(regression=regression))
+    assert verdicts[4:] == [(25, "falling"), (30, "diverged"), (35, "diverged"), (40, "diverged")]  # no rollback here
 
 
 def test_replay_matches_the_live_rule():
@@ -206,3 +221,31 @@ def test_a_collapse_inside_the_first_interval_is_a_regression_by_the_first_rewar
     # without the first reward the bar is the interval's mean, and the same fall reads as a held reward
     detector = GoldDetector()
     assert [detector.update(*p[:5]) for p in points] == ["best", "falling", "diverged", "diverged"]
+
+
+def test_a_resumed_run_judges_its_first_eval_with_the_rewards_logged_before_the_checkpoint():
+    # evals every 5, checkpoint at 10: the eval at 5 fell (a streak of 1 in the saved state); the eval of step 10 runs
+    # after that checkpoint, so the resumed run runs it first. Its reward level is in the restored history (steps
+    # 6-10); read from the resumed rows alone it had none, and the streak restarted (regression off)
+    from types import SimpleNamespace
+
+    from steadyrl.callbacks.gold_watch import GoldWatch
+
+    trainer = SimpleNamespace(ctx=SimpleNamespace(log_metric=lambda *_: None), args=SimpleNamespace(output_dir="."))
+    config = GoldConfig(regression=False)
+    history = [{"step": 0, "eval/accuracy": 0.9, "eval/num_samples": 200}]
+    history += [{"step": s, "reward": 0.8} for s in range(1, 6)]
+    history += [{"step": 5, "eval/accuracy": 0.2, "eval/num_samples": 200}]
+    history += [{"step": s, "reward": 0.8} for s in range(6, 11)]
+    first = GoldWatch(config, trainer, observe=True)
+    first.on_train_begin(None, SimpleNamespace(log_history=[]), None)
+    first.on_step_begin(None, SimpleNamespace(log_history=history, global_step=10), None)
+    assert first.detector.streak == 1 and first.rollbacks == 0
+
+    resumed = GoldWatch(config, trainer, observe=True)
+    resumed.load_state_dict(first.state_dict())
+    state = SimpleNamespace(log_history=list(history), global_step=10)
+    resumed.on_train_begin(None, state, None)
+    state.log_history.append({"step": 10, "eval/accuracy": 0.2, "eval/num_samples": 200})
+    resumed.on_step_begin(None, state, None)
+    assert resumed.detector.streak == 2 and resumed.rollbacks == 1  # confirmed: the reward held at 0.8
