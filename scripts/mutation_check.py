@@ -419,6 +419,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "gold_best_pushed_to_the_hub",
+        "with push_to_hub set, every new best of the gold watch uploads the whole output_dir",
+        (
+            (
+                "steadyrl/callbacks/gold_watch.py",
+                "        self.trainer.save_model(str(tmp), _internal_call=True)",
+                "        self.trainer.save_model(str(tmp))",
+            ),
+        ),
+        (f"{IT}/test_gold_watch.py::test_a_new_best_is_never_pushed_to_the_hub",),
+    ),
+    Mutant(
         "safetensors_error_is_not_a_failed_save",
         "a full disk while safetensors writes the weights raises its own SafetensorError: a raw traceback",
         (("steadyrl/trainers/checkpoints.py", "SAVE_ERRORS = (Exception,)", "SAVE_ERRORS = (OSError, RuntimeError)"),),

@@ -208,7 +208,8 @@ class GoldWatch(TrainerCallback):
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        self.trainer.save_model(str(tmp))  # every rank calls it (DeepSpeed gathers); the main process writes
+        # every rank calls it (DeepSpeed gathers), the main process writes; internal: never pushed to the Hub
+        self.trainer.save_model(str(tmp), _internal_call=True)
         payload: dict[str, Any] = {
             "params": {n: p.detach() for n, p in trainable},
             "optimizer": base.state_dict(),

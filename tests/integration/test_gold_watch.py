@@ -134,6 +134,19 @@ def test_trls_default_logging_steps_does_not_silence_the_watch(tiny_model_dir, t
     assert event["verdict"] == "diverged" and "fell from 0.9 at step 10 to 0.2 at step 20" in event["cause"]
 
 
+def test_a_new_best_is_never_pushed_to_the_hub(tiny_model_dir, tmp_path, monkeypatch):
+    # with push_to_hub set, every new best's save_model uploaded the whole output_dir (the other ranks waiting)
+    from transformers import Trainer
+
+    pushes: list[str] = []
+    monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, *a, **k: None)  # no Hub here
+    monkeypatch.setattr(Trainer, "push_to_hub", lambda self, *a, **k: pushes.append(k.get("commit_message", "")))
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}, push_to_hub=True, hub_model_id="user/run"))
+    trainer.train()
+    assert json.loads((tmp_path / "run" / BEST_DIR / "gold.json").read_text())["step"] == 8  # bests were kept
+    assert pushes == []
+
+
 def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, tmp_path, monkeypatch):
     seen = _spy_restore(monkeypatch)
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"action": "stop"}))
