@@ -419,6 +419,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "gold_restores_an_earlier_runs_best",
+        "with save_best: false the watch restores a best-gold/ an earlier run left in the output_dir",
+        (
+            (
+                "steadyrl/callbacks/gold_watch.py",
+                '        return self.config.save_best and (self.best_dir / "gold.json").is_file()',
+                '        return (self.best_dir / "gold.json").is_file()',
+            ),
+        ),
+        (f"{IT}/test_gold_watch.py::test_save_best_false_never_restores_a_best_policy_left_by_an_earlier_run",),
+    ),
+    Mutant(
         "gold_best_pushed_to_the_hub",
         "with push_to_hub set, every new best of the gold watch uploads the whole output_dir",
         (

@@ -112,7 +112,7 @@ class GoldWatch(TrainerCallback):
         d = self.detector
         if self.observe or not self.rollbacks or self.stopped or d.best_gold is None or self._last_gold is None:
             return False
-        if self._last_gold >= d.best_gold or not (self.best_dir / "gold.json").is_file():
+        if self._last_gold >= d.best_gold or not self._kept():
             return False
         cause = (
             f"the run ends with the eval metric ({EVAL_ACCURACY}) at {self._last_gold:.4g}, below its best "
@@ -166,7 +166,7 @@ class GoldWatch(TrainerCallback):
         if self.observe:
             logger.warning("step %d: %s suspected: %s; observe mode: nothing restored", step, what, evidence)
             return
-        if not (self.best_dir / "gold.json").is_file():
+        if not self._kept():
             logger.warning("step %d: %s suspected: %s; no best policy was kept (save_best: false)", step, what,
                            evidence)  # fmt: skip
             return
@@ -200,6 +200,11 @@ class GoldWatch(TrainerCallback):
         chain = optimizer_chain(self.trainer.optimizer)
         zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
         return trainable, chain[-1], zero
+
+    def _kept(self) -> bool:
+        """A best policy of this run is on disk (with ``save_best: false`` a ``best-gold/`` left in the output_dir by
+        an earlier run is never restored)."""
+        return self.config.save_best and (self.best_dir / "gold.json").is_file()
 
     def _keep(self, step: int, gold: float, reward: float) -> None:
         trainable, base, zero = self._parts()

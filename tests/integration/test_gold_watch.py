@@ -147,6 +147,17 @@ def test_a_new_best_is_never_pushed_to_the_hub(tiny_model_dir, tmp_path, monkeyp
     assert pushes == []
 
 
+def test_save_best_false_never_restores_a_best_policy_left_by_an_earlier_run(tiny_model_dir, tmp_path, monkeypatch):
+    seen = _spy_restore(monkeypatch)
+    stale = tmp_path / "run" / BEST_DIR
+    stale.mkdir(parents=True)
+    (stale / "gold.json").write_text(json.dumps({"step": 4, "gold": 0.99, "ranks": 1}))
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"save_best": False}))
+    trainer.train()  # the fall at step 6 is confirmed: it warns, and nothing is restored
+    assert seen == [] and trainer.state.global_step == 8
+    assert per_step(trainer.state.log_history, "quatro/gold_rollbacks")[-1] == 1.0
+
+
 def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, tmp_path, monkeypatch):
     seen = _spy_restore(monkeypatch)
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"action": "stop"}))
