@@ -443,6 +443,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_gold_watch.py::test_a_new_best_is_never_pushed_to_the_hub",),
     ),
     Mutant(
+        "save_started_on_a_full_disk",
+        "a checkpoint save starts with less free space than the last checkpoint took (under DeepSpeed: a hang)",
+        (("steadyrl/trainers/checkpoints.py", "    if free >= need:\n        return None", "    return None"),),
+        (
+            "tests/unit/test_disk_full.py::test_a_save_is_not_started_when_the_disk_has_less_room_than_the_last_checkpoint_took",
+        ),
+    ),
+    Mutant(
         "safetensors_error_is_not_a_failed_save",
         "a full disk while safetensors writes the weights raises its own SafetensorError: a raw traceback",
         (("steadyrl/trainers/checkpoints.py", "SAVE_ERRORS = (Exception,)", "SAVE_ERRORS = (OSError, RuntimeError)"),),

@@ -9,6 +9,7 @@ raises ``CheckpointSaveError`` on every rank and removes the staged folder.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -100,6 +101,13 @@ def save_atomically(
         for folder in [*(f for _, f in _checkpoint_folders(staging_root)), staged]:
             shutil.rmtree(folder, ignore_errors=True)
     accelerator.wait_for_everyone()
+    short = _every_rank(accelerator, _too_little_space(run_dir))  # one gather, before any rank starts writing
+    if any(short):
+        text = short[0] if len(short) == 1 else "; ".join(f"rank {r}: {t}" for r, t in enumerate(short) if t)
+        raise CheckpointSaveError(
+            f"{name} was not started: {text}. Free space on that disk (or lower trainer.save_total_limit: the newest "
+            f"checkpoint is written before the oldest is removed).{last_checkpoint_note(run_dir)}"
+        )
     error: BaseException | None = None
     try:
         write(staging_root, staged)
@@ -140,6 +148,28 @@ def _every_rank(accelerator: Any, error: BaseException | None) -> list[str | Non
     return list(gather_object([text]))
 
 
+def _human(size: float) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def _too_little_space(run_dir: Path) -> OSError | None:
+    """An error when the disk of ``run_dir`` has less free space than the newest complete checkpoint there took (this
+    rank's view: a node-local disk or a shared one); None when it has enough or there is none to compare with. Checked
+    on every rank and agreed before a save starts: under DeepSpeed a rank that failed its first file while the others
+    sat in DeepSpeed's own save collectives hung them all."""
+    newest = find_resume_checkpoint(run_dir, verify=False)
+    if newest is None:
+        return None
+    try:
+        need = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free >= need:
+        return None
+    return OSError(errno.ENOSPC, f"{_human(free)} free on the disk of {run_dir}, and {newest.name} took {_human(need)}")
+
+
 def free_space(path: Path) -> str:
     """The free space on the disk holding ``path`` (its nearest existing folder), e.g. ``"1.5 GiB"``."""
     existing = next((p for p in (path, *path.parents) if p.exists()), path)
@@ -147,7 +177,7 @@ def free_space(path: Path) -> str:
         free = shutil.disk_usage(existing).free
     except OSError:
         return "unknown"
-    return f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+    return _human(free)
 
 
 def last_checkpoint_note(output_dir: str | os.PathLike[str]) -> str:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 class DiskFullAtCheckpoint4(TrainerCallback):
-    """(``callbacks`` entry) The disk fills up while TRL writes step 4's optimizer state; 5 MiB are left."""
+    """(``callbacks`` entry) The disk fills up while TRL writes step 4's optimizer state; 1 GiB is left."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         real_save = torch.save
@@ -32,7 +32,7 @@ class DiskFullAtCheckpoint4(TrainerCallback):
             return real_save(obj, file, *a, **k)
 
         torch.save = save
-        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=2**30)
 
 
 class SafetensorsFullAtCheckpoint4(TrainerCallback):
@@ -51,7 +51,7 @@ class SafetensorsFullAtCheckpoint4(TrainerCallback):
             return real_save(tensors, filename, *a, **k)
 
         modeling.safe_save_file = save
-        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=2**30)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_a_full_disk_while_trl_saves_the_optimizer_stops_the_run_cleanly(tiny_mo
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1] == (
         f"steadyrl: stopped: checkpoint-4 was not saved: {error.replace('{staged}', str(staged))} (writing {staged}; "
-        f"5.0 MiB free on the disk of {out}). The partial checkpoint was removed. Last complete checkpoint: "
+        f"1.0 GiB free on the disk of {out}). The partial checkpoint was removed. Last complete checkpoint: "
         f"{out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes from it)."
     )
     assert "Traceback" not in proc.stderr
@@ -93,7 +93,7 @@ class SafetensorsFullAtFinal(TrainerCallback):
             raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
         modeling.safe_save_file = save
-        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=5 * 2**20)
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=2**30)
 
 
 def test_a_full_disk_while_the_final_model_is_written_stops_the_run_cleanly(tiny_model_dir, tmp_path):
@@ -108,7 +108,7 @@ def test_a_full_disk_while_the_final_model_is_written_stops_the_run_cleanly(tiny
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.rstrip().splitlines()[-1] == (
         "steadyrl: stopped: final was not saved: SafetensorError: Error while serializing: IoError(Os { code: 28, "
-        f"kind: StorageFull }}) (writing {staged}; 5.0 MiB free on the disk of {out}). The partial checkpoint was "
+        f"kind: StorageFull }}) (writing {staged}; 1.0 GiB free on the disk of {out}). The partial checkpoint was "
         f"removed. Last complete checkpoint: {out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes "
         "from it)."
     )

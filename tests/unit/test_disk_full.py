@@ -108,7 +108,8 @@ def test_a_full_disk_at_each_checkpoint_write_site(run, monkeypatch, site) -> No
 
 def test_another_ranks_failure_stops_this_one_and_nothing_is_published(run, monkeypatch) -> None:
     rank1 = "OSError: [Errno 28] No space left on device: '/node2/steadyrl_rank1.pt'"
-    monkeypatch.setattr(accelerate.utils, "gather_object", lambda texts: [texts[0], rank1])
+    calls = iter([[None, None]])  # the space check before the save passes on both ranks; rank 1's write fails
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda texts: next(calls, [texts[0], rank1]))
     staged = run / ".staging" / "checkpoint-4"
     with pytest.raises(CheckpointSaveError) as info:
         save_atomically(SimpleNamespace(**{**vars(ACC), "num_processes": 2}), run, 4, None, _write)
@@ -153,3 +154,25 @@ def test_a_metrics_row_on_a_full_disk_is_counted_and_warned_about(run, monkeypat
         {"step": 3, "loss": 0.3},
     ]
     assert log.lost_rows == 0
+
+
+def test_a_save_is_not_started_when_the_disk_has_less_room_than_the_last_checkpoint_took(run, monkeypatch) -> None:
+    # agreed by every rank before any writes (under DeepSpeed, a rank failing its first file while the others sat in
+    # DeepSpeed's own save collectives hung them all); the last complete checkpoint stays as it is
+    size = sum(f.stat().st_size for f in (run / "checkpoint-2").rglob("*") if f.is_file())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=2**40, used=2**40, free=size - 1))
+    with pytest.raises(CheckpointSaveError) as info:
+        save_atomically(ACC, run, 4, None, _write)
+    assert str(info.value) == (
+        f"checkpoint-4 was not started: OSError: [Errno 28] 0.0 MiB free on the disk of {run}, and checkpoint-2 took "
+        "0.0 MiB. Free space on that disk (or lower trainer.save_total_limit: the newest checkpoint is written before "
+        f"the oldest is removed). Last complete checkpoint: {run / 'checkpoint-2'} (trainer.resume_from_checkpoint: "
+        "auto resumes from it)."
+    )
+    assert not (run / ".staging" / "checkpoint-4").exists() and find_resume_checkpoint(run) == run / "checkpoint-2"
+    # another rank short of space (a node-local disk) stops this one too, before it writes anything
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=2**40, used=0, free=2**40))
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda texts: [texts[0], "OSError: node 2 is full"])
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint-4 was not started: rank 1: OSError: node 2 is full\."):
+        save_atomically(SimpleNamespace(**{**vars(ACC), "num_processes": 2}), run, 4, None, _write)
+    assert not (run / ".staging" / "checkpoint-4").exists()
