@@ -440,7 +440,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        self.trainer.save_model(str(tmp))",
             ),
         ),
-        (f"{IT}/test_gold_watch.py::test_a_new_best_is_never_pushed_to_the_hub",),
+        (f"{IT}/test_gold_watch.py::test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on",),
     ),
     Mutant(
         "save_started_on_a_full_disk",

@@ -85,8 +85,14 @@ def _spy_restore(monkeypatch) -> list[dict[str, Any]]:
 
 
 def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny_model_dir, tmp_path, monkeypatch):
+    from transformers import Trainer
+
     seen = _spy_restore(monkeypatch)
-    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}))
+    # with push_to_hub set, every new best's save_model uploaded the whole output_dir (the other ranks waiting)
+    pushes: list[str] = []
+    monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, *a, **k: None)  # no Hub here
+    monkeypatch.setattr(Trainer, "push_to_hub", lambda self, *a, **k: pushes.append(k.get("commit_message", "")))
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}, push_to_hub=True, hub_model_id="user/run"))
     (watch,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, GoldWatch)]
     assert trainer.guard_state.stateful["gold"] is watch
     lr0 = trainer.args.learning_rate
@@ -117,6 +123,7 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
     assert not (tmp_path / "run" / f"{BEST_DIR}.tmp").exists()
     ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
     assert ledger["kinds"]["gold_rollback"]["steps"] == 1 and ledger["kinds"]["gold_rollback"]["layer"] == "quatro"
+    assert pushes == []  # three new bests kept (steps 2, 4, 8), none pushed
 
 
 def test_trls_default_logging_steps_does_not_silence_the_watch(tiny_model_dir, tmp_path, monkeypatch):
@@ -132,30 +139,6 @@ def test_trls_default_logging_steps_does_not_silence_the_watch(tiny_model_dir, t
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (event,) = [e for e in events if e.get("event") == "gold_rollback" and e.get("verdict")]
     assert event["verdict"] == "diverged" and "fell from 0.9 at step 10 to 0.2 at step 20" in event["cause"]
-
-
-def test_a_new_best_is_never_pushed_to_the_hub(tiny_model_dir, tmp_path, monkeypatch):
-    # with push_to_hub set, every new best's save_model uploaded the whole output_dir (the other ranks waiting)
-    from transformers import Trainer
-
-    pushes: list[str] = []
-    monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, *a, **k: None)  # no Hub here
-    monkeypatch.setattr(Trainer, "push_to_hub", lambda self, *a, **k: pushes.append(k.get("commit_message", "")))
-    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}, push_to_hub=True, hub_model_id="user/run"))
-    trainer.train()
-    assert json.loads((tmp_path / "run" / BEST_DIR / "gold.json").read_text())["step"] == 8  # bests were kept
-    assert pushes == []
-
-
-def test_save_best_false_never_restores_a_best_policy_left_by_an_earlier_run(tiny_model_dir, tmp_path, monkeypatch):
-    seen = _spy_restore(monkeypatch)
-    stale = tmp_path / "run" / BEST_DIR
-    stale.mkdir(parents=True)
-    (stale / "gold.json").write_text(json.dumps({"step": 4, "gold": 0.99, "ranks": 1}))
-    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"save_best": False}))
-    trainer.train()  # the fall at step 6 is confirmed: it warns, and nothing is restored
-    assert seen == [] and trainer.state.global_step == 8
-    assert per_step(trainer.state.log_history, "quatro/gold_rollbacks")[-1] == 1.0
 
 
 def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, tmp_path, monkeypatch):
