@@ -5,12 +5,14 @@
 # steadyrl; then the hacking demo: a lenient verifier (the right answer anywhere pays, plus 0.02 per character) from
 # an SFT model that sometimes hedged, plain TRL against steadyrl's gold watch. Prints greedy eval accuracy after SFT
 # and after GRPO, the doctor's verdict, the fault outcomes and the hacking outcomes.
-# Usage: bash scripts/demo.sh [--results docs/results/demo.json]   (expects .venv from scripts/setup.sh; --results
-# also writes the numbers it printed, with the commit it ran at, to that file)
+# Usage: bash scripts/demo.sh [--results docs/results/demo.json [--tag -default]]   (expects .venv from
+# scripts/setup.sh; --results also writes the numbers it printed, with the commit it ran at, to that file; --tag
+# suffixes its scenario names, e.g. for a run under ATEN_CPU_CAPABILITY=default merged beside the native one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-results=""
+results="" tag=""
 if [ "${1:-}" = "--results" ]; then results=${2:?--results needs a path}; fi
+if [ "${3:-}" = "--tag" ]; then tag=${4:?--tag needs a suffix}; fi
 at_commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 if [ -n "$(git status --porcelain 2>/dev/null || true)" ]; then at_commit="$at_commit-dirty"; fi
 . .venv/bin/activate
@@ -53,5 +55,6 @@ print(f"accuracy after SFT: {sft:.2f}")
 print(f"accuracy after GRPO: {grpo:.2f}")
 PY
 if [ -n "$results" ]; then
-  python scripts/demo_results.py --out "$results" --wall-s "$(( $(date +%s) - start ))" --commit "$at_commit"
+  python scripts/demo_results.py --out "$results" --wall-s "$(( $(date +%s) - start ))" --commit "$at_commit" \
+    --tag "$tag"
 fi

@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--runs", type=Path, default=Path("runs"))
     ap.add_argument("--wall-s", type=float, required=True, help="the demo's wall time (demo.sh measures it)")
     ap.add_argument("--commit", default=None, help="the commit the demo ran at (default: HEAD now)")
+    ap.add_argument("--tag", default="", help="a suffix for every scenario name (-default: another kernel path)")
     args = ap.parse_args()
     sft = json.loads((args.runs / "tiny-sft" / "eval_results.json").read_text())
     grpo = json.loads((args.runs / "tiny-grpo" / "eval_results.json").read_text())
@@ -80,9 +81,13 @@ def main() -> int:
                                                                  "reward_final", "acted_steps", "last_step")})
           for variant, r in (("plain", hacking.get("plain")), ("all", hacking.get("steadyrl"))) if r),
     ]  # fmt: skip
+    for c in cells:
+        c["scenario"] += args.tag
+    aten = os.environ.get("ATEN_CPU_CAPABILITY")
+    command = (f"ATEN_CPU_CAPABILITY={aten} " if aten else "") + f"bash scripts/demo.sh --results {args.out}"
     record = {
         "benchmark": "demo",
-        "command": "bash scripts/demo.sh --results " + str(args.out),
+        "command": command + (f" --tag {args.tag}" if args.tag else ""),
         "commit": args.commit or commit(),
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
