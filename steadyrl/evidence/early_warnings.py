@@ -91,7 +91,8 @@ def entropy_falling(points: Sequence[tuple[int, float]], config: MonitorConfig) 
     ``entropy_drop_ratio`` x the highest mean of ``window`` consecutive points before it, and below it by more than
     ``ENTROPY_Z`` standard errors of the difference. Noise model: per-step entropies scatter around their level (a
     healthy tiny run's 20-step means wander 0.13-0.22 on a plateau, single steps 0.03-0.28): single points or a 0.7
-    ratio warned on 12 of 12 healthy 1,000-step runs; collapses fall 10-100x (docs/DESIGN.md, "Early warnings")."""
+    ratio warned on 12 of 12 healthy 1,000-step runs; collapses fall 10-100x (docs/DESIGN.md, "Early warnings and
+    the doctor")."""
     w = config.window
     if len(points) < 2 * w:
         return None
