@@ -56,5 +56,5 @@ print(f"accuracy after GRPO: {grpo:.2f}")
 PY
 if [ -n "$results" ]; then
   python scripts/demo_results.py --out "$results" --wall-s "$(( $(date +%s) - start ))" --commit "$at_commit" \
-    --tag "$tag"
+    "--tag=$tag"
 fi
