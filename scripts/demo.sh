@@ -41,7 +41,7 @@ stage sft-hedging runs/sft-hedging.log sft configs/tiny/sft-hedging.yaml
 mv runs/sft-hedging.log runs/tiny-sft-hedging/train.log
 python scripts/hacking_demo.py --out runs/hacking-demo \
   || echo "(hacking demo: unexpected outcome, see runs/hacking-demo/*/hacking_demo.log)"
-echo "wall time $(( $(date +%s) - start )) s; logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log, runs/fault-demo/, runs/hacking-demo/"
+echo "logs: runs/tiny-sft/train.log, runs/tiny-grpo/train.log, runs/fault-demo/, runs/hacking-demo/"
 steadyrl report runs/tiny-grpo > /dev/null && echo "plots: runs/tiny-grpo/report/report.md"
 steadyrl doctor runs/tiny-grpo || true   # exit 1 means it found a problem; the demo still prints its result
 python - <<'PY'
@@ -54,7 +54,8 @@ print(f"right number in any format (numeric_match): SFT {num[0]:.2f}, GRPO {num[
 print(f"accuracy after SFT: {sft:.2f}")
 print(f"accuracy after GRPO: {grpo:.2f}")
 PY
+wall=$(( $(date +%s) - start ))
+echo "wall time $wall s (the report and the doctor included)"
 if [ -n "$results" ]; then
-  python scripts/demo_results.py --out "$results" --wall-s "$(( $(date +%s) - start ))" --commit "$at_commit" \
-    "--tag=$tag"
+  python scripts/demo_results.py --out "$results" --wall-s "$wall" --commit "$at_commit" "--tag=$tag"
 fi
