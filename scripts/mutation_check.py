@@ -451,6 +451,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "python_api_without_the_monitor",
+        'SteadyGRPOTrainer(guards="all") from Python builds no SignalMonitor: GEPO\'s early warnings never run',
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                "        if p.monitor is not None and not any(",
+                "        if False and not any(",
+            ),
+        ),
+        (f"{IT}/test_guards_argument.py::test_every_layer_on_at_trls_default_beta_0_trains",),
+    ),
+    Mutant(
         "safetensors_error_is_not_a_failed_save",
         "a full disk while safetensors writes the weights raises its own SafetensorError: a raw traceback",
         (("steadyrl/trainers/checkpoints.py", "SAVE_ERRORS = (Exception,)", "SAVE_ERRORS = (OSError, RuntimeError)"),),

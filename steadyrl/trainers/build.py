@@ -20,7 +20,6 @@ from transformers import AutoConfig, AutoTokenizer
 
 from steadyrl.callbacks.gold_watch import GoldWatch
 from steadyrl.callbacks.metrics_log import MetricsLog
-from steadyrl.callbacks.monitor import SignalMonitor
 from steadyrl.callbacks.periodic_eval import PeriodicEval, trainer_log_fn
 from steadyrl.callbacks.preemption import Preempted, PreemptionCallback
 from steadyrl.callbacks.progress import terminal_callbacks
@@ -240,8 +239,6 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     callbacks = [MetricsLog(), *callbacks, *(extra_callbacks or []), *terminal_callbacks()]
     if cfg.preemption.enabled:
         callbacks.append(PreemptionCallback(cfg.preemption.signals, cfg.preemption.relay_window_s))
-    if cfg.algorithm != "sft" and cfg.guards.gepo.enabled and cfg.guards.gepo.monitor.enabled:
-        callbacks.append(SignalMonitor(cfg.guards.gepo.monitor))
     peft = None if cfg.peft is None else LoraConfig(**dataclasses.asdict(cfg.peft), task_type="CAUSAL_LM")
     common = dict(
         model=model_path, args=args, train_dataset=train_ds, processing_class=tokenizer, peft_config=peft,

@@ -17,6 +17,7 @@ from typing import Any
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
+from steadyrl.callbacks.monitor import SignalMonitor
 from steadyrl.config.guard_sections import GuardsSection
 from steadyrl.evidence.interventions import Ledger
 from steadyrl.guards import mismatch
@@ -109,6 +110,8 @@ class SteadyGRPOTrainer(GRPOTrainer):
             self.apply_controls()
         # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
         self.callback_handler.callbacks.insert(0, _GuardClock(self))
+        if p.monitor is not None and not any(isinstance(c, SignalMonitor) for c in self.callback_handler.callbacks):
+            self.add_callback(SignalMonitor(p.monitor))  # guards= from Python turns the early warnings on too
 
     def apply_controls(self, controls: Controls | None = None) -> None:
         """Write the controllers' output (default: their current one) into TRL's beta, entropy_coef and clip range."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from steadyrl.config.guard_sections import GepoSection, GradeSection, GuardsSection, OpefoSection, QuatroSection
+from steadyrl.evidence.early_warnings import MonitorConfig
 from steadyrl.guards.base import AdvantageFunction, RewardProcessor, StepGuard
 from steadyrl.guards.mismatch import MismatchConfig, MismatchGate
 from steadyrl.guards.reward_scaler import GradeScaler
@@ -37,7 +38,8 @@ class GuardParts:
     log-probs, ratios and losses; ``kl_compensation``: (lo, hi) clamp of GRADE's factor of beta; ``opefo`` /
     ``quatro``: the configs the stations build their pieces from; ``micro_batch_guard``: judges each micro-batch's
     own gradient; ``nonfinite_guard``: OPEFO's non-finite-only step guard; ``stateful``: extra named objects saved in
-    every checkpoint; ``mismatch``: measure the vLLM rollout-trainer mismatch (``mismatch/*``); ``observe``: the
+    every checkpoint; ``mismatch``: measure the vLLM rollout-trainer mismatch (``mismatch/*``); ``monitor``: GEPO's
+    early warnings (the trainer adds a ``SignalMonitor`` unless one is among its callbacks); ``observe``: the
     layers in observe mode, whose parts log their decision under its ``would`` name
     and do not apply it (docs/DESIGN.md, "Observe mode")."""
 
@@ -54,6 +56,7 @@ class GuardParts:
     stateful: dict[str, Any] = field(default_factory=dict)
     observe: frozenset[str] = frozenset()
     mismatch: MismatchConfig | None = None
+    monitor: MonitorConfig | None = None  # GEPO's early warnings (SignalMonitor), when on
 
     @property
     def any_step_guard(self) -> bool:
@@ -93,6 +96,8 @@ def gepo_layer(section: GepoSection) -> dict[str, Any]:
     if not section.enabled:
         return {}
     out: dict[str, Any] = {"finite_checks": True}  # counting only, in either mode
+    if section.monitor.enabled:
+        out["monitor"] = section.monitor
     if section.advantage.enabled:
         out["advantage_fn"] = GEPOAdvantage.from_config(section.advantage.to_config())
     spike = section.spike.to_config()

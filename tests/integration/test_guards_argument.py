@@ -7,6 +7,7 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
+from steadyrl.callbacks.monitor import SignalMonitor
 from steadyrl.config.loader import ConfigError
 from steadyrl.guards.spike import SpikeGuard
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
@@ -20,8 +21,8 @@ def test_guard_parts_expand_the_yaml_section_and_validate_it() -> None:
     every = guard_parts("all")
     filled = sorted(k for k, v in vars(every).items() if v not in (None, False, [], {}, frozenset()))
     assert filled == [
-        "advantage_fn", "finite_checks", "logprob_min", "mismatch", "opefo", "quatro", "reward_processor",
-        "step_guards",
+        "advantage_fn", "finite_checks", "logprob_min", "mismatch", "monitor", "opefo", "quatro",
+        "reward_processor", "step_guards",
     ]  # fmt: skip
     only_gepo = guard_parts({"gepo": {"enabled": True, "spike": {"min_ratio": 7.0}}})
     assert only_gepo.quatro is None and only_gepo.step_guards[0].config.min_ratio == 7.0
@@ -44,6 +45,9 @@ def test_every_layer_on_at_trls_default_beta_0_trains(tiny_model_dir, tmp_path) 
     assert trainer.beta == 0.0 and trainer.step_end.kl is None  # nothing to anchor: inactive, not refused
     assert trainer.entropy_coef == 0.5  # the user's coefficient, the floor's bonus (0 while idle) on top
     assert trainer.step_end.recovery is not None and trainer.parts.reward_processor is not None
+    # "all" from Python turns GEPO's early warnings on as the YAML path does (they were never built here)
+    (monitor,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, SignalMonitor)]
+    assert monitor.config == trainer.parts.monitor
     trainer.train()
     assert trainer.state.global_step == 2
     assert all(math.isfinite(row["loss"]) for row in trainer.state.log_history if "loss" in row)
