@@ -270,13 +270,84 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/callbacks/gold_watch.py",
-                "        self._restore()\n        self._tighten()",
-                "        self._tighten()",
+                "        self._restore()\n        drop_buffered_rollouts(self.trainer)",
+                "        drop_buffered_rollouts(self.trainer)",
             ),
         ),
         (
             "tests/integration/test_gold_watch.py::test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on",
         ),
+    ),
+    Mutant(
+        "gold_watch_mode_min_ignored",
+        "guards.quatro.gold.mode: min is read as max: an error rate that rises reads as a better policy",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                '        return 1.0 if self.mode == "max" else -1.0',
+                "        return 1.0",
+            ),
+        ),
+        ("tests/unit/test_gold_watch.py::test_mode_min_reads_a_rise_as_the_fall_and_keeps_the_lowest_upper_bound",),
+    ),
+    Mutant(
+        "gold_watch_relative_drop_ignored",
+        "guards.quatro.gold.relative_drop is accepted and never read",
+        (
+            (
+                "steadyrl/guards/gold_watch.py",
+                "        relative = self.relative_drop * abs(self.best_gold) if self.best_gold is not None else 0.0",
+                "        relative = 0.0",
+            ),
+        ),
+        ("tests/unit/test_gold_watch.py::test_relative_drop_sets_the_floor_in_units_of_the_reference",),
+    ),
+    Mutant(
+        "gold_watch_cut_lasts_one_step",
+        "the gold watch's LR cut is written once: a schedule that rewrites the groups (DeepSpeed's) undoes it",
+        (
+            (
+                "steadyrl/trainers/step_end.py",
+                "            trl_state.apply_lr_factors(t, lr_factor)",
+                "            pass",
+            ),
+        ),
+        (
+            "tests/integration/test_gold_watch.py::test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on",
+        ),
+    ),
+    Mutant(
+        "gold_watch_trains_on_the_left_policys_rollouts",
+        "after a gold rollback TRL's buffered rollouts and the replay rows of the gamed policy are trained on",
+        (("steadyrl/trainers/trl_state.py", "    trainer._buffered_inputs = None\n", ""),),
+        ("tests/unit/test_gold_station.py::test_a_restore_drops_trls_buffered_rollouts_and_the_replay_rows",),
+    ),
+    Mutant(
+        "opefo_rollback_undoes_the_gold_watch",
+        "an OPEFO rollback restores the gold watch's state from its snapshot: its best, counts and tightening reset",
+        (("steadyrl/trainers/checkpoints.py", 'NOT_IN_SNAPSHOTS = ("gold",)', "NOT_IN_SNAPSHOTS = ()"),),
+        (
+            "tests/unit/test_gold_station.py::"
+            "test_the_watch_state_stays_out_of_opefo_snapshots_and_of_the_restored_beta_factors",
+        ),
+    ),
+    Mutant(
+        "gold_watch_tightening_not_carried",
+        "the gold watch's tightening is not guard state: a resume trains at the full learning rate again",
+        (("steadyrl/trainers/gold.py", '        self.tightenings = int(state.get("tightenings", 0))', "        pass"),),
+        ("tests/unit/test_gold_station.py::test_the_tightening_is_state_and_a_state_from_before_it_loads_untightened",),
+    ),
+    Mutant(
+        "gold_watch_end_swap_after_the_summary",
+        "the gold watch is added after the run summary: interventions.json is written before the run's end swap",
+        (
+            (
+                "steadyrl/trainers/build.py",
+                "            trainer.add_guard_callback(watch)",
+                "            trainer.add_callback(watch)",
+            ),
+        ),
+        ("tests/integration/test_gold_watch.py::test_a_run_the_watch_acted_on_ends_on_the_best_policy",),
     ),
     Mutant(
         "gold_watch_blind_after_an_eval_before_training",
@@ -308,8 +379,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/guards/gold_watch.py",
-                "        return max(self.drop, self.z * math.hypot(self.best_se, _se(gold_se)))",
-                "        return self.drop",
+                "        return max(self.drop, relative, self.z * math.hypot(self.best_se, _se(gold_se)))",
+                "        return max(self.drop, relative)",
             ),
         ),
         ("tests/unit/test_gold_watch.py::test_a_plateaus_lucky_best_is_not_a_fall_but_a_fall_beyond_the_noise_is",),
@@ -320,7 +391,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/guards/gold_watch.py",
-                "        if gold - self.z * _se(gold_se) > self.best_bound:",
+                "        if self.sign * gold - self.z * _se(gold_se) > self.best_bound:",
                 "        if self.best_gold is None or gold > self.best_gold:",
             ),
         ),
@@ -608,8 +679,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/callbacks/gold_watch.py",
-                "        elif self._end_on_best(state.global_step):",
-                "        elif False:",
+                "        cause = self.station.end_on_best(self._kept())",
+                "        cause = None",
             ),
         ),
         ("tests/integration/test_gold_watch.py::test_a_run_the_watch_acted_on_ends_on_the_best_policy",),
@@ -659,8 +730,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/guards/spike.py",
-                "if not (c.rebase_after and len(self._spike_norms) >= c.rebase_after):",
-                "if True:",
+                "        if not c.rebase_after or len(self._spike_norms) < c.rebase_after or baseline is None:",
+                "        if True:",
             ),
         ),
         ("tests/unit/test_spike.py::test_a_level_shift_rebases_after_rebase_after_spikes_in_a_row",),

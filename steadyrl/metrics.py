@@ -127,6 +127,7 @@ QUATRO_REPLAY_RATIO_MEAN = "quatro/replay_ratio_mean"
 QUATRO_GOLD_BEST = "quatro/gold_best"  # the gold watch's best eval metric so far
 QUATRO_GOLD_STREAK = "quatro/gold_streak"  # evals in a row significantly below the gold watch's reference
 QUATRO_GOLD_ROLLBACKS = "quatro/gold_rollbacks"  # cumulative: rollbacks to the best policy (a stop included)
+QUATRO_GOLD_LR_FACTOR = "quatro/gold_lr_factor"  # the gold watch's factor of the learning rate, while below 1
 # observe mode (guards.quatro.mode: observe): what QUATRO would set; TRL's own values stay
 QUATRO_KL_COEF_WOULD = would(QUATRO_KL_COEF)  # the controller's beta (TRL's beta is unchanged)
 QUATRO_ENTROPY_BONUS_WOULD = would(QUATRO_ENTROPY_BONUS)  # the entropy_coef it would set

@@ -10,13 +10,16 @@ After each periodic eval row (``PeriodicEval`` logs it at the start of the next 
 - a confirmed fall of the gold metric beyond its noise -- a divergence (the training reward held: gaming) or, with
   ``regression``, a regression (the reward fell with it: a run failing by itself, e.g. a learning rate too high) --:
   ``rollback`` restores the kept trainable tensors and optimizer state (the LR schedule and the other guards' state
-  run on), scales the learning rate by ``lr_factor`` and ``trainer.beta`` by ``beta_factor`` (when beta > 0), and
-  training goes on; past ``max_rollbacks``, or with ``action: stop``, it restores the best policy at the end of the
-  step under way (the eval row comes at a step's start, and a begun step cannot be skipped) and ends the run, which
-  then saves and evaluates that policy. With QUATRO in observe mode it only logs what it would do.
+  run on), drops TRL's buffered rollouts and the replay rows, has ``trl_state`` scale the learning rate by
+  ``lr_factor`` and ``trainer.beta`` by ``beta_factor`` (when beta > 0) for the rest of the run, and training goes
+  on; past ``max_rollbacks``, or with ``action: stop``, it restores the best policy at the end of the step under way
+  (the eval row comes at a step's start, and a begun step cannot be skipped) and ends the run, which then saves and
+  evaluates that policy. With QUATRO in observe mode it only logs what it would do. What to do is the station's
+  (steadyrl/trainers/gold.py); this callback reads the rows and does it.
 
 Metrics: ``quatro/gold_best``, ``quatro/gold_streak``, ``quatro/gold_rollbacks`` (cumulative; the ledger's
-``gold_rollback``), ``quatro/would_gold_rollbacks`` in observe mode. The watch's state is guard state (checkpointed);
+``gold_rollback``), ``quatro/gold_lr_factor`` on every step after a rollback (the ledger's ``gold_tightened``),
+``quatro/would_gold_rollbacks`` in observe mode. The watch's state is guard state (checkpointed);
 after a resume it rolls back to the files in ``best-gold/``.
 """
 
@@ -33,19 +36,12 @@ import torch
 from transformers import TrainerCallback
 
 from steadyrl.callbacks.periodic_eval import _bare_model, trainer_log_fn
-from steadyrl.guards.gold_watch import CONFIRMED, EvalPoint, GoldConfig, GoldDetector, RewardsSince, eval_point
+from steadyrl.guards.gold_watch import EvalPoint, GoldConfig, GoldDetector, RewardsSince, eval_point
 from steadyrl.guards.rollback import cpu_copy
-from steadyrl.metrics import (
-    EVAL_ACCURACY,
-    EVENT_GOLD_ROLLBACK,
-    QUATRO_GOLD_BEST,
-    QUATRO_GOLD_ROLLBACKS,
-    QUATRO_GOLD_STREAK,
-    QUATRO_WOULD_GOLD_ROLLBACKS,
-    REWARD,
-)
+from steadyrl.metrics import EVAL_ACCURACY, EVENT_GOLD_ROLLBACK, REWARD
+from steadyrl.trainers.gold import GoldDecision, GoldStation
 from steadyrl.trainers.recovery import optimizer_chain, restore_payload
-from steadyrl.trainers.trl_state import set_beta_factor
+from steadyrl.trainers.trl_state import drop_buffered_rollouts, set_gold_factors
 
 logger = logging.getLogger("steadyrl.quatro")
 
@@ -53,27 +49,33 @@ BEST_DIR = "best-gold"
 
 
 class GoldWatch(TrainerCallback):
-    """The gold watch of one trainer; ``observe``: count and warn, never act."""
+    """The gold watch of one trainer (its decisions: ``GoldStation``); ``observe``: count and warn, never act."""
 
     def __init__(self, config: GoldConfig, trainer: Any, observe: bool = False) -> None:
         self.config, self.trainer = config, trainer
         self.observe = observe
-        self.detector = GoldDetector.from_config(config)
-        self.rollbacks = 0  # acted (or, observing, would have)
-        self.stopped = False
+        self.station = GoldStation(config, observe)
         self._stop_pending = False  # restore the best policy and stop at the end of the step under way
         self._ending = False
         self._seen = 0  # log_history rows already read
-        self._last_gold: float | None = None  # the gold metric of the latest eval
         self._rewards = RewardsSince()  # the training rewards the next eval is judged with
+
+    @property
+    def detector(self) -> GoldDetector:
+        return self.station.detector
+
+    @property
+    def rollbacks(self) -> int:
+        return self.station.rollbacks
 
     # ------------------------------------------------------------------ guard state
     def state_dict(self) -> dict[str, Any]:
-        return {"detector": self.detector.state_dict(), "rollbacks": self.rollbacks}
+        return self.station.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.detector.load_state_dict(state["detector"])
-        self.rollbacks = int(state["rollbacks"])
+        self.station.load_state_dict(state)
+        if not self.observe:  # the tightening of the rollbacks before the resume goes on
+            set_gold_factors(self.trainer, self.station.lr_factor, self.station.beta_factor, now=False)
 
     # ------------------------------------------------------------------ callback
     @property
@@ -99,29 +101,24 @@ class GoldWatch(TrainerCallback):
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After the final periodic eval and before the run summary (``add_guard_callback``): a pending stop, or a
+        run it acted on that ends below its best, ends on the best policy."""
         self._ending = True
         self._read(state, control)
         if self._stop_pending:
             self._stop_pending = False
             self._restore()
-        elif self._end_on_best(state.global_step):
+            return
+        cause = self.station.end_on_best(self._kept())
+        if cause is not None:
+            d = self.detector
+            self.trainer.emit_event(EVENT_GOLD_ROLLBACK, step=state.global_step, cause=cause, snapshot_step=d.best_step)
+            if self.trainer.ledger is not None:  # the run summary, written after this callback, says so
+                self.trainer.ledger.ended_on = {"guard": "gold", "policy_step": d.best_step, "gold": d.best_gold,
+                                                "last_gold": self.station.last_gold}  # fmt: skip
+            logger.warning("step %d: %s: the best policy is restored, and it is what the run saves and evaluates "
+                           "(kept in %s)", state.global_step, cause, self.best_dir)  # fmt: skip
             self._restore()
-
-    def _end_on_best(self, step: int) -> bool:
-        """After an action in this run, a last eval below the best: end on the best policy (logged and counted)."""
-        d = self.detector
-        if self.observe or not self.rollbacks or self.stopped or d.best_gold is None or self._last_gold is None:
-            return False
-        if self._last_gold >= d.best_gold or not self._kept():
-            return False
-        cause = (
-            f"the run ends with the eval metric ({EVAL_ACCURACY}) at {self._last_gold:.4g}, below its best "
-            f"{d.best_gold:.4g} at step {d.best_step}, after {self.rollbacks} gold-watch rollback(s)"
-        )
-        self.trainer.emit_event(EVENT_GOLD_ROLLBACK, step=step, cause=cause, snapshot_step=d.best_step)
-        logger.warning("step %d: %s: the best policy is restored, and it is what the run saves and evaluates (kept in "
-                       "%s)", step, cause, self.best_dir)  # fmt: skip
-        return True
 
     def _read(self, state: Any, control: Any) -> None:
         rows = state.log_history[self._seen :]
@@ -129,68 +126,48 @@ class GoldWatch(TrainerCallback):
         for row in rows:
             self._rewards.add(row.get(REWARD))
             if row.get(EVAL_ACCURACY) is not None:
-                self._judge(eval_point(row, self._rewards.take(), int(row.get("step", state.global_step))), control)
+                self._judge(eval_point(row, self._rewards.take(), int(row.get("step", state.global_step))))
 
-    def _judge(self, point: EvalPoint, control: Any) -> None:
-        step, gold, reward, se = point.step, point.gold, point.reward, point.gold_se
-        verdict = self.detector.update(*point)
-        self._last_gold = gold
-        log = self.trainer.ctx.log_metric
-        if verdict == "best" and self.config.save_best and not self.observe:
-            self._keep(step, gold, reward)
-        if verdict in CONFIRMED:
-            self._diverged(step, gold, reward, se, verdict, control)
-        row = {QUATRO_GOLD_BEST: self.detector.best_gold} if self.detector.best_gold is not None else {}
-        row[QUATRO_GOLD_STREAK] = float(self.detector.streak)
-        row[QUATRO_WOULD_GOLD_ROLLBACKS if self.observe else QUATRO_GOLD_ROLLBACKS] = float(self.rollbacks)
-        if self._ending:  # no training row follows: a row of its own (the ledger's table was written already)
+    def _judge(self, point: EvalPoint) -> None:
+        decision = self.station.judge(point, self._kept())
+        if decision.action == "keep":
+            self._keep(point.step, point.gold, point.reward)
+        elif decision.action != "none":
+            self._act(point.step, decision)
+        row = self.station.metrics()
+        if self._ending:  # no training row follows: a row of its own (before the run summary)
             trainer_log_fn(self.trainer)(row)
         else:
-            for name, value in row.items():
-                log(name, value)
+            self.trainer.ctx.log_metrics(row)
 
-    def _evidence(self, step: int, gold: float, reward: float, se: float, verdict: str) -> str:
-        d, c = self.detector, self.config
-        how = "held" if verdict == "diverged" else "fell with it"
-        return (
-            f"the eval metric ({EVAL_ACCURACY}) fell from {d.best_gold:.4g} at step {d.best_step} to {gold:.4g} at "
-            f"step {step} ({d.streak} evals in a row more than {d.margin(se):.3g} below it: the larger of "
-            f"guards.quatro.gold.drop={c.drop} and z={c.z} standard errors of the difference) while the training "
-            f"reward {how} ({reward:.4g} against {d.reward_at_best:.4g} at step {d.best_step})"
-        )
-
-    def _diverged(self, step: int, gold: float, reward: float, se: float, verdict: str, control: Any) -> None:
-        evidence = self._evidence(step, gold, reward, se, verdict)
-        what = "reward hacking" if verdict == "diverged" else "the run regressed"
-        self.rollbacks += 1
-        if self.observe:
-            logger.warning("step %d: %s suspected: %s; observe mode: nothing restored", step, what, evidence)
+    def _act(self, step: int, decision: GoldDecision) -> None:
+        what = "reward hacking" if decision.verdict == "diverged" else "the run regressed"
+        s, d, c = self.station, self.detector, self.config
+        if decision.action == "warn":
+            why = "observe mode: nothing restored" if self.observe else "no best policy was kept (save_best: false)"
+            logger.warning("step %d: %s suspected: %s; %s", step, what, decision.evidence, why)
             return
-        if not self._kept():
-            logger.warning("step %d: %s suspected: %s; no best policy was kept (save_best: false)", step, what,
-                           evidence)  # fmt: skip
-            return
-        self.detector.restart()
         self.trainer.emit_event(
-            EVENT_GOLD_ROLLBACK, cause=evidence, snapshot_step=self.detector.best_step, verdict=verdict
+            EVENT_GOLD_ROLLBACK, cause=decision.evidence, snapshot_step=d.best_step, verdict=decision.verdict
         )
-        if self.config.action == "stop" or self.rollbacks > self.config.max_rollbacks:
-            self.stopped = self._stop_pending = True
+        if decision.action == "stop":
+            self._stop_pending = True
             logger.warning(
                 "step %d: %s: %s. Stopping the run with the best policy restored (step %d, %s %.4g; kept "
                 "in %s): what it saves and evaluates is that policy. Fix the reward (or, for a regression, lower "
                 "trainer.learning_rate), or turn the watch off (guards.quatro.gold.enabled=false) to train on",
-                step, what, evidence, self.detector.best_step, EVAL_ACCURACY, self.detector.best_gold, self.best_dir,
+                step, what, decision.evidence, d.best_step, EVAL_ACCURACY, d.best_gold, self.best_dir,
             )  # fmt: skip
             return
         self._restore()
-        self._tighten()
+        drop_buffered_rollouts(self.trainer)  # sampled from the policy just left
+        set_gold_factors(self.trainer, s.lr_factor, s.beta_factor, now=True)
+        beta = self.trainer.beta_base > 0 and c.beta_factor != 1
         logger.warning(
             "step %d: %s: %s. Rolled back to the best policy (step %d; rollback %d of %d); learning rate "
-            "x%g%s from now on",
-            step, what, evidence, self.detector.best_step, self.rollbacks, self.config.max_rollbacks,
-            self.config.lr_factor,
-            f", beta x{self.config.beta_factor}" if self.trainer.beta_base > 0 and self.config.beta_factor != 1 else "",
+            "x%g%s from now on (x%g and x%g of the run's settings in all)",
+            step, what, decision.evidence, d.best_step, s.rollbacks, c.max_rollbacks, c.lr_factor,
+            f", beta x{c.beta_factor}" if beta else "", s.lr_factor, s.beta_factor if beta else 1.0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the kept policy
@@ -242,13 +219,3 @@ class GoldWatch(TrainerCallback):
         acc = self.trainer.accelerator
         payload = torch.load(self.best_dir / f"gold_state_rank{acc.process_index}.pt", weights_only=False)
         restore_payload(payload, trainable, base, zero)  # as OPEFO's rollback: the schedule runs on
-
-    def _tighten(self) -> None:
-        c, trainer = self.config, self.trainer
-        scheduler = trainer.lr_scheduler
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):  # the schedule goes on from lower bases
-            scheduler.base_lrs = [lr * c.lr_factor for lr in scheduler.base_lrs]
-        for group in optimizer_chain(trainer.optimizer)[-1].param_groups:
-            group["lr"] *= c.lr_factor
-        if trainer.beta_base > 0 and c.beta_factor != 1:
-            set_beta_factor(trainer, "gold", c.beta_factor**self.rollbacks)

@@ -93,6 +93,7 @@ KINDS: dict[str, Kind] = {
     "gold_rollback": Kind(
         "quatro", Rule("rose", (M.QUATRO_GOLD_ROLLBACKS,)), Rule("rose", (M.QUATRO_WOULD_GOLD_ROLLBACKS,))
     ),
+    "gold_tightened": Kind("quatro", Rule("below", (M.QUATRO_GOLD_LR_FACTOR,), 1.0)),  # every step after one
     "reward_clip": Kind("grade", Rule("above", (M.GRADE_CLIP_FRAC_LOW, M.GRADE_CLIP_FRAC_HIGH))),
 }
 LAYERS = ("gepo", "opefo", "quatro", "grade")
@@ -109,6 +110,7 @@ class Ledger:
 
     def __init__(self, counters: MutableMapping[str, float], beta0: float, observe: frozenset[str] = frozenset()):
         self.counters, self.beta0, self.observe = counters, float(beta0), observe
+        self.ended_on: dict[str, Any] | None = None  # set at train end by a guard that restored a kept policy
         self._step: dict[str, list[float]] = {}
 
     def see(self, name: str, value: float) -> None:
@@ -157,8 +159,12 @@ class Ledger:
         return any(abs(v / self.beta0 - 1.0) > rule.bound + 1e-9 for v in finite)
 
     def summary(self) -> dict[str, Any]:
-        """This run's counts as ``summary_from_counts`` shapes them."""
-        return summary_from_counts(dict(self.counters))
+        """This run's counts as ``summary_from_counts`` shapes them, plus ``ended_on`` when a guard chose the policy
+        the run ends on (the gold watch: its best)."""
+        doc = summary_from_counts(dict(self.counters))
+        if self.ended_on is not None:
+            doc["ended_on"] = dict(self.ended_on)
+        return doc
 
     def write(self, out: Path) -> None:
         """``OUTPUT_DIR/interventions.json`` (the run's summary)."""

@@ -13,14 +13,16 @@ over-states its noise and the rule is conservative there). Unknown ``se``: the b
 largest variance any metric in [0, 1] with mean g can have) where n is known, else 0 (``drop`` alone)::
 
     reference = the eval with the highest lower bound gold - z*se     # not the luckiest single eval
-    falling   = reference.gold - gold > max(drop, z * sqrt(reference.se^2 + se^2))
+    falling   = reference.gold - gold > max(drop, relative_drop * |reference.gold|, z * sqrt(reference.se^2 + se^2))
     held      = reference.reward - reward <= max(reward_slack, z * sqrt(reference.reward_se^2 + reward_se^2))
     confirmed = ``confirm`` evals in a row falling: "diverged" when the reward held (gaming), "regressed" when it fell
                 with the gold metric (acted on only with ``regression``; without it only a held reward counts)
 
 ``z`` = 4 with ``confirm`` = 2 keeps a plateaued run's false alarms under 1 % over 50 evals for any eval size
 (``scripts/gold_simulate.py``; docs/results/gold_false_alarms.json). An eval before training (``eval.on_start``) has
-no reward level: when it is the reference, the reward's first level after it is the bar.
+no reward level: when it is the reference, the reward's first level after it is the bar. With ``mode: min`` (a metric
+where lower is better: an error rate, a judge's harm score) the rule reads ``-gold``: the reference is the lowest upper
+bound and a fall is a rise.
 
 ``GoldDetector`` is that rule alone, a pure state machine over ``EvalPoint``s; ``replay`` runs it over a logged
 history, so the false-alarm rate of a setting can be measured on finished runs. The runtime (``GoldWatch`` in
@@ -38,6 +40,7 @@ from steadyrl.metrics import EVAL_ACCURACY, EVAL_ACCURACY_SE, EVAL_NUM_SAMPLES, 
 from steadyrl.ranges import Checked, bounded
 
 ACTIONS = ("rollback", "stop")
+MODES = ("max", "min")  # higher is better | lower is better
 VERDICTS = ("best", "ok", "falling", "diverged", "regressed", "skip")
 CONFIRMED = ("diverged", "regressed")  # the verdicts the runtime acts on
 
@@ -46,6 +49,8 @@ CONFIRMED = ("diverged", "regressed")  # the verdicts the runtime acts on
 class GoldConfig(Checked):
     enabled: bool = True  # acts only where a periodic eval runs (eval.every > 0)
     drop: float = bounded(0.05, gt=0, finite=True)  # a fall is at least this below the reference (the metric's units)
+    relative_drop: float = bounded(0.0, ge=0, lt=1)  # ... and at least this fraction of the reference's |value|
+    mode: str = bounded("max", choices=MODES)  # max: higher is better; min: lower is better (a fall is then a rise)
     z: float = bounded(4.0, ge=0, finite=True)  # ... and more than z standard errors of the difference (eval noise)
     confirm: int = bounded(2, ge=1)  # evals in a row, falling
     reward_slack: float = bounded(0.0, ge=0, finite=True)  # how far the training reward may fall and still "hold"
@@ -101,6 +106,8 @@ class GoldDetector:
     reward_slack: float = 0.0
     z: float = 4.0
     regression: bool = True
+    relative_drop: float = 0.0
+    mode: str = "max"
     best_gold: float | None = None  # the reference eval (highest gold - z*se)
     best_step: int | None = None
     reward_at_best: float | None = None
@@ -111,16 +118,28 @@ class GoldDetector:
 
     @classmethod
     def from_config(cls, config: GoldConfig) -> GoldDetector:
-        return cls(config.drop, config.confirm, config.reward_slack, config.z, config.regression)
+        c = config
+        return cls(c.drop, c.confirm, c.reward_slack, c.z, c.regression, c.relative_drop, c.mode)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"gold watch mode {self.mode!r} is not one of {MODES}")
+
+    @property
+    def sign(self) -> float:
+        """+1 where higher is better (``max``), -1 where lower is (``min``): the rule reads ``sign * gold``."""
+        return 1.0 if self.mode == "max" else -1.0
 
     @property
     def best_bound(self) -> float:
-        """The reference's lower bound, gold - z*se (-inf before the first eval)."""
-        return -math.inf if self.best_gold is None else self.best_gold - self.z * self.best_se
+        """The reference's worse-side bound in ``sign * gold``, sign*gold - z*se (-inf before the first eval)."""
+        return -math.inf if self.best_gold is None else self.sign * self.best_gold - self.z * self.best_se
 
     def margin(self, gold_se: float) -> float:
-        """How far below the reference an eval with standard error ``gold_se`` must be to count as falling."""
-        return max(self.drop, self.z * math.hypot(self.best_se, _se(gold_se)))
+        """How far on the worse side of the reference an eval with standard error ``gold_se`` must be to count as
+        falling: the largest of ``drop``, ``relative_drop`` x |reference| and z standard errors of the difference."""
+        relative = self.relative_drop * abs(self.best_gold) if self.best_gold is not None else 0.0
+        return max(self.drop, relative, self.z * math.hypot(self.best_se, _se(gold_se)))
 
     def held(self, reward: float, reward_se: float = math.nan) -> bool:
         """The training reward did not fall significantly below its level at the reference (NaN: unknown, not held)."""
@@ -144,7 +163,7 @@ class GoldDetector:
         if not math.isfinite(gold):
             return "skip"
         self.evals += 1
-        if gold - self.z * _se(gold_se) > self.best_bound:
+        if self.sign * gold - self.z * _se(gold_se) > self.best_bound:
             self.best_gold, self.best_step, self.reward_at_best, self.streak = gold, step, reward, 0
             self.best_se, self.reward_se_at_best = _se(gold_se), _se(reward_se)
             return "best"
@@ -156,7 +175,7 @@ class GoldDetector:
                 self.reward_at_best, self.reward_se_at_best = first_reward, 0.0
             else:
                 self.reward_at_best, self.reward_se_at_best = reward, _se(reward_se)
-        falling = self.best_gold - gold > self.margin(gold_se)
+        falling = self.sign * (self.best_gold - gold) > self.margin(gold_se)
         held = self.held(reward, reward_se)
         self.streak = self.streak + 1 if falling and (held or self.regression) else 0
         if not self.streak:

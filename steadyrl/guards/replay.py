@@ -102,6 +102,10 @@ class ReplayBuffer:
         self.added_rows = 0
         self.replayed_rows = 0
 
+    def clear(self) -> None:
+        """Forget every stored row (the policy that sampled them was rolled back); the draw generator runs on."""
+        self._entries.clear()
+
     def __len__(self) -> int:
         """Rows stored."""
         return sum(len(rows) for _, rows in self._entries)

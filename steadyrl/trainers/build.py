@@ -269,7 +269,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
             )
         weights = {r.resolved_name: r.weight for r in cfg.rewards} if len(fns) == len(rewards) else None
         e = cfg.eval
-        trainer.add_callback(PeriodicEval(
+        trainer.add_guard_callback(PeriodicEval(
             eval_ds, fns, tokenizer, every=e.every, metric=e.metric, max_new_tokens=e.max_new_tokens,
             batch_size=e.batch_size, max_samples=e.max_samples, num_samples_to_log=e.samples_to_log,
             reward_weights=weights, eval_on_start=e.on_start, log_fn=trainer_log_fn(trainer),
@@ -278,7 +278,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         quatro = cfg.guards.quatro
         if cfg.algorithm == "grpo" and quatro.enabled and quatro.gold.enabled:  # after PeriodicEval: reads its rows
             watch = GoldWatch(quatro.gold, trainer, observe=quatro.mode == "observe")
-            trainer.add_callback(watch)
+            trainer.add_guard_callback(watch)
             trainer.guard_state.stateful["gold"] = watch
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards

@@ -41,6 +41,9 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the run stops with the last complete checkpoint untouched."""
 
 
+NOT_IN_SNAPSHOTS = ("gold",)  # guard state an OPEFO rollback leaves alone
+
+
 @dataclass
 class GuardState:
     """What steadyrl saves beside the Trainer's own checkpoint files."""
@@ -68,6 +71,12 @@ class GuardState:
 
     def guard_state_dicts(self, exclude: Any = None) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self.stateful.items() if obj is not exclude}
+
+    def snapshot_state_dicts(self, owner: Any) -> dict[str, Any]:
+        """The guard state an OPEFO snapshot holds: all but the ``owner``'s and ``NOT_IN_SNAPSHOTS`` (the gold
+        watch's best, counts and tightening are its own history: a rollback to a snapshot does not undo them)."""
+        saved = self.guard_state_dicts(exclude=owner)
+        return {name: state for name, state in saved.items() if name not in NOT_IN_SNAPSHOTS}
 
     def load_guard_state_dicts(self, saved: dict[str, Any], exclude: Any = None, where: str | None = None) -> None:
         """Restore every stateful object found in ``saved``; ``where`` names the checkpoint for the warning about

@@ -31,7 +31,7 @@ from steadyrl.trainers.loss import LossStation
 from steadyrl.trainers.micro_batch_gate import micro_batch_gate
 from steadyrl.trainers.rollout import RolloutStation
 from steadyrl.trainers.scratch import HookScratch
-from steadyrl.trainers.step_end import StepEnd, _GuardClock
+from steadyrl.trainers.step_end import StepEnd, _GuardClock, _RunSummary
 from steadyrl.trainers.step_gate import StepGate
 from steadyrl.trainers.vllm_support import server_errors
 
@@ -86,6 +86,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self.rollout = RolloutStation(self.ctx, p, self.pipeline, self.scratch, self.notes, settings, floor)
         self.loss_station = LossStation(self.ctx, p, self.scratch, self.notes, floor)
         self.lr_scale = trl_state.LearningRateScale()
+        self.lr_factors: dict[str, float] = {}  # factors of the scheduled LR (OPEFO's recovery, the gold watch's)
         layers = [("reward_processor", p.reward_processor), ("advantage_fn", p.advantage_fn)]
         layers += [(f"step_guard_{i}", g) for i, g in enumerate(p.step_guards_in(observing=False))]
         layers += [(f"observe_step_guard_{i}", g) for i, g in enumerate(p.step_guards_in(observing=True))]
@@ -110,8 +111,16 @@ class SteadyGRPOTrainer(GRPOTrainer):
             self.apply_controls()
         # First in line: guards act on a finished step before any other callback (logging, user code) sees it.
         self.callback_handler.callbacks.insert(0, _GuardClock(self))
+        self._summary = _RunSummary(self)  # last of the guard callbacks: the run's ledger after every guard acted
+        self.add_callback(self._summary)
         if p.monitor is not None and not any(isinstance(c, SignalMonitor) for c in self.callback_handler.callbacks):
-            self.add_callback(SignalMonitor(p.monitor))  # guards= from Python turns the early warnings on too
+            self.add_guard_callback(SignalMonitor(p.monitor))  # guards= from Python turns the early warnings on too
+
+    def add_guard_callback(self, callback: Any) -> None:
+        """Add a callback of steadyrl's own (periodic eval, gold watch, monitor) before the run summary, so that what
+        it does at train end is in ``interventions.json``."""
+        callbacks = self.callback_handler.callbacks
+        callbacks.insert(callbacks.index(self._summary), callback)
 
     def apply_controls(self, controls: Controls | None = None) -> None:
         """Write the controllers' output (default: their current one) into TRL's beta, entropy_coef and clip range."""

@@ -252,7 +252,7 @@ class StateRecovery:
         self.notes.check_now = "repair"  # the next step's check confirms the state is finite
 
     def _payload(self) -> dict[str, Any]:
-        params, guards = {n: p.detach() for n, p in self._trainable()}, self.guards.guard_state_dicts(exclude=self)
+        params, guards = {n: p.detach() for n, p in self._trainable()}, self.guards.snapshot_state_dicts(self)
         payload: dict[str, Any] = {"params": params, "optimizer": self.base.state_dict(), "guards": guards}
         if self.zero is not None:
             payload["fp32_partitions"] = [t.detach() for t in self.zero.single_partition_of_fp32_groups]

@@ -33,6 +33,7 @@ from steadyrl.metrics import (
     QUATRO_CLIP_SCALE_WOULD,
     QUATRO_ENTROPY_BONUS,
     QUATRO_FLOOR_ACTIVE,
+    QUATRO_GOLD_LR_FACTOR,
     QUATRO_KL_COEF,
     QUATRO_KL_FACTOR,
     QUATRO_MOMENT_SCALE,
@@ -228,9 +229,12 @@ class _GuardClock(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         lr_factor, controls, metrics = t.step_end.after_step()
-        if lr_factor is not None:
-            with t.ctx.timer(GUARD_PART_OPEFO_STATE):
-                trl_state.apply_lr_factor(t, t.lr_scale, lr_factor)
+        with t.ctx.timer(GUARD_PART_OPEFO_STATE):
+            trl_state.apply_lr_factors(t, lr_factor)
+        if t.lr_factors.get("gold", 1.0) != 1.0:  # every step the gold watch's tightening is in effect: the ledger
+            t.ctx.log_metric(QUATRO_GOLD_LR_FACTOR, t.lr_factors["gold"])
+            if t.step_end.kl is None and t.beta_base > 0:  # else the controllers' row below logs the coefficient
+                t.ctx.log_metric(QUATRO_BETA, t.beta)
         if controls is not None and metrics is not None:
             with t.ctx.timer(GUARD_PART_QUATRO_CONTROLLERS):
                 t.apply_controls(controls)
@@ -241,6 +245,15 @@ class _GuardClock(TrainerCallback):
             t.ctx.log_metric(GUARD_SECONDS, t.ctx.seconds - t.step_end.last_seconds)
         t.step_end.last_seconds = t.ctx.seconds
         t.close_ledger_step()
+
+
+class _RunSummary(TrainerCallback):
+    """Last of the guard callbacks (``SteadyGRPOTrainer.add_guard_callback`` puts the others before it): at train end,
+    after the final periodic eval and the gold watch's last action, writes ``interventions.json`` and
+    ``guard_cost.json``."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer

@@ -72,13 +72,16 @@ def set_beta_factor(trainer: Any, name: str, value: float) -> None:
 
 class BetaFactors:
     """Every factor of the KL coefficient as guard state (``beta_factors``): a resume inside a generation window
-    trains on its batch again without recomputing GRADE's factor."""
+    trains on its batch again without recomputing GRADE's factor. The gold watch's factor is left out: the watch's
+    own state restores it, and an OPEFO rollback (which restores this state) must not undo it."""
+
+    OWNED_ELSEWHERE = ("gold",)
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return {"factors": dict(self.trainer.beta_factors)}
+        return {"factors": {k: v for k, v in self.trainer.beta_factors.items() if k not in self.OWNED_ELSEWHERE}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, value in state["factors"].items():
@@ -166,7 +169,36 @@ def mark_step_skipped(optimizer: Any, skipped: bool) -> None:
         optimizer._is_overflow = skipped
 
 
-def apply_lr_factor(trainer: Any, scale: LearningRateScale, factor: float) -> None:
-    """OPEFO's recovery factor into the optimizer's param groups; logs ``opefo/lr_factor`` when it wrote them."""
-    if scale.apply(trainer.optimizer.param_groups, factor):
-        trainer._guard_metric(OPEFO_LR_FACTOR, factor)
+def apply_lr_factors(trainer: Any, opefo: float | None = None) -> None:
+    """The one writer of the learning rate on top of the schedule: the product of ``trainer.lr_factors`` (OPEFO's
+    recovery factor, set here from ``opefo`` when given, and the gold watch's factor) into the optimizer's param
+    groups, after the schedule wrote them; a DeepSpeed ``scheduler`` block rewrites them every step, so every step end
+    writes again. Logs ``opefo/lr_factor`` when OPEFO's factor was given and the groups were written."""
+    factors = trainer.lr_factors
+    if opefo is not None:
+        factors["opefo"] = opefo
+    if not factors:
+        return
+    if trainer.lr_scale.apply(trainer.optimizer.param_groups, math.prod(factors.values())) and opefo is not None:
+        trainer._guard_metric(OPEFO_LR_FACTOR, opefo)
+
+
+def set_gold_factors(trainer: Any, lr_factor: float, beta_factor: float, now: bool) -> None:
+    """The gold watch's tightening: its factor of the learning rate (written into the param groups ``now``, else at
+    the next step end: a resume's first step trains with the checkpoint's groups, already scaled) and of beta (when
+    beta > 0)."""
+    if lr_factor != 1.0 or "gold" in trainer.lr_factors:
+        trainer.lr_factors["gold"] = lr_factor
+        if now:
+            apply_lr_factors(trainer)
+    if trainer.beta_base > 0 and (beta_factor != 1.0 or "gold" in trainer.beta_factors):
+        set_beta_factor(trainer, "gold", beta_factor)
+
+
+def drop_buffered_rollouts(trainer: Any) -> None:
+    """After the policy was restored: TRL's rollouts not yet trained on (sampled from the policy just left) go, so
+    the step generates afresh from the restored one; so do the replay buffer's rows."""
+    trainer._buffered_inputs = None
+    replay = getattr(getattr(trainer, "rollout", None), "replay", None)
+    if replay is not None:
+        replay.clear()

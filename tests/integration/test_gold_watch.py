@@ -92,6 +92,11 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
     pushes: list[str] = []
     monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, *a, **k: None)  # no Hub here
     monkeypatch.setattr(Trainer, "push_to_hub", lambda self, *a, **k: pushes.append(k.get("commit_message", "")))
+    import steadyrl.callbacks.gold_watch as runtime
+
+    dropped: list[int] = []  # the rollouts TRL buffered from the policy left behind go with it
+    drop = runtime.drop_buffered_rollouts
+    monkeypatch.setattr(runtime, "drop_buffered_rollouts", lambda t: (dropped.append(t.state.global_step), drop(t)))
     trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}, push_to_hub=True, hub_model_id="user/run"))
     (watch,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, GoldWatch)]
     assert trainer.guard_state.stateful["gold"] is watch
@@ -110,10 +115,14 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
         assert torch.equal(entry["exp_avg_sq"], live_state[key]["exp_avg_sq"].cpu())
     after = _trainable(trainer)  # steps 7 and 8 trained from the restored policy
     assert any(not torch.equal(after[n], rollback["live"][n]) for n in after)
-    assert trainer.lr_scheduler.base_lrs == [pytest.approx(lr0 * 0.5)] * len(trainer.optimizer.param_groups)
+    # one writer of the learning rate: the schedule runs on untouched, the watch's factor is written over it at every
+    # step end (a DeepSpeed scheduler block rewrites the groups every step), and the ledger counts every such step
+    assert trainer.lr_scheduler.base_lrs == [pytest.approx(lr0)] * len(trainer.optimizer.param_groups)
     assert all(group["lr"] == pytest.approx(lr0 * 0.5) for group in trainer.optimizer.param_groups)
+    assert trainer.lr_factors == {"gold": 0.5} and watch.station.tightenings == 1
+    assert dropped == [6]
+    assert per_step(history := trainer.state.log_history, "quatro/gold_lr_factor") == [0.5, 0.5]  # steps 7, 8
 
-    history = trainer.state.log_history
     assert per_step(history, "quatro/gold_rollbacks")[-1] == 1.0
     assert per_step(history, "quatro/gold_best")[-1] == pytest.approx(0.95)
     best = json.loads((tmp_path / "run" / BEST_DIR / "gold.json").read_text())
@@ -123,6 +132,7 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
     assert not (tmp_path / "run" / f"{BEST_DIR}.tmp").exists()
     ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
     assert ledger["kinds"]["gold_rollback"]["steps"] == 1 and ledger["kinds"]["gold_rollback"]["layer"] == "quatro"
+    assert ledger["kinds"]["gold_tightened"]["steps"] == 2
     assert pushes == []  # three new bests kept (steps 2, 4, 8), none pushed
 
 
@@ -166,6 +176,10 @@ def test_a_run_the_watch_acted_on_ends_on_the_best_policy(tiny_model_dir, tmp_pa
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     acted = [e for e in events if e.get("event") == "gold_rollback"]
     assert [e["step"] for e in acted] == [6, 8] and "the run ends with the eval metric" in acted[1]["cause"]
+    # the swap comes before the run summary is written: interventions.json names the policy the run ended on
+    ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
+    assert ledger["ended_on"] == {"guard": "gold", "policy_step": 4, "gold": pytest.approx(0.9),
+                                  "last_gold": pytest.approx(0.88)}  # fmt: skip
 
 
 def test_a_run_the_watch_never_acted_on_ends_as_it_is(tiny_model_dir, tmp_path, monkeypatch):

@@ -231,7 +231,7 @@ def test_a_resumed_run_judges_its_first_eval_with_the_rewards_logged_before_the_
 
     from steadyrl.callbacks.gold_watch import GoldWatch
 
-    trainer = SimpleNamespace(ctx=SimpleNamespace(log_metric=lambda *_: None), args=SimpleNamespace(output_dir="."))
+    trainer = SimpleNamespace(ctx=SimpleNamespace(log_metrics=lambda *_: None), args=SimpleNamespace(output_dir="."))
     config = GoldConfig(regression=False)
     history = [{"step": 0, "eval/accuracy": 0.9, "eval/num_samples": 200}]
     history += [{"step": s, "reward": 0.8} for s in range(1, 6)]
@@ -249,3 +249,36 @@ def test_a_resumed_run_judges_its_first_eval_with_the_rewards_logged_before_the_
     state.log_history.append({"step": 10, "eval/accuracy": 0.2, "eval/num_samples": 200})
     resumed.on_step_begin(None, state, None)
     assert resumed.detector.streak == 2 and resumed.rollbacks == 1  # confirmed: the reward held at 0.8
+
+
+def test_mode_min_reads_a_rise_as_the_fall_and_keeps_the_lowest_upper_bound():
+    # an error rate (lower is better): 0.30 -> 0.20 is a new reference, 0.27 and 0.28 (more than drop 0.05 above it,
+    # reward held) confirm a divergence; read with mode max, 0.20 is the fall
+    points = [(0.30, 0.5), (0.20, 0.6), (0.27, 0.7), (0.28, 0.8)]
+    assert _verdicts(points, mode="min") == ["best", "best", "falling", "diverged"]
+    assert _verdicts(points) == ["best", "falling", "ok", "ok"]
+    detector = GoldDetector(mode="min", z=2.0)
+    # se 0.02: the reference is the lowest upper bound gold + z*se, not the luckiest (lowest) single eval
+    assert detector.update(10, 0.20, 0.5, 0.05) == "best"  # upper bound 0.30
+    assert detector.update(20, 0.22, 0.5, 0.01) == "best"  # upper bound 0.24 < 0.30
+    assert detector.update(30, 0.19, 0.5, 0.10) == "ok"  # upper bound 0.39: lucky, not a reference
+    assert (detector.best_gold, detector.best_step) == (0.22, 20)
+    # a rise within z standard errors of the difference is not a fall: 2*hypot(0.01, 0.05) = 0.102 > 0.30 - 0.22
+    assert detector.update(40, 0.30, 0.5, 0.05) == "ok"
+    assert detector.update(50, 0.33, 0.5, 0.05) == "falling"  # 0.11 > 0.102
+    with pytest.raises(ValueError, match="mode 'lowest'"):
+        GoldDetector(mode="lowest")
+
+
+def test_relative_drop_sets_the_floor_in_units_of_the_reference():
+    # reference 0.8: relative_drop 0.1 asks for a fall of more than 0.08 (drop 0.05 alone would take 0.06)
+    points = [(0.80, 0.5), (0.73, 0.6), (0.73, 0.6), (0.71, 0.7), (0.71, 0.7)]
+    assert _verdicts(points) == ["best", "falling", "diverged", "diverged", "diverged"]
+    assert _verdicts(points, relative_drop=0.1) == ["best", "ok", "ok", "falling", "diverged"]
+    assert GoldDetector(relative_drop=0.1, best_gold=-2.0).margin(0.0) == pytest.approx(0.2)  # |reference|
+    # the YAML keys reach the detector
+    config = GoldConfig(mode="min", relative_drop=0.25)
+    detector = GoldDetector.from_config(config)
+    assert (detector.mode, detector.relative_drop) == ("min", 0.25)
+    with pytest.raises(ValueError, match="relative_drop"):
+        GoldConfig(relative_drop=1.0)

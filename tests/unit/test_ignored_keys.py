@@ -67,6 +67,7 @@ VALUES: dict[str, list[Any]] = {  # non-default values the generic candidates be
     "guards.grade.kl_compensation_range": [[0.6, 1.5]],
     "guards.quatro.kl.beta_range": [[0.5, 2.0], [0.25, 8.0]],
     "guards.quatro.gold.action": ["stop"],
+    "guards.quatro.gold.mode": ["min"],
 }
 
 
