@@ -338,6 +338,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_gold_station.py::test_the_tightening_is_state_and_a_state_from_before_it_loads_untightened",),
     ),
     Mutant(
+        "gold_watch_beta_cut_unlogged",
+        "with the KL controller off nothing logs the gold watch's beta x 2: the ledger never counts it",
+        (
+            (
+                "steadyrl/trainers/step_end.py",
+                "            if t.step_end.kl is None and t.beta_base > 0:",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/integration/test_gold_watch.py::"
+            "test_with_the_kl_controller_off_the_watchs_beta_factor_is_logged_and_counted",
+        ),
+    ),
+    Mutant(
         "gold_watch_end_swap_after_the_summary",
         "the gold watch is added after the run summary: interventions.json is written before the run's end swap",
         (

@@ -36,7 +36,7 @@ def _script(monkeypatch, **golds: float) -> None:
         monkeypatch.setitem(script, int(step.removeprefix("s")), gold)
 
 
-def _config(tmp_path, model_dir, gold: dict[str, Any], every: int = 2, **trainer: Any):
+def _config(tmp_path, model_dir, gold: dict[str, Any], every: int = 2, quatro: dict | None = None, **trainer: Any):
     cfg = {
         "model": {"path": str(model_dir)},
         "data": {"path": "builtin:arithmetic", "eval_split": "eval", "builtin": {"max_operand": 9, "eval_size": 8}},
@@ -45,7 +45,9 @@ def _config(tmp_path, model_dir, gold: dict[str, Any], every: int = 2, **trainer
             {"fn": "tests.integration.test_gold_watch:scripted_gold", "weight": 0.0, "name": "gold"},
         ],
         "eval": {"every": every, "metric": "gold", "max_samples": 8},
-        "guards": {"quatro": {"enabled": True, "gold": {"confirm": 1, "reward_slack": 100.0, **gold}}},
+        "guards": {
+            "quatro": {"enabled": True, "gold": {"confirm": 1, "reward_slack": 100.0, **gold}, **(quatro or {})}
+        },
         "trainer": {
             "output_dir": str(tmp_path / "run"),
             "max_steps": 8,
@@ -200,3 +202,14 @@ def test_observe_mode_counts_the_divergence_and_restores_nothing(tiny_model_dir,
     history = trainer.state.log_history
     assert per_step(history, "quatro/would_gold_rollbacks")[-1] == 1.0
     assert not (tmp_path / "run" / BEST_DIR).exists()  # observe mode keeps no policy
+
+
+def test_with_the_kl_controller_off_the_watchs_beta_factor_is_logged_and_counted(tiny_model_dir, tmp_path, monkeypatch):
+    # beta 0.04, no KL controller to log quatro/beta: the watch's beta x 2 from the rollback at 6 on is still visible
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}, quatro={"kl": {"enabled": False}}, beta=0.04))
+    assert trainer.step_end.kl is None
+    trainer.train()
+    assert trainer.beta_factors == {"gold": 2.0} and trainer.beta == pytest.approx(0.08)
+    assert per_step(trainer.state.log_history, "quatro/beta") == [pytest.approx(0.08)] * 2  # steps 7, 8
+    ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
+    assert ledger["kinds"]["beta_moved"]["steps"] == 2 and ledger["kinds"]["gold_tightened"]["steps"] == 2
