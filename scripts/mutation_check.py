@@ -353,6 +353,49 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "best_gold_state_read_per_rank_under_ddp",
+        "every rank reads its own best-gold state file: after a resume on more processes the first rollback dies",
+        (
+            (
+                "steadyrl/trainers/best_policy.py",
+                "    state_file = folder / (rank_state(acc.process_index) if zero is not None else SHARED_STATE)",
+                "    state_file = folder / rank_state(acc.process_index)",
+            ),
+        ),
+        ("tests/integration/test_gold_watch.py::test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one",),
+    ),
+    Mutant(
+        "best_gold_weights_twice",
+        "best-gold/ keeps the trainable tensors again beside the model save_model wrote (twice the weights)",
+        (
+            (
+                "steadyrl/trainers/best_policy.py",
+                '            torch.save(cpu_copy({"optimizer": base.state_dict()}), staged / SHARED_STATE)',
+                "            params = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}\n"
+                '            torch.save(cpu_copy({"optimizer": base.state_dict(), "params": params}), '
+                "staged / SHARED_STATE)",
+            ),
+        ),
+        (
+            "tests/integration/test_gold_watch.py::test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on",
+        ),
+    ),
+    Mutant(
+        "best_gold_written_outside_the_checkpoint_path",
+        "a full disk while keeping a new best: a partial copy and a raw error, not the checkpoints' handling",
+        (
+            (
+                "steadyrl/trainers/best_policy.py",
+                '    save_atomically(acc, folder.parent, int(meta["step"]), None, write, name=folder.name)',
+                "    write(folder.parent, folder)",
+            ),
+        ),
+        (
+            "tests/integration/test_gold_watch.py::"
+            "test_a_full_disk_while_keeping_a_new_best_stops_the_run_and_keeps_the_last_best_whole",
+        ),
+    ),
+    Mutant(
         "gold_watch_end_swap_after_the_summary",
         "the gold watch is added after the run summary: interventions.json is written before the run's end swap",
         (
@@ -510,8 +553,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/callbacks/gold_watch.py",
-                '        return self.config.save_best and (self.best_dir / "gold.json").is_file()',
-                '        return (self.best_dir / "gold.json").is_file()',
+                "        return self.config.save_best and (self.best_dir / META).is_file()",
+                "        return (self.best_dir / META).is_file()",
             ),
         ),
         (f"{IT}/test_gold_watch.py::test_save_best_false_never_restores_a_best_policy_left_by_an_earlier_run",),
@@ -521,9 +564,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "with push_to_hub set, every new best of the gold watch uploads the whole output_dir",
         (
             (
-                "steadyrl/callbacks/gold_watch.py",
-                "        self.trainer.save_model(str(tmp), _internal_call=True)",
-                "        self.trainer.save_model(str(tmp))",
+                "steadyrl/trainers/best_policy.py",
+                "        trainer.save_model(str(staged), _internal_call=True)",
+                "        trainer.save_model(str(staged))",
             ),
         ),
         (f"{IT}/test_gold_watch.py::test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on",),

@@ -4,9 +4,9 @@ steadyrl/guards/gold_watch.py).
 After each periodic eval row (``PeriodicEval`` logs it at the start of the next step; this callback comes after it):
 
 - a new reference (the eval with the highest lower bound gold - z*se, the "best"): the policy is kept in
-  ``OUTPUT_DIR/best-gold/`` -- the model (or LoRA adapter) as ``save_model`` writes it, ``gold_state_rank<r>.pt`` with
-  the trainable tensors and the optimizer state of each rank, and ``gold.json`` (step, gold metric, training reward).
-  It is written to ``best-gold.tmp`` and swapped in, so a crash mid-write leaves the previous best whole.
+  ``OUTPUT_DIR/best-gold/`` -- the weights once (the model or LoRA adapter as ``save_model`` writes it), the optimizer
+  state once, or per rank where ZeRO partitions it, and ``gold.json`` -- through the checkpoints' staged, disk-checked
+  path, so a crash or a full disk mid-write leaves the previous best whole (steadyrl/trainers/best_policy.py).
 - a confirmed fall of the gold metric beyond its noise -- a divergence (the training reward held: gaming) or, with
   ``regression``, a regression (the reward fell with it: a run failing by itself, e.g. a learning rate too high) --:
   ``rollback`` restores the kept trainable tensors and optimizer state (the LR schedule and the other guards' state
@@ -25,10 +25,7 @@ after a resume it rolls back to the files in ``best-gold/``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +34,10 @@ from transformers import TrainerCallback
 
 from steadyrl.callbacks.periodic_eval import _bare_model, trainer_log_fn
 from steadyrl.guards.gold_watch import EvalPoint, GoldConfig, GoldDetector, RewardsSince, eval_point
-from steadyrl.guards.rollback import cpu_copy
 from steadyrl.metrics import EVAL_ACCURACY, EVENT_GOLD_ROLLBACK, REWARD
+from steadyrl.trainers.best_policy import META, restore_best, write_best
 from steadyrl.trainers.gold import GoldDecision, GoldStation
-from steadyrl.trainers.recovery import optimizer_chain, restore_payload
+from steadyrl.trainers.recovery import optimizer_chain
 from steadyrl.trainers.trl_state import drop_buffered_rollouts, set_gold_factors
 
 logger = logging.getLogger("steadyrl.quatro")
@@ -170,52 +167,24 @@ class GoldWatch(TrainerCallback):
             f", beta x{c.beta_factor}" if beta else "", s.lr_factor, s.beta_factor if beta else 1.0,
         )  # fmt: skip
 
-    # ------------------------------------------------------------------ the kept policy
-    def _parts(self) -> tuple[list[tuple[str, torch.nn.Parameter]], Any, Any]:
+    # ------------------------------------------------------------------ the kept policy (trainers/best_policy.py)
+    def _parts(self) -> tuple[torch.nn.Module, list[tuple[str, torch.nn.Parameter]], Any, Any]:
         model = _bare_model(self.trainer.model)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         chain = optimizer_chain(self.trainer.optimizer)
         zero = next((o for o in chain if hasattr(o, "single_partition_of_fp32_groups")), None)
-        return trainable, chain[-1], zero
+        return model, trainable, chain[-1], zero
 
     def _kept(self) -> bool:
         """A best policy of this run is on disk (with ``save_best: false`` a ``best-gold/`` left in the output_dir by
         an earlier run is never restored)."""
-        return self.config.save_best and (self.best_dir / "gold.json").is_file()
+        return self.config.save_best and (self.best_dir / META).is_file()
 
     def _keep(self, step: int, gold: float, reward: float) -> None:
-        trainable, base, zero = self._parts()
-        acc = self.trainer.accelerator
-        tmp = Path(str(self.best_dir) + ".tmp")
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
-        # every rank calls it (DeepSpeed gathers), the main process writes; internal: never pushed to the Hub
-        self.trainer.save_model(str(tmp), _internal_call=True)
-        payload: dict[str, Any] = {
-            "params": {n: p.detach() for n, p in trainable},
-            "optimizer": base.state_dict(),
-        }
-        if zero is not None:
-            payload["fp32_partitions"] = [t.detach() for t in zero.single_partition_of_fp32_groups]
-        tmp.mkdir(parents=True, exist_ok=True)
-        part = tmp / f"gold_state_rank{acc.process_index}.pt"
-        torch.save(cpu_copy(payload), str(part) + ".part")
-        os.replace(str(part) + ".part", part)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            meta = {"step": step, "metric": EVAL_ACCURACY, "gold": gold, "reward": reward, "ranks": acc.num_processes}
-            (tmp / "gold.json").write_text(json.dumps(meta, indent=1) + "\n")
-            old = Path(str(self.best_dir) + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            if self.best_dir.exists():
-                os.replace(self.best_dir, old)
-            os.replace(tmp, self.best_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+        _, _, base, zero = self._parts()
+        write_best(self.trainer, self.best_dir, base, zero, {"step": step, "metric": EVAL_ACCURACY, "gold": gold,
+                                                              "reward": reward})  # fmt: skip
 
     def _restore(self) -> None:
-        trainable, base, zero = self._parts()
-        acc = self.trainer.accelerator
-        payload = torch.load(self.best_dir / f"gold_state_rank{acc.process_index}.pt", weights_only=False)
-        restore_payload(payload, trainable, base, zero)  # as OPEFO's rollback: the schedule runs on
+        model, trainable, base, zero = self._parts()
+        restore_best(self.trainer, self.best_dir, model, trainable, base, zero)  # as OPEFO's: the schedule runs on

@@ -74,7 +74,11 @@ def _spy_restore(monkeypatch) -> list[dict[str, Any]]:
 
     def restore(self):
         original(self)
-        kept = torch.load(self.best_dir / "gold_state_rank0.pt", weights_only=False)
+        from safetensors.torch import load_file
+
+        # the weights once (the model save_model wrote), the optimizer state once (one process: not partitioned)
+        kept = torch.load(self.best_dir / "gold_state.pt", weights_only=False)
+        kept["params"] = load_file(self.best_dir / "model.safetensors")
         meta = json.loads((self.best_dir / "gold.json").read_text())
         optimizer = cpu_copy(self.trainer.optimizer.state_dict())
         step = self.trainer.state.global_step
@@ -131,7 +135,11 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
     assert best["step"] == 8 and best["gold"] == pytest.approx(
         0.95
     )  # the new best after the rollback replaced the old one
-    assert not (tmp_path / "run" / f"{BEST_DIR}.tmp").exists()
+    best_dir = tmp_path / "run" / BEST_DIR
+    assert not (tmp_path / "run" / ".staging" / BEST_DIR).exists()
+    # the weights once: no per-rank copies of the trainable tensors beside the model save_model wrote
+    assert sorted(f.name for f in best_dir.glob("gold_state*")) == ["gold_state.pt"]
+    assert set(torch.load(best_dir / "gold_state.pt", weights_only=False)) == {"optimizer"}
     ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
     assert ledger["kinds"]["gold_rollback"]["steps"] == 1 and ledger["kinds"]["gold_rollback"]["layer"] == "quatro"
     assert ledger["kinds"]["gold_tightened"]["steps"] == 2
@@ -151,6 +159,18 @@ def test_trls_default_logging_steps_does_not_silence_the_watch(tiny_model_dir, t
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (event,) = [e for e in events if e.get("event") == "gold_rollback" and e.get("verdict")]
     assert event["verdict"] == "diverged" and "fell from 0.9 at step 10 to 0.2 at step 20" in event["cause"]
+
+
+def test_save_best_false_never_restores_a_best_policy_left_by_an_earlier_run(tiny_model_dir, tmp_path, monkeypatch):
+    seen = _spy_restore(monkeypatch)
+    stale = tmp_path / "run" / BEST_DIR
+    stale.mkdir(parents=True)
+    (stale / "gold.json").write_text(json.dumps({"step": 4, "gold": 0.99, "ranks": 1}))
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {"save_best": False}))
+    trainer.train()  # the fall at step 6 is confirmed: it warns, and nothing is restored
+    assert seen == [] and trainer.state.global_step == 8
+    assert per_step(trainer.state.log_history, "quatro/gold_rollbacks")[-1] == 1.0
+    assert trainer.lr_factors == {}  # nothing restored, nothing tightened
 
 
 def test_action_stop_restores_the_best_policy_and_ends_the_run(tiny_model_dir, tmp_path, monkeypatch):
@@ -213,3 +233,59 @@ def test_with_the_kl_controller_off_the_watchs_beta_factor_is_logged_and_counted
     assert per_step(trainer.state.log_history, "quatro/beta") == [pytest.approx(0.08)] * 2  # steps 7, 8
     ledger = json.loads((tmp_path / "run" / "interventions.json").read_text())
     assert ledger["kinds"]["beta_moved"]["steps"] == 2 and ledger["kinds"]["gold_tightened"]["steps"] == 2
+
+
+def test_a_full_disk_while_keeping_a_new_best_stops_the_run_and_keeps_the_last_best_whole(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    import errno
+
+    import steadyrl.trainers.best_policy as best_policy
+    from steadyrl.trainers.checkpoints import CheckpointSaveError
+
+    save = torch.save
+
+    def full_at_step_4(obj, path, *args, **kwargs):
+        if "gold_state" in str(path) and trainer.state.global_step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(best_policy.torch, "save", full_at_step_4)
+    trainer = build_trainer(_config(tmp_path, tiny_model_dir, {}))
+    with pytest.raises(CheckpointSaveError, match=r"best-gold was not saved: OSError: \[Errno 28\] No space left"):
+        trainer.train()
+    best = tmp_path / "run" / BEST_DIR
+    assert json.loads((best / "gold.json").read_text())["step"] == 2  # the previous best, whole
+    assert (best / "gold_state.pt").is_file() and (best / "model.safetensors").is_file()
+    assert not (tmp_path / "run" / ".staging" / BEST_DIR).exists()  # the partial copy removed
+
+
+def test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one(tiny_model_dir, tmp_path):
+    """1 process keeps the best at step 4 and checkpoints; the run resumes on 2 processes (DDP), the eval falls at 6:
+    both ranks restore the step-4 policy from the files one process wrote (the weights and the optimizer state once,
+    not per rank: before, rank 1 died with FileNotFoundError on gold_state_rank1.pt) and end with equal weights."""
+    from tests.integration.test_launch import assert_same_weights, launch
+
+    out = tmp_path / "resize"
+    gold = (
+        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}, "
+        "{fn: 'tests.integration.test_gold_watch:scripted_gold', weight: 0.0, name: gold}]",
+        "eval.every=2",
+        "eval.metric=gold",
+        "guards.quatro.enabled=true",
+        "guards.quatro.gold.confirm=1",
+        "guards.quatro.gold.reward_slack=100.0",
+        "trainer.save_steps=4",
+        "trainer.resume_from_checkpoint=auto",
+    )
+    launch("single.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=4", num_processes=1, timeout=200)
+    kept = json.loads((out / BEST_DIR / "gold.json").read_text())
+    assert (kept["step"], kept["ranks"], kept["partitioned"]) == (4, 1, False)
+    two, proc = launch("multi_cpu.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=8", timeout=300)
+    assert [d["global_step"] for d in two] == [8, 8]
+    assert_same_weights(two[0]["weights"], two[1]["weights"])
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (rollback,) = [e for e in events if e.get("event") == "gold_rollback"]
+    assert rollback["step"] == 6 and rollback["snapshot_step"] == 4, proc.stderr[-3000:]
+    final = json.loads((out / BEST_DIR / "gold.json").read_text())
+    assert (final["step"], final["ranks"]) == (8, 2)  # the new best after the rollback, kept by two
