@@ -396,6 +396,33 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "gold_watch_not_built_from_python",
+        "SteadyGRPOTrainer(guards=...) with TRL's own eval never builds the gold watch",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                "        self.gold_watch = self._trl_eval_gold_watch()",
+                "        self.gold_watch = None",
+            ),
+        ),
+        ("tests/integration/test_gold_watch.py::test_the_python_api_runs_the_watch_on_trls_own_eval",),
+    ),
+    Mutant(
+        "gold_watch_trl_eval_without_noise",
+        "the watch reads TRL's eval mean with no standard error: drop alone decides, so sampling noise is a fall",
+        (
+            (
+                "steadyrl/trainers/gold.py",
+                "    return float(std) / prompts**0.5 if std is not None else None",
+                "    return None",
+            ),
+        ),
+        (
+            "tests/unit/test_gold_station.py::"
+            "test_trls_eval_gives_the_weight_0_rewards_mean_and_its_standard_error_over_prompts",
+        ),
+    ),
+    Mutant(
         "gold_watch_end_swap_after_the_summary",
         "the gold watch is added after the run summary: interventions.json is written before the run's end swap",
         (

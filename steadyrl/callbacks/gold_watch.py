@@ -36,7 +36,7 @@ from steadyrl.callbacks.periodic_eval import _bare_model, trainer_log_fn
 from steadyrl.guards.gold_watch import EvalPoint, GoldConfig, GoldDetector, RewardsSince, eval_point
 from steadyrl.metrics import EVAL_ACCURACY, EVENT_GOLD_ROLLBACK, REWARD
 from steadyrl.trainers.best_policy import META, restore_best, write_best
-from steadyrl.trainers.gold import GoldDecision, GoldStation
+from steadyrl.trainers.gold import GoldDecision, GoldStation, trl_eval_se
 from steadyrl.trainers.recovery import optimizer_chain
 from steadyrl.trainers.trl_state import drop_buffered_rollouts, set_gold_factors
 
@@ -48,10 +48,16 @@ BEST_DIR = "best-gold"
 class GoldWatch(TrainerCallback):
     """The gold watch of one trainer (its decisions: ``GoldStation``); ``observe``: count and warn, never act."""
 
-    def __init__(self, config: GoldConfig, trainer: Any, observe: bool = False) -> None:
+    def __init__(
+        self, config: GoldConfig, trainer: Any, observe: bool = False, metric: str = "", eval_prompts: int = 0
+    ) -> None:
+        """``metric``: the logged eval key to read (default ``config.metric``, else steadyrl's ``eval/accuracy``);
+        ``eval_prompts``: TRL's eval prompts, for the standard error of its ``eval_rewards/<name>/mean``."""
         self.config, self.trainer = config, trainer
         self.observe = observe
-        self.station = GoldStation(config, observe)
+        self.metric = metric or config.metric or EVAL_ACCURACY
+        self.eval_prompts = eval_prompts
+        self.station = GoldStation(config, observe, self.metric)
         self._stop_pending = False  # restore the best policy and stop at the end of the step under way
         self._ending = False
         self._seen = 0  # log_history rows already read
@@ -84,7 +90,7 @@ class GoldWatch(TrainerCallback):
         # level of the eval a resumed run runs again first (without them, that eval had none and reset a pending streak)
         for row in state.log_history:
             self._rewards.add(row.get(REWARD))
-            if row.get(EVAL_ACCURACY) is not None:
+            if row.get(self.metric) is not None:
                 self._rewards.take()
         self._seen = len(state.log_history)
 
@@ -122,8 +128,11 @@ class GoldWatch(TrainerCallback):
         self._seen = len(state.log_history)
         for row in rows:
             self._rewards.add(row.get(REWARD))
-            if row.get(EVAL_ACCURACY) is not None:
-                self._judge(eval_point(row, self._rewards.take(), int(row.get("step", state.global_step))))
+            if row.get(self.metric) is not None:
+                se = trl_eval_se(row, self.metric, self.eval_prompts) if self.metric != EVAL_ACCURACY else None
+                row = {**row, self.metric + "_se": se} if se is not None else row
+                step = int(row.get("step", state.global_step))
+                self._judge(eval_point(row, self._rewards.take(), step, self.metric))
 
     def _judge(self, point: EvalPoint) -> None:
         decision = self.station.judge(point, self._kept())
@@ -153,7 +162,7 @@ class GoldWatch(TrainerCallback):
                 "step %d: %s: %s. Stopping the run with the best policy restored (step %d, %s %.4g; kept "
                 "in %s): what it saves and evaluates is that policy. Fix the reward (or, for a regression, lower "
                 "trainer.learning_rate), or turn the watch off (guards.quatro.gold.enabled=false) to train on",
-                step, what, decision.evidence, d.best_step, EVAL_ACCURACY, d.best_gold, self.best_dir,
+                step, what, decision.evidence, d.best_step, self.metric, d.best_gold, self.best_dir,
             )  # fmt: skip
             return
         self._restore()
@@ -182,7 +191,7 @@ class GoldWatch(TrainerCallback):
 
     def _keep(self, step: int, gold: float, reward: float) -> None:
         _, _, base, zero = self._parts()
-        write_best(self.trainer, self.best_dir, base, zero, {"step": step, "metric": EVAL_ACCURACY, "gold": gold,
+        write_best(self.trainer, self.best_dir, base, zero, {"step": step, "metric": self.metric, "gold": gold,
                                                               "reward": reward})  # fmt: skip
 
     def _restore(self) -> None:

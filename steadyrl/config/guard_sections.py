@@ -146,7 +146,7 @@ class QuatroSection(Layer):
     entropy: EntropyConfig = field(default_factory=EntropyConfig)
     filters: QuatroFiltersSection = field(default_factory=QuatroFiltersSection)
     replay: QuatroReplaySection = field(default_factory=QuatroReplaySection)
-    gold: GoldConfig = field(default_factory=GoldConfig)  # run where a periodic eval runs (build.py: GoldWatch)
+    gold: GoldConfig = field(default_factory=GoldConfig)  # run where an eval runs: steadyrl's periodic one or TRL's
 
     def to_config(self) -> QuatroConfig:
         """The enabled parts."""
@@ -155,6 +155,7 @@ class QuatroSection(Layer):
             entropy=self.entropy if self.entropy.enabled else None,
             filters=self.filters.to_config() if self.filters.enabled else None,
             replay=self.replay.to_config() if self.replay.enabled else None,
+            gold=self.gold if self.gold.enabled else None,
         )
 
 

@@ -60,6 +60,9 @@ class GoldConfig(Checked):
     beta_factor: float = bounded(2.0, ge=1, finite=True)  # after a rollback: trainer.beta x this (when beta > 0)
     max_rollbacks: int = bounded(2, ge=0)  # one more divergence stops the run, keeping the best policy
     save_best: bool = True  # also write the best policy to OUTPUT_DIR/best-gold (model or adapter, atomically)
+    # the logged eval key read as the gold metric; "" = steadyrl's periodic eval (eval/accuracy) or, from Python with
+    # TRL's own eval (eval_strategy), eval_rewards/<name>/mean of the one reward function trained with weight 0
+    metric: str = ""
 
 
 class EvalPoint(NamedTuple):

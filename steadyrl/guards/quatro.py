@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from steadyrl.guards.entropy_floor import EntropyConfig
+from steadyrl.guards.gold_watch import GoldConfig
 from steadyrl.guards.kl_controller import KLConfig
 from steadyrl.guards.replay import ReplayConfig
 from steadyrl.guards.rollout_filters import FilterConfig
@@ -22,3 +23,4 @@ class QuatroConfig:
     entropy: EntropyConfig | None = None
     filters: FilterConfig | None = None
     replay: ReplayConfig | None = None
+    gold: GoldConfig | None = None  # the gold watch (a trainer runs it on TRL's own eval; build.py on steadyrl's)

@@ -277,9 +277,11 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
         ))  # fmt: skip
         quatro = cfg.guards.quatro
         if cfg.algorithm == "grpo" and quatro.enabled and quatro.gold.enabled:  # after PeriodicEval: reads its rows
+            if trainer.gold_watch is not None:  # one watch: on steadyrl's periodic eval, not on TRL's own eval
+                trainer.callback_handler.remove_callback(trainer.gold_watch)
             watch = GoldWatch(quatro.gold, trainer, observe=quatro.mode == "observe")
             trainer.add_guard_callback(watch)
-            trainer.guard_state.stateful["gold"] = watch
+            trainer.guard_state.stateful["gold"] = trainer.gold_watch = watch
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards
     return trainer

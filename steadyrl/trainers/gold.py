@@ -42,8 +42,8 @@ class GoldStation:
     """The watch's decisions for one run; ``observe``: count and warn, never act; ``kept()``: a policy of this run is
     on disk to restore."""
 
-    def __init__(self, config: GoldConfig, observe: bool = False) -> None:
-        self.config, self.observe = config, observe
+    def __init__(self, config: GoldConfig, observe: bool = False, metric: str = EVAL_ACCURACY) -> None:
+        self.config, self.observe, self.metric = config, observe, metric
         self.detector = GoldDetector.from_config(config)
         self.rollbacks = 0  # confirmed falls acted on (observing: that it would have acted on), a stop included
         self.tightenings = 0  # rollbacks that tightened the learning rate and beta (not a stop)
@@ -96,7 +96,7 @@ class GoldStation:
         how = "held" if verdict == "diverged" else "fell with it"
         moved, side = ("fell", "below") if c.mode == "max" else ("rose", "above")
         return (
-            f"the eval metric ({EVAL_ACCURACY}) {moved} from {d.best_gold:.4g} at step {d.best_step} to "
+            f"the eval metric ({self.metric}) {moved} from {d.best_gold:.4g} at step {d.best_step} to "
             f"{point.gold:.4g} at step {point.step} ({d.streak} evals in a row more than {d.margin(point.gold_se):.3g} "
             f"{side} it: the largest of guards.quatro.gold.drop={c.drop}, relative_drop={c.relative_drop} of it and "
             f"z={c.z} standard errors of the difference) while the training reward {how} ({point.reward:.4g} against "
@@ -120,6 +120,32 @@ class GoldStation:
             return None
         side = "below" if self.config.mode == "max" else "above"
         return (
-            f"the run ends with the eval metric ({EVAL_ACCURACY}) at {self.last_gold:.4g}, {side} its best "
+            f"the run ends with the eval metric ({self.metric}) at {self.last_gold:.4g}, {side} its best "
             f"{d.best_gold:.4g} at step {d.best_step}, after {self.rollbacks} gold-watch rollback(s)"
         )
+
+
+def trl_eval_metric(config: GoldConfig, reward_names: list[str], reward_weights: list[float]) -> tuple[str | None, str]:
+    """The key of TRL's own eval (``eval_strategy``) the watch reads, and why when there is none: ``metric`` when set,
+    else ``eval_rewards/<name>/mean`` of the one reward function the policy is trained on with weight 0 (scored, never
+    optimised: a gold metric; the trained reward is what a gamed policy holds up)."""
+    if config.metric:
+        return config.metric, ""
+    watched = [n for n, w in zip(reward_names, reward_weights, strict=True) if w == 0]
+    if len(watched) == 1:
+        return f"eval_rewards/{watched[0]}/mean", ""
+    found = f"{len(watched)} ({', '.join(watched)})" if watched else "none"
+    return None, (
+        "the gold watch reads a metric the policy is not trained on: pass one reward function with weight 0 "
+        f"(args.reward_weights; found {found}) or name the logged key in guards quatro.gold.metric "
+        "(e.g. eval_rewards/<name>/mean)"
+    )
+
+
+def trl_eval_se(row: dict[str, Any], key: str, prompts: int) -> float | None:
+    """The standard error of TRL's ``eval_rewards/<name>/mean``: its logged ``.../std`` over ``prompts`` eval prompts
+    (completions of one prompt are not independent: counting prompts, not completions, over-states the noise)."""
+    if not key.endswith("/mean") or prompts < 1:
+        return None
+    std = row.get(key[: -len("/mean")] + "/std")
+    return float(std) / prompts**0.5 if std is not None else None

@@ -10,6 +10,7 @@ copied) calls one station of the step (docs/ARCHITECTURE.md): ``rollout`` (rewar
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from steadyrl.trainers.scratch import HookScratch
 from steadyrl.trainers.step_end import StepEnd, _GuardClock, _RunSummary
 from steadyrl.trainers.step_gate import StepGate
 from steadyrl.trainers.vllm_support import server_errors
+
+quatro_logger = logging.getLogger("steadyrl.quatro")
 
 
 class SteadyGRPOTrainer(GRPOTrainer):
@@ -115,6 +118,31 @@ class SteadyGRPOTrainer(GRPOTrainer):
         self.add_callback(self._summary)
         if p.monitor is not None and not any(isinstance(c, SignalMonitor) for c in self.callback_handler.callbacks):
             self.add_guard_callback(SignalMonitor(p.monitor))  # guards= from Python turns the early warnings on too
+        self.gold_watch = self._trl_eval_gold_watch()
+
+    def _trl_eval_gold_watch(self) -> Any:
+        """With TRL's own eval (``eval_strategy`` and an eval dataset) and the gold watch on: the watch, reading TRL's
+        ``eval_rewards/<gold>/mean`` (steadyrl's YAML path replaces it by one on its periodic eval). None otherwise."""
+        from transformers.trainer_utils import IntervalStrategy
+
+        from steadyrl.callbacks.gold_watch import GoldWatch
+        from steadyrl.trainers.gold import trl_eval_metric
+
+        q = self.parts.quatro
+        trl_eval = self.args.eval_strategy != IntervalStrategy.NO and self.eval_dataset is not None
+        if q is None or q.gold is None or not trl_eval:
+            return None
+        weights = [float(w) for w in self.reward_weights]
+        metric, why = trl_eval_metric(q.gold, list(self.reward_func_names), weights)
+        if metric is None:
+            if self.accelerator.is_main_process:
+                quatro_logger.warning("TRL's eval runs, but %s; the gold watch is off", why)
+            return None
+        prompts = len(self.eval_dataset) if hasattr(self.eval_dataset, "__len__") else 0
+        watch = GoldWatch(q.gold, self, observe="quatro" in self.parts.observe, metric=metric, eval_prompts=prompts)
+        self.add_guard_callback(watch)
+        self.guard_state.stateful["gold"] = watch
+        return watch
 
     def add_guard_callback(self, callback: Any) -> None:
         """Add a callback of steadyrl's own (periodic eval, gold watch, monitor) before the run summary, so that what

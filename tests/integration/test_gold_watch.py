@@ -289,3 +289,41 @@ def test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one(tiny_model_d
     assert rollback["step"] == 6 and rollback["snapshot_step"] == 4, proc.stderr[-3000:]
     final = json.loads((out / BEST_DIR / "gold.json").read_text())
     assert (final["step"], final["ranks"]) == (8, 2)  # the new best after the rollback, kept by two
+
+
+def test_the_python_api_runs_the_watch_on_trls_own_eval(tiny_model_dir, tmp_path, monkeypatch):
+    """``SteadyGRPOTrainer(guards="all")`` with TRL's ``eval_strategy``: the watch reads ``eval_rewards/<the weight-0
+    reward>/mean``, with TRL's default ``logging_steps`` (10) against an eval every 2 steps, and rolls back on the fall
+    at 6 (before, the Python API never built it). Without a weight-0 reward it says why it is off."""
+    from transformers import AutoTokenizer
+
+    from steadyrl.trainers.grpo import SteadyGRPOTrainer
+    from tests.integration.helpers import byte_mean, grpo_args, small_dataset
+
+    seen = _spy_restore(monkeypatch)
+    data = small_dataset()
+
+    def trainer_with(weights: list[float], out: str) -> SteadyGRPOTrainer:
+        args = grpo_args(tmp_path / out, max_steps=8, eval_strategy="steps", eval_steps=2, logging_steps=10,
+                         reward_weights=weights, per_device_eval_batch_size=8, learning_rate=1e-2)  # fmt: skip
+        return SteadyGRPOTrainer(
+            model=str(tiny_model_dir), reward_funcs=[byte_mean, scripted_gold], args=args,
+            train_dataset=data, eval_dataset=data.select(range(8)),
+            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+            guards={"quatro": {"enabled": True, "gold": {"confirm": 1, "reward_slack": 100.0}}},
+        )  # fmt: skip
+
+    trainer = trainer_with([1.0, 0.0], "api")
+    watch = trainer.gold_watch
+    assert isinstance(watch, GoldWatch) and watch.metric == "eval_rewards/scripted_gold/mean"
+    assert trainer.guard_state.stateful["gold"] is watch and watch.eval_prompts == 8
+    trainer.train()
+    (rollback, *_) = seen
+    assert rollback["step"] == 6 and rollback["meta"]["step"] == 4 and rollback["meta"]["gold"] == pytest.approx(0.9)
+    assert rollback["meta"]["metric"] == "eval_rewards/scripted_gold/mean"
+    assert trainer.lr_factors == {"gold": 0.5}
+    with pytest.MonkeyPatch.context() as m:
+        warnings: list[str] = []
+        m.setattr("steadyrl.trainers.grpo.quatro_logger.warning", lambda msg, *a: warnings.append(msg % a))
+        assert trainer_with([1.0, 1.0], "no-gold").gold_watch is None
+    assert "pass one reward function with weight 0 (args.reward_weights; found none)" in warnings[0]

@@ -135,3 +135,16 @@ def test_a_restore_drops_trls_buffered_rollouts_and_the_replay_rows():
     bare = SimpleNamespace(_buffered_inputs=[row])  # no replay (PPO, or replay off)
     trl_state.drop_buffered_rollouts(bare)
     assert bare._buffered_inputs is None
+
+
+def test_trls_eval_gives_the_weight_0_rewards_mean_and_its_standard_error_over_prompts():
+    from steadyrl.trainers.gold import trl_eval_metric, trl_eval_se
+
+    names, config = ["accuracy_proxy", "judge", "exact"], GoldConfig()
+    assert trl_eval_metric(config, names, [1.0, 0.5, 0.0]) == ("eval_rewards/exact/mean", "")
+    assert trl_eval_metric(GoldConfig(metric="eval_reward"), names, [1.0, 1.0, 1.0]) == ("eval_reward", "")
+    key, why = trl_eval_metric(config, names, [1.0, 0.0, 0.0])  # two candidates: which one is gold is not guessed
+    assert key is None and "found 2 (judge, exact)" in why and "quatro.gold.metric" in why
+    row = {"eval_rewards/exact/mean": 0.6, "eval_rewards/exact/std": 0.5}
+    assert trl_eval_se(row, "eval_rewards/exact/mean", 25) == pytest.approx(0.1)  # 0.5 / sqrt(25 prompts)
+    assert trl_eval_se(row, "eval_rewards/exact/mean", 0) is None and trl_eval_se(row, "eval_reward", 25) is None
