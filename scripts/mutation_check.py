@@ -423,6 +423,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "storage_plan_never_refuses",
+        "a run that would fill its disk starts anyway: under DeepSpeed it hangs or dies mid-save hours later",
+        (("steadyrl/storage.py", "    if storage.peak > room:", "    if False:"),),
+        (
+            "tests/integration/test_storage_plan.py::test_a_run_that_would_fill_its_disk_stops_before_the_model_loads",
+            "tests/unit/test_storage.py::test_refuses_past_the_free_space_warns_near_it_and_counts_what_a_resume_replaces",
+        ),
+    ),
+    Mutant(
+        "storage_plan_forgets_zeros_master_copy",
+        "the plan leaves out ZeRO's fp32 master copy: a 7B checkpoint is planned 30 GB short",
+        (
+            (
+                "steadyrl/storage.py",
+                "    adam = 2 * pt * moment + (4 * pt if zero else 0)",
+                "    adam = 2 * pt * moment",
+            ),
+        ),
+        ("tests/unit/test_storage.py::test_full_fine_tuning_under_zero_by_hand",),
+    ),
+    Mutant(
         "gold_watch_end_swap_after_the_summary",
         "the gold watch is added after the run summary: interventions.json is written before the run's end swap",
         (

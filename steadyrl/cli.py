@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from steadyrl.callbacks.preemption import Preempted, resume_hint
     from steadyrl.rewards.guarded import RewardError
+    from steadyrl.storage import StorageError
     from steadyrl.trainers.checkpoints import CheckpointSaveError
 
     try:
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"steadyrl: config error: {exc}", file=sys.stderr)
         return 1
-    except (RewardError, CheckpointSaveError) as exc:  # the message names the cause and the last checkpoint
+    except (RewardError, CheckpointSaveError, StorageError) as exc:  # the message names the cause and the fix
         print(f"steadyrl: stopped: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:  # a signal stopped the run after a checkpoint (config `preemption`)

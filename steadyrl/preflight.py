@@ -75,6 +75,9 @@ class Preflight:
     def run(self) -> int:
         cfg = load_config(self.config, self.overrides)  # a config error stops here, before any run
         self.out.mkdir(parents=True, exist_ok=True)
+        from steadyrl.storage import describe
+
+        self.log(f"[preflight] storage plan (one process; a launch on N adds the per-rank parts): {describe(cfg)}")
         observe = [f"guards.{layer}.{key}" for layer in LAYERS for key in ("enabled=true", "mode=observe")]
         notes: list[str] = []
         if float(cfg.trainer.get("beta", 0.0)) <= 0:

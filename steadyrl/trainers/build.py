@@ -228,6 +228,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
             check_reward_columns(name, fn, train_ds.column_names)
     _write_resolved(cfg, state)
     model_path = _model_path(cfg, state)
+    check_storage(cfg, args, model_path, state)  # before the model loads: a run that would fill its disk stops here
     tokenizer = AutoTokenizer.from_pretrained(model_path, **model_files_kwargs(cfg))
     if cfg.data.chat_template is not None:
         template = Path(cfg.data.chat_template)
@@ -285,6 +286,28 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
     trainer.steady_eval_dataset = eval_ds
     trainer.steady_rewards = rewards
     return trainer
+
+
+def check_storage(cfg: RunConfig, args: Any, model_path: str, state: Any) -> None:
+    """The storage plan (steadyrl/storage.py), logged by the main process; every rank agrees before any raises
+    ``StorageError`` (free space is per node)."""
+    from steadyrl.storage import StorageError, check, run_plan
+    from steadyrl.trainers.checkpoints import _every_rank
+
+    storage = run_plan(cfg, args, model_path, state.num_processes, model_files_kwargs(cfg))
+    error: BaseException | None = None
+    if storage is not None:
+        try:
+            warning = check(storage, args.output_dir)
+        except StorageError as exc:
+            error, warning = exc, None
+        if state.is_main_process:
+            logger.info("storage plan for %s: %s", args.output_dir, storage)
+            if warning is not None:
+                logger.warning(warning)
+    errors = [text for text in _every_rank(state, error) if text]
+    if errors:
+        raise StorageError(errors[0].removeprefix("StorageError: "))
 
 
 def eval_sampling(args: Any) -> dict[str, Any]:

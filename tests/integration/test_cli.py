@@ -140,6 +140,7 @@ def test_preflight_calibrates_drills_two_faults_and_writes_a_config_that_validat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert {d["name"]: d["held"] for d in report["drills"]} == {"nan_loss": True, "inf_exp_avg_sq": True}
+    assert "[preflight] storage plan" in proc.stdout and "checkpoint" in proc.stdout and "MB (x 2 kept)" in proc.stdout
     assert "guards.quatro.kl.target" in report["proposed"]  # the KL controller is on here (off by default)
     # the random model earns reward 0 everywhere: no group has a signal, so the spike margin is not measured and the
     # report says why (tests/unit/test_preflight.py checks the calibration itself)
