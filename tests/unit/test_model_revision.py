@@ -62,7 +62,8 @@ def test_grpo_tokenizer_config_and_weights_load_the_same_revision(tmp_path, tiny
     with pytest.raises(Stop):
         build.build_trainer(_config(tmp_path, tiny_model_dir, "grpo"))
     assert tokenizer == [HUB]  # the processing class
-    assert config == [HUB]  # max_position_embeddings for the prompt-length check (steadyrl.data_rows)
+    # the storage plan's parameter count (steadyrl.storage), then max_position_embeddings for the prompt-length check
+    assert config == [HUB, HUB]
     assert trainer[0]["revision"] == "abc123"  # the weights (TRL's from_pretrained kwargs)
 
 
