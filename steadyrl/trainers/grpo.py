@@ -48,6 +48,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
     """
 
     pipeline_class: type[AdvantagePipeline] = AdvantagePipeline
+    gold_watch_on_trl_eval = True  # PPO: off (its critic's state is not part of the kept policy)
 
     def __init__(
         self, *args: Any, guards: GuardParts | GuardsSection | dict[str, Any] | str | None = None, **kwargs: Any
@@ -130,7 +131,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
         q = self.parts.quatro
         trl_eval = self.args.eval_strategy != IntervalStrategy.NO and self.eval_dataset is not None
-        if q is None or q.gold is None or not trl_eval:
+        if q is None or q.gold is None or not trl_eval or not self.gold_watch_on_trl_eval:
             return None
         weights = [float(w) for w in self.reward_weights]
         metric, why = trl_eval_metric(q.gold, list(self.reward_func_names), weights)
