@@ -66,11 +66,13 @@ class StoragePlan:
 
     def lines(self) -> list[str]:
         kept = f"x {self.checkpoints_kept} kept" if self.checkpoints_kept else "none kept"
-        rows = [f"checkpoint {human(self.checkpoint)} ({kept})",
-                f"OPEFO disk snapshots {human(self.snapshots)}" if self.snapshots else "OPEFO snapshots in memory",
-                f"best-gold/ {human(self.best_gold)}" if self.best_gold else "no best-gold/",
-                f"peak {human(self.peak)} while one is written beside the last",
-                f"free {human(self.free)}" if self.free is not None else "free space unknown"]  # fmt: skip
+        rows = [
+            f"checkpoint {human(self.checkpoint)} ({kept})",
+            f"OPEFO disk snapshots {human(self.snapshots)}" if self.snapshots else "OPEFO snapshots in memory",
+            f"best-gold/ {human(self.best_gold)}" if self.best_gold else "no best-gold/",
+            f"peak {human(self.peak)} while one is written beside the last",
+            f"free {human(self.free)}" if self.free is not None else "free space unknown",
+        ]
         if self.existing:
             rows.append(f"{human(self.existing)} of them already there")
         return rows
@@ -205,8 +207,14 @@ def run_plan(cfg: Any, args: Any, model_path: str, ranks: int, hub: dict[str, An
     return dataclasses.replace(planned, checkpoints_kept=0) if strategy == "no" else planned
 
 
-HF_DEFAULTS = {"save_strategy": "steps", "save_steps": 500, "save_total_limit": None, "max_steps": -1,
-               "output_dir": "trainer_output", "model_init_kwargs": None}  # fmt: skip
+HF_DEFAULTS = {
+    "save_strategy": "steps",
+    "save_steps": 500,
+    "save_total_limit": None,
+    "max_steps": -1,
+    "output_dir": "trainer_output",
+    "model_init_kwargs": None,
+}
 
 
 def describe(cfg: Any, ranks: int = 1) -> str:

@@ -117,10 +117,18 @@ class GoldWatch(TrainerCallback):
             d = self.detector
             self.trainer.emit_event(EVENT_GOLD_ROLLBACK, step=state.global_step, cause=cause, snapshot_step=d.best_step)
             if self.trainer.ledger is not None:  # the run summary, written after this callback, says so
-                self.trainer.ledger.ended_on = {"guard": "gold", "policy_step": d.best_step, "gold": d.best_gold,
-                                                "last_gold": self.station.last_gold}  # fmt: skip
-            logger.warning("step %d: %s: the best policy is restored, and it is what the run saves and evaluates "
-                           "(kept in %s)", state.global_step, cause, self.best_dir)  # fmt: skip
+                self.trainer.ledger.ended_on = {
+                    "guard": "gold",
+                    "policy_step": d.best_step,
+                    "gold": d.best_gold,
+                    "last_gold": self.station.last_gold,
+                }
+            logger.warning(
+                "step %d: %s: the best policy is restored, and it is what the run saves and evaluates (kept in %s)",
+                state.global_step,
+                cause,
+                self.best_dir,
+            )
             self._restore()
 
     def _read(self, state: Any, control: Any) -> None:
@@ -191,8 +199,13 @@ class GoldWatch(TrainerCallback):
 
     def _keep(self, step: int, gold: float, reward: float) -> None:
         _, _, base, zero = self._parts()
-        write_best(self.trainer, self.best_dir, base, zero, {"step": step, "metric": self.metric, "gold": gold,
-                                                              "reward": reward})  # fmt: skip
+        write_best(
+            self.trainer,
+            self.best_dir,
+            base,
+            zero,
+            {"step": step, "metric": self.metric, "gold": gold, "reward": reward},
+        )
 
     def _restore(self) -> None:
         model, trainable, base, zero = self._parts()

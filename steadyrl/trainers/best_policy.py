@@ -91,8 +91,9 @@ def load_trainable(model: torch.nn.Module, folder: Path, names: list[str]) -> No
         raise RuntimeError(f"{folder} lacks {len(lost)} trainable tensor(s) of the model, e.g. {lost[:3]}")
 
 
-def restore_best(trainer: Any, folder: Path, model: torch.nn.Module, trainable: list[tuple[str, Any]], base: Any,
-                 zero: Any) -> None:  # fmt: skip
+def restore_best(
+    trainer: Any, folder: Path, model: torch.nn.Module, trainable: list[tuple[str, Any]], base: Any, zero: Any
+) -> None:
     """The kept policy back into the live model and optimizer (the schedule is not rewound). A ``best-gold/`` from
     another number of ranks under ZeRO (its state partitioned for them): the weights are restored, ZeRO's fp32 master
     copy refreshed from them, and the optimizer moments stay the live ones (warned)."""
