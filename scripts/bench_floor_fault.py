@@ -1,7 +1,8 @@
-"""OPEFO's second-moment floor on the tiny model: a half-zeroed tensor, and a clean SFT checkpoint.
+"""OPEFO's second-moment floor on the tiny model: half-zeroed tensors, and a clean SFT checkpoint.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_floor_fault.py --model runs/demo-sft/final \
-        --results docs/results/opefo_floor.json                                     # about a minute
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_floor_fault.py --model runs/tiny-sft/final \
+        --results docs/results/opefo_floor.json                                     # about 5 minutes
+    ATEN_CPU_CAPABILITY=default ... --tag -default --results F2    # another kernel path; scripts/merge_results.py
 
 Training is the causal-LM loss on the built-in arithmetic task (``prompt + completion``, what ``steadyrl sft``
 trains), AdamW (lr 3e-3, the tiny SFT config's; weight decay 0.01 on 2-D weights, 0 on the rest: two param
@@ -11,13 +12,14 @@ groups, as the Trainer builds them), batches of 64 rows, seeded.
    off), then a floor check on the saved Adam state: the share of ``exp_avg_sq`` entries ``<= 1e-20`` per group
    (what the seed's rule counts), the share of those whose first moment is live (what steadyrl counts), and
    whether each rule would floor.
-2. **Half-zeroed tensor.** After 20 warm-up steps the state is copied. Fault-free: one more step, the weight change
-   of tensor T (the 2-D weight whose median ``exp_avg_sq`` sits furthest above its group's p10) recorded.
-   Faulty: the same state with a seeded random half of T's
-   ``exp_avg_sq`` set to 0 (an underflow), then one of: no floor, the seed's rule (the group's p10 over the
-   entries above tiny, every entry below raised to it), steadyrl's per-tensor rule; the same next batch each
-   time. Reported over the zeroed entries: the mean |dw| with the fault over the mean |dw| without it, and the
-   99th percentile of the per-entry ratio. The must-show bound (issue 14): at most 10x.
+2. **Half-zeroed tensors.** After ``--warmup`` steps (1 and 20 by default: early, v is spread over many decades)
+   the state is copied. For every 2-D weight T in turn: fault-free, one more step, T's weight change recorded;
+   faulty, the same state with a seeded random half of T's ``exp_avg_sq`` set to 0 (an underflow), then one of: no
+   floor, the seed's rule (the group's p10 over the entries above tiny, every entry below raised to it), the
+   percentile rule steadyrl had before 2026-12-07 (each tensor's own p10), steadyrl's rule (the p10, and each
+   underflowed entry to ``(|m| / s)^2``); the same next batch each time. Per tensor, over its zeroed entries: the
+   mean |dw| with the fault over the mean |dw| without it. Reported per rule: the worst tensor and the median one.
+   The must-show bound (issue 14): at most 10x.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,17 +86,6 @@ def seed_group_rule(optimizer: torch.optim.Optimizer, percentile: float = 10.0, 
     return floored
 
 
-def _furthest_above_group(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, torch.Tensor]:
-    """The 2-D weight whose median exp_avg_sq sits furthest above its param group's p10: where a group-wide floor is
-    furthest from the tensor's own scale."""
-    group = optimizer.param_groups[0]  # the 2-D weights
-    all_v = torch.cat([optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in group["params"]]).double()
-    p10 = torch.quantile(all_v[all_v > TINY], 0.1).item()
-    ids = {id(p) for p in group["params"]}
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in ids]
-    return max(named, key=lambda np_: optimizer.state[np_[1]]["exp_avg_sq"].double().median().item() / p10)
-
-
 def clean_checkpoint(model_dir: str, seed: int, out: Path) -> dict[str, Any]:
     """Two GRPO steps of the tiny config from the checkpoint (``steadyrl train``, every guard off), then the floor
     check on the saved Adam state (checkpoint-2/optimizer.pt)."""
@@ -126,6 +118,25 @@ def clean_checkpoint(model_dir: str, seed: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def percentile_rule(optimizer: torch.optim.Optimizer, percentile: float = 10.0, trigger: float = 0.01) -> None:
+    """steadyrl's rule before 2026-12-07, for comparison: per tensor with more than ``trigger`` of its entries
+    underflowed (``|m| > C (sqrt(v) + eps)``), every live entry below the tensor's p10 (over the entries above tiny)
+    raised to it."""
+    from steadyrl.guards.moment_floor import consistency_bound
+
+    bound = consistency_bound(0.9, 0.999) * (1.0 + 1e-3)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            v, m = optimizer.state[p]["exp_avg_sq"], optimizer.state[p]["exp_avg"]
+            if (m.abs() > bound * (v.sqrt() + group["eps"])).sum() <= trigger * v.numel():
+                continue
+            q = torch.quantile(v[v > TINY].double(), percentile / 100).item()
+            v.masked_fill_((v < q) & (m != 0), q)
+
+
+RULES = ("none", "seed", "percentile", "steadyrl")
+
+
 def half_zeroed(model_dir: str, lr: float, seed: int, warmup: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,88 +146,81 @@ def half_zeroed(model_dir: str, lr: float, seed: int, warmup: int) -> dict[str, 
     data = batches(tok, 64, seed)
     for _ in range(warmup):
         step(model, optimizer, next(data))
-    name, target = _furthest_above_group(model, optimizer)
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = copy.deepcopy(optimizer.state_dict())  # state_dict() shares the live tensors
     batch = next(data)
-    zeroed = torch.rand(target.shape, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
 
-    def one_step(fault: bool, rule: str) -> torch.Tensor:
+    def one_step(target: torch.nn.Parameter, zeroed: torch.Tensor | None, rule: str) -> torch.Tensor:
         model.load_state_dict(saved_model)
         optimizer.load_state_dict(copy.deepcopy(saved_opt))
-        v = optimizer.state[target]["exp_avg_sq"]
-        if fault:
-            v[zeroed] = 0.0
+        if zeroed is not None:
+            optimizer.state[target]["exp_avg_sq"][zeroed] = 0.0
         if rule == "seed":
-            out["seed_rule_triggered"] = any(seed_group_rule(optimizer))
+            seed_group_rule(optimizer)
+        elif rule == "percentile":
+            percentile_rule(optimizer)
         elif rule == "steadyrl":
             SecondMomentFloor(FloorConfig(interval=1)).maybe_apply(optimizer, 1)
         before = target.detach().clone()
         step(model, optimizer, batch)
         return (target.detach() - before).abs()
 
-    out: dict[str, Any] = {"tensor": name, "entries": target.numel(), "zeroed": int(zeroed.sum())}
-    clean = one_step(False, "none")[zeroed].double()
-    for rule in ("none", "seed", "steadyrl"):
-        moved = one_step(True, rule)[zeroed].double()
-        ratio = moved / clean.clamp(min=1e-30)
-        out[rule] = {"mean_ratio": (moved.mean() / clean.mean()).item(), "median_ratio": ratio.median().item(),
-                     "p99_ratio": ratio.quantile(0.99).item()}  # fmt: skip
-    model.load_state_dict(saved_model)
-    optimizer.load_state_dict(copy.deepcopy(saved_opt))
-    v = optimizer.state[target]["exp_avg_sq"]
-    healthy = v[zeroed].double()
-    v[zeroed] = 0.0
-    group = next(g for g in optimizer.param_groups if any(p is target for p in g["params"]))
-    all_v = torch.cat([optimizer.state[p]["exp_avg_sq"].reshape(-1) for p in group["params"]]).double()
-    out["tensor_median_v_before"] = healthy.median().item()
-    out["seed_floor"] = torch.quantile(all_v[all_v > TINY], 0.1).item()
-    live = v[v > TINY].double()
-    out["steadyrl_floor"] = torch.quantile(live, 0.1).item()
-    return out
+    tensors: dict[str, dict[str, float]] = {}
+    for i, (name, target) in enumerate((n, p) for n, p in model.named_parameters() if p.ndim >= 2):
+        zeroed = torch.rand(target.shape, generator=torch.Generator().manual_seed(seed + 1 + i)) < 0.5
+        clean = one_step(target, None, "none")[zeroed].double().mean()
+        v = optimizer.state[target]["exp_avg_sq"][zeroed].double()  # the fault-free state (reloaded by one_step)
+        tensors[name] = {"median_v_over_p10": (v.median() / v[v > TINY].quantile(0.1)).item()}
+        for rule in RULES:
+            tensors[name][rule] = (one_step(target, zeroed, rule)[zeroed].double().mean() / clean).item()
+    ratios = {rule: [t[rule] for t in tensors.values()] for rule in RULES}
+    summary = {rule: {"worst_ratio": max(r), "median_ratio": statistics.median(r)} for rule, r in ratios.items()}
+    return {"warmup": warmup, "tensors": tensors, "summary": summary}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="runs/demo-sft/final", help="a tiny SFT checkpoint folder")
+    parser.add_argument("--model", default="runs/tiny-sft/final", help="a tiny SFT checkpoint folder")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup", type=int, nargs="+", default=[1, 20])
     parser.add_argument("--out", default="runs/bench-floor", help="the 2-step GRPO run of the clean-checkpoint check")
+    parser.add_argument("--tag", default="", help="a suffix for every scenario name (-default: another kernel path)")
     parser.add_argument("--results", default=None, help="write the figures here (shared RESULTS.md format)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     clean = clean_checkpoint(args.model, args.seed, Path(args.out))
-    fault = half_zeroed(args.model, args.lr, args.seed, args.warmup)
     print(f"clean checkpoint {args.model}, after 2 GRPO steps (configs/tiny/grpo.yaml):")
     for i, g in enumerate(clean["groups"]):
         print(f"  group {i}: {g['entries']} entries, <= 1e-20: {100 * g['tiny_share']:.2f}%, "
               f"of which live (m != 0): {100 * g['tiny_and_live_share']:.2f}%")  # fmt: skip
     print(f"  seed's group rule triggers: {clean['seed_rule_triggers']}; "
           f"steadyrl's per-tensor rule triggers: {clean['steadyrl_rule_triggers']}")  # fmt: skip
-    print(f"half of {fault['tensor']} zeroed ({fault['zeroed']} of {fault['entries']} entries), after "
-          f"{args.warmup} steps: its median v {fault['tensor_median_v_before']:.3g}, group p10 "
-          f"{fault['seed_floor']:.3g}, tensor p10 {fault['steadyrl_floor']:.3g}; the seed's group rule "
-          f"{'triggered' if fault['seed_rule_triggered'] else 'did not trigger (under 1% of the group)'}")  # fmt: skip
-    for rule in ("none", "seed", "steadyrl"):
-        r = fault[rule]
-        print(f"  floor {rule:9s}: zeroed entries move {r['mean_ratio']:.1f}x (mean |dw|) their fault-free step; "
-              f"per entry: median {r['median_ratio']:.1f}x, p99 {r['p99_ratio']:.1f}x")  # fmt: skip
+    faults = [half_zeroed(args.model, args.lr, args.seed, w) for w in args.warmup]
+    for fault in faults:
+        spread = [t["median_v_over_p10"] for t in fault["tensors"].values()]
+        print(
+            f"half of each of {len(spread)} 2-D weights zeroed after {fault['warmup']} steps (their median v is "
+            f"{min(spread):.0f}-{max(spread):.0f}x their p10); zeroed entries' mean |dw| / the fault-free step:"
+        )
+        for rule, r in fault["summary"].items():
+            print(f"  floor {rule:10s}: worst tensor {r['worst_ratio']:8.2f}x, median tensor {r['median_ratio']:7.2f}x")
     if args.results:
         cells = [
-            {"scenario": "half_zeroed", "variant": rule, "seeds": [args.seed], "died": [False],
-             "accuracy": [None], "metrics": {k: [fault[rule][k]] for k in ("mean_ratio", "median_ratio", "p99_ratio")}}
-            for rule in ("none", "seed", "steadyrl")
+            {"scenario": f"half_zeroed_after_{f['warmup']}{args.tag}", "variant": rule, "seeds": [args.seed],
+             "died": [False], "accuracy": [None],
+             "metrics": {k: [f["summary"][rule][k]] for k in ("worst_ratio", "median_ratio")}}
+            for f in faults for rule in RULES
         ]  # fmt: skip
         cells.append(
-            {"scenario": "clean_checkpoint", "variant": "steadyrl", "seeds": [args.seed], "died": [False],
+            {"scenario": f"clean_checkpoint{args.tag}", "variant": "steadyrl", "seeds": [args.seed], "died": [False],
              "accuracy": [None], "metrics": {"triggers": [float(clean["steadyrl_rule_triggers"])],
                                               "seed_rule_triggers": [float(clean["seed_rule_triggers"])]}}
         )  # fmt: skip
         results = X.results_doc(
             "opefo_floor", cells, command="python scripts/bench_floor_fault.py " + " ".join(sys.argv[1:]),
-            sha=X.commit(), model=args.model, steps=args.warmup + 1,
-            details={"clean_checkpoint": clean, "half_zeroed": fault},
+            sha=X.commit(), model=args.model, steps=max(args.warmup) + 1,
+            details={"clean_checkpoint": clean, "half_zeroed": faults},
         )  # fmt: skip
         path = REPO / args.results
         X.write_results(path, results, indent=2)

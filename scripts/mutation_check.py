@@ -887,11 +887,21 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/guards/moment_floor.py",
-                "value = self._percentile(v, generator, home)\n",
-                "value = min(self._percentile(t, generator, home) or 1.0 for t, _ in _moments(optimizer, group))\n",
+                "value, step = reference\n",
+                "value = min(self._reference(t, n, bound, eps, generator, home) or (1.0,) for t, n in"
+                " _moments(optimizer, group))[0]\n                    step = reference[1]\n",
             ),
         ),
         ("tests/unit/test_opefo.py::test_a_half_zeroed_tensor_is_floored_at_its_own_scale_not_the_groups",),
+    ),
+    Mutant(
+        "floor_percentile_only",
+        "the exp_avg_sq floor raises an underflowed entry to the tensor's percentile only (not to (|m| / s)^2): where v"
+        " is spread wide its next step is many times a healthy one",
+        (("steadyrl/guards/moment_floor.py", "if step > 0:\n        estimate", "if step < 0:\n        estimate"),),
+        (
+            "tests/unit/test_opefo.py::test_an_underflowed_entrys_next_step_is_the_tensors_median_step_however_wide_v_is_spread",
+        ),
     ),
     Mutant(
         "preemption_writes_no_checkpoint",

@@ -1,6 +1,7 @@
 """Second-moment floor (OPEFO, ``guards.opefo.floor``): when many of a tensor's ``exp_avg_sq`` entries underflowed,
-raise the ones below that tensor's 10th percentile to it, so ``lr * m / (sqrt(v) + eps)`` cannot take a huge step
-where v is ~0 (docs/DESIGN.md, "OPEFO: second-moment floor").
+give each underflowed entry back a v its first moment can explain (the tensor's median healthy Adam step) and raise
+the other live entries below the tensor's 10th percentile to it, so ``lr * m / (sqrt(v) + eps)`` cannot take a huge
+step where v is ~0 (docs/DESIGN.md, "OPEFO: second-moment floor").
 """
 
 from __future__ import annotations
@@ -61,13 +62,28 @@ def _inconsistent(v: torch.Tensor, m: torch.Tensor, bound: float, eps: float) ->
     return v < t
 
 
+def _floored(v: torch.Tensor, m: torch.Tensor, value: float, step: float, bound: float, eps: float) -> torch.Tensor:
+    """The floor of each entry of a triggered tensor, ``<= v`` where nothing is raised: an underflowed entry gets
+    ``max(value, (|m| / step)^2)`` (its next Adam step is the tensor's median healthy ``step``, not ``|m| / eps``);
+    another live entry below ``value`` gets ``value``; a never-touched one (m == 0) and NaN/inf stay."""
+    live = m != 0
+    out = torch.where(live & (v < value), torch.full_like(v, value), v)
+    if step > 0:
+        estimate = (m.double().abs() / step).square().clamp(min=value).to(v.dtype)
+        out = torch.where(live & _inconsistent(v, m, bound, eps), torch.maximum(out, estimate), out)
+    return out
+
+
 class SecondMomentFloor:
     """``maybe_apply(optimizer, step)`` raises underflowed ``exp_avg_sq`` entries to a per-tensor percentile floor.
 
     The unit is one state tensor (one parameter's ``exp_avg_sq``; under ZeRO-2, this rank's flat fp32 partition of a
     param group). An entry counts as underflowed when ``|m| > C (sqrt(v) + eps)`` (``consistency_bound``). A tensor
     with more than ``trigger_frac`` of its entries underflowed gets its live entries (m != 0) below its own
-    ``percentile`` (over its entries above ``TINY``) raised to it. Stateless apart from counters; decisions need no
+    ``percentile`` (over its entries above ``TINY``) raised to it, and each underflowed entry raised further to
+    ``(|m| / s)^2``, s the median Adam step of its healthy live entries: its next step is a typical one of the tensor
+    whatever the spread of v (a percentile alone sits orders of magnitude below most entries where v is spread
+    wide, as early in training). Stateless apart from counters; decisions need no
     collective (DDP replicas hold equal states, a ZeRO partition belongs to one rank).
     """
 
@@ -108,14 +124,16 @@ class SecondMomentFloor:
                     totals[i, 1] += v.numel()
                     if underflowed <= cfg.trigger_frac * v.numel():
                         continue
-                    value = self._percentile(v, generator, home)
-                    if value is None:  # no finite entry above tiny in this tensor: nothing to floor to
+                    reference = self._reference(v, m, bound, eps, generator, home)
+                    if reference is None:  # no finite entry above tiny in this tensor: nothing to floor to
                         continue
+                    value, step = reference
                     for pv, pm in pieces:
-                        low = (pv < value) & (pm != 0)
+                        raised = _floored(pv, pm, value, step, bound, eps)
+                        low = raised > pv
                         totals[i, 2] += int(torch.count_nonzero(low))
                         if apply:
-                            pv.masked_fill_(low, value)
+                            pv.copy_(torch.where(low, raised.to(pv.dtype), pv))
                     totals[i, 3] += 1
                     lowest[i] = min(lowest[i], value)
         reduced = self.reduce_sum(totals).tolist()
@@ -132,18 +150,24 @@ class SecondMomentFloor:
         metrics[OPEFO_FLOOR_TRIGGERED] = float(floored)
         return metrics
 
-    def _percentile(self, v: torch.Tensor, generator: torch.Generator, home: torch.device) -> float | None:
-        """The tensor's ``percentile``-th percentile over its finite entries above ``TINY`` (linear interpolation):
-        exact up to ``SAMPLE_SIZE`` entries, else over a seeded sample of that many; None when no entry qualifies."""
+    def _reference(
+        self, v: torch.Tensor, m: torch.Tensor, bound: float, eps: float, generator: torch.Generator, home: torch.device
+    ) -> tuple[float, float] | None:
+        """(the tensor's ``percentile``-th percentile over its finite entries above ``TINY``, linear interpolation;
+        the median Adam step ``|m| / (sqrt(v) + eps)`` of its healthy live entries, 0 when it has none): exact up to
+        ``SAMPLE_SIZE`` entries, else over a seeded sample of that many; None when no entry is above ``TINY``."""
         if v.numel() <= SAMPLE_SIZE:
-            sample = flat(v).to(home, torch.float64)
+            sv, sm = flat(v).to(home, torch.float64), flat(m).to(home, torch.float64)
         else:  # SAMPLE_SIZE entries drawn uniformly with replacement, in index order
-            index = torch.randint(0, v.numel(), (SAMPLE_SIZE,), generator=generator).sort().values
-            sample = flat(v)[index.to(v.device)].to(home, torch.float64)
-        sample = sample[torch.isfinite(sample) & (sample > TINY)]
-        if sample.numel() == 0:
+            index = torch.randint(0, v.numel(), (SAMPLE_SIZE,), generator=generator).sort().values.to(v.device)
+            sv, sm = flat(v)[index].to(home, torch.float64), flat(m)[index].to(home, torch.float64)
+        above = torch.isfinite(sv) & (sv > TINY)
+        if not bool(above.any()):
             return None
-        return torch.quantile(sample, self.config.percentile / 100.0).item()
+        value = torch.quantile(sv[above], self.config.percentile / 100.0).item()
+        healthy = above & torch.isfinite(sm) & (sm != 0) & ~_inconsistent(sv, sm, bound, eps)
+        steps = sm[healthy].abs() / (sv[healthy].sqrt() + eps)
+        return value, (steps.median().item() if steps.numel() else 0.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": self.checks, "floored_groups": self.floored_groups}

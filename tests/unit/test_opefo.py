@@ -132,8 +132,12 @@ def test_floor_by_hand_per_tensor_over_two_params_one_group_and_a_param_without_
     assert m["opefo/floor_value/0"] == pytest.approx(1.7e-8, rel=1e-6)
     assert m["opefo/tiny_frac/0"] == 0.05 and m["opefo/floor_raised_frac/0"] == 2 / 20
     assert (m["opefo/floor_triggered"], m["opefo/tiny_frac/1"], m["opefo/floor_value/1"]) == (1.0, 0.0, 0.0)
+    # the underflowed 0 goes further, to (m / s)^2: m = 0.1 and A's healthy steps sqrt(v) / (sqrt(v) + eps) ~ 1
+    # (s = 1 - 0.6e-4, their lower median at v = 4e-8), so ~0.01: its next step is a healthy one, not 0.1 / 1.7e-4
     expected = torch.tensor(E8[:9]).clamp(min=m["opefo/floor_value/0"])
-    assert torch.equal(v_of(opt, 0)[:9], expected) and torch.equal(v_of(opt, 0)[9:], torch.tensor(E8[9:]))
+    after = v_of(opt, 0)
+    assert after[0].item() == pytest.approx((0.1 / (2e-4 / (2e-4 + 1e-8))) ** 2, rel=1e-5)
+    assert torch.equal(after[1:9], expected[1:]) and torch.equal(after[9:], torch.tensor(E8[9:]))
     assert torch.equal(v_of(opt, 1), torch.tensor([1.0, 2.0, 3.0]))
     assert stateless not in opt.state and floor.floored_groups == 1 and floor.last_raised == 2
 
@@ -174,10 +178,11 @@ def test_never_touched_entries_are_not_underflow_and_stay_zero():
     opt = adamw_with_v([values])
     _set_m(opt, [0.0, 0.0, *[0.1] * 18])
     m = SecondMomentFloor().maybe_apply(opt, 100)
-    # 1 live underflow in 20 (5 %) -> p10 over the 17 entries above tiny: 1 + 0.1 * 16 = 2.6; raised: the live zero,
-    # 1 and 2; the never-touched zeros stay 0 (their update is m / (sqrt(v) + eps) = 0 anyway)
+    # 1 live underflow in 20 (5 %) -> p10 over the 17 entries above tiny: 1 + 0.1 * 16 = 2.6; raised: 1 and 2 to it,
+    # the live zero to (m / s)^2 with s the median healthy step 0.1 / sqrt(9) (v = 1..17, m = 0.1): 9, the tensor's
+    # median v; the never-touched zeros stay 0 (their update is m / (sqrt(v) + eps) = 0 anyway)
     assert m["opefo/tiny_frac/0"] == 0.05 and m["opefo/floor_value/0"] == pytest.approx(2.6)
-    assert v_of(opt).tolist()[:6] == pytest.approx([0.0, 0.0, 2.6, 2.6, 2.6, 3.0])
+    assert v_of(opt).tolist()[:6] == pytest.approx([0.0, 0.0, 9.0, 2.6, 2.6, 3.0])
     assert m["opefo/floor_raised_frac/0"] == 3 / 20
     # only never-touched zeros (an SFT checkpoint's unseen-token rows): no trigger, nothing changes
     opt = adamw_with_v([values])
@@ -188,16 +193,39 @@ def test_never_touched_entries_are_not_underflow_and_stay_zero():
 
 
 def test_a_half_zeroed_tensor_is_floored_at_its_own_scale_not_the_groups():
-    # tensor A at ~1e-4 with half its v zeroed, tensor B at ~1e-12 in the same group: the group's p10 (~1e-12)
-    # would leave A's zeroed half ~1e8 below its level; the per-tensor p10 is A's own
-    a = [0.0] * 50 + [1e-4 * (1 + i / 50) for i in range(50)]
+    # tensor A at ~1e-4 with half its v zeroed (its m intact), tensor B at ~1e-12 in the same group: the group's p10
+    # (~1e-12) would leave A's zeroed half ~1e8 below its level; A's own p10 is its floor, and each zeroed entry gets
+    # back (m / s)^2, s = A's median healthy step (~1: m = sqrt(v) before the fault), i.e. its own v before the fault
+    true = [1e-4 * (1 + i / 100) for i in range(100)]
+    a = [0.0 if i % 2 == 0 else x for i, x in enumerate(true)]
     b = [1e-12 * (1 + i / 100) for i in range(400)]
     opt = adamw_with_v([a, b])
+    _set_m(opt, [x**0.5 for x in true])
     m = SecondMomentFloor().maybe_apply(opt, 100)
-    expected = torch.quantile(torch.tensor(a[50:], dtype=torch.float64), 0.1).item()
+    expected = torch.quantile(torch.tensor(a[1::2], dtype=torch.float64), 0.1).item()
     assert m["opefo/floor_value/0"] == pytest.approx(expected) and expected > 1e-4
-    assert v_of(opt)[:50].tolist() == pytest.approx([expected] * 50)
+    s = 1 / (1 + 1e-8 / 1.49**0.5 / 1e-2)  # the lower median healthy step, at v = 1.49e-4
+    assert v_of(opt)[0:100:2].tolist() == pytest.approx([max(x / s**2, expected) for x in true[::2]], rel=1e-5)
+    assert v_of(opt)[1:100:2].tolist() == pytest.approx([max(x, expected) for x in true[1::2]], rel=1e-6)
     assert torch.equal(v_of(opt)[100:], torch.tensor(b))  # B had no underflow: untouched
+
+
+def test_an_underflowed_entrys_next_step_is_the_tensors_median_step_however_wide_v_is_spread():
+    # v spread over 8 decades (as after a few steps); a quarter of the entries zeroed with m intact. A percentile
+    # floor sits far below most of them: their next step |m| / sqrt(floor) would be up to ~3e3 x their healthy one.
+    # With (m / s)^2 every repaired entry steps exactly the median healthy step s (here 1: m = sqrt(v))
+    g = torch.Generator().manual_seed(0)
+    true = 10.0 ** (torch.rand(4000, generator=g) * 8 - 12)
+    zeroed = torch.rand(4000, generator=g) < 0.25
+    opt = adamw_with_v([true.masked_fill(zeroed, 0.0)])
+    _set_m(opt, true.sqrt().tolist())
+    SecondMomentFloor().maybe_apply(opt, 100)
+    after = v_of(opt).double()
+    step = true.double().sqrt()[zeroed] / (after[zeroed].sqrt() + 1e-8)
+    healthy = true.double().sqrt()[~zeroed] / (true.double()[~zeroed].sqrt() + 1e-8)
+    assert step.max().item() == pytest.approx(healthy.median().item(), rel=1e-5)
+    assert step.max().item() <= 1.0 and step.min().item() > 0.01  # the p10 alone: up to 1e-4 / 1e-11 -> ~3e3
+    assert torch.equal(after[~zeroed], true.double()[~zeroed].clamp(min=after[~zeroed].min().item()).float().double())
 
 
 def test_floor_strict_trigger_and_off_steps():
@@ -670,7 +698,11 @@ def test_floor_property_exact_mode(values, zeros, percentile):
     q = torch.quantile(before[before > 1e-20], percentile / 100).item()
     assert m["opefo/floor_triggered"] == 1.0 and m["opefo/floor_value/0"] == q
     after = v_of(opt)
-    assert torch.equal(after, before.clamp(min=q)) and (after >= q).all()
+    healthy = before > 1e-20  # m = sqrt(v): each healthy step is sqrt(v) / (sqrt(v) + eps), s their lower median
+    s = sorted((before[healthy].sqrt() / (before[healthy].sqrt() + 1e-8)).tolist())[(int(healthy.sum()) - 1) // 2]
+    under = before == 0  # m = 0.1 there (the helper): underflowed
+    assert torch.equal(after[~under], before[~under].clamp(min=q)) and (after >= q).all()
+    assert after[under].tolist() == pytest.approx([max(q, (0.1 / s) ** 2)] * int(under.sum()), rel=1e-12)
 
 
 def test_bf16_gradients_keep_a_bf16_residual():
