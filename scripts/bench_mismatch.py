@@ -7,6 +7,13 @@ Runs ``configs/tiny/grpo.yaml`` on a random tiny model with a dense reward (``by
 step 1), every layer on. Needs vLLM: run it with ``.venv-vllm`` (``bash scripts/test_vllm_cpu.sh --setup``).
 
     .venv-vllm/bin/python scripts/bench_mismatch.py --seeds 3 --results docs/results/mismatch.json
+
+``--real``: SmolLM2-135M-Instruct instead (``configs/small/grpo.yaml``, full fine-tuning at its lr 1e-5, the
+converted model folder from ``steadyrl.tasks.smollm2``, which ``.venv`` makes), completions of up to 128 tokens at the
+base config's sampling (temperature 0.9, top_p 0.95) with ``token_truncate``: where TRL 1.16's ratio carries the
+kept probability mass (``steadyrl.guards.mismatch.truncation_band``). About 90 s a step on 2 cores.
+
+    .venv-vllm/bin/python scripts/bench_mismatch.py --real --seeds 1 --steps 8 --results F
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from steadyrl import metrics as M  # noqa: E402
 from steadyrl.evidence.doctor import diagnose, doctor_config_for  # noqa: E402
 
 NAMES = ("ess", "kl", "chi2", "corrected_share", "log_ppl_diff", "ratio_q01", "ratio_q99")
+TRL_RATIO_MEAN = "sampling/importance_sampling_ratio/mean"  # TRL's: the kept mass, where sampling truncates
 GATES = (0.5, 0.9, 0.99, 0.999)  # ess_min values whose would-be skips are counted
 SCENARIOS = {  # name: (learning rate, stale)
     "healthy-lr1e-3": (1.0e-3, False),
@@ -33,7 +41,32 @@ SCENARIOS = {  # name: (learning rate, stale)
     "stale-weights-lr1e-3": (1.0e-3, True),
     "stale-weights-lr1e-4": (1.0e-4, True),  # the policy moves 10x slower from vLLM's stale copy: the hard case
 }
+REAL = {  # SmolLM2, 128-token completions at top_p 0.95 (--real)
+    "healthy-smollm2-top_p0.95-len128": (1.0e-5, False),
+    "stale-weights-smollm2-top_p0.95-len128": (1.0e-5, True),
+}
 EVERY_LAYER = tuple(f"guards.{layer}.enabled=true" for layer in ("gepo", "opefo", "quatro", "grade"))
+
+
+def real_command(model: Path, out: Path, seed: int, steps: int, lr: float, stale: bool) -> list[str]:
+    return X.train_command(
+        REPO / "configs/small/grpo.yaml",
+        f"model.path={model}",
+        f"trainer.output_dir={out}",
+        f"trainer.seed={seed}",
+        f"trainer.max_steps={steps}",
+        f"trainer.learning_rate={lr}",
+        "trainer.use_vllm=true",
+        "trainer.vllm_mode=colocate",
+        "trainer.max_completion_length=128",
+        "trainer.temperature=0.9",
+        "trainer.top_p=0.95",
+        "trainer.vllm_importance_sampling_mode=token_truncate",
+        "trainer.logging_steps=1",
+        'trainer.save_strategy="no"',
+        "eval.enabled=false",
+        'callbacks=["steadyrl.faults:StaleVllmAfterStep"]' if stale else "callbacks=[]",
+    )
 
 
 def command(model: Path, out: Path, seed: int, steps: int, lr: float, stale: bool) -> list[str]:
@@ -67,6 +100,7 @@ def summarise(job: X.Job, run: X.Outcome, stale_after: int) -> dict[str, Any]:
         return out
     series = {name: history.finite(M.SAMPLING_LOGP_GAP if name == "gap" else f"mismatch/{name}")[1].tolist()
               for name in ("gap", *NAMES)}  # fmt: skip
+    series["trl_ratio_mean"] = history.finite(TRL_RATIO_MEAN)[1].tolist()
     out["per_step"] = series
     ess = series["ess"]
     late = slice(stale_after, None)  # healthy: every step after the first stale_after; stale: the stale ones
@@ -91,6 +125,7 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reuse", action="store_true", help="read finished runs instead of running them again")
+    ap.add_argument("--real", action="store_true", help="SmolLM2 at 128 tokens and top_p 0.95 (module docstring)")
     args = ap.parse_args()
 
     import vllm  # noqa: F401  (fail here, not in every run, when vLLM is missing)
@@ -99,26 +134,34 @@ def main() -> None:
 
     root = Path(args.out)
     model = root / "model"
-    if not (model / "config.json").is_file():
+    scenarios, build = (REAL, real_command) if args.real else (SCENARIOS, command)
+    if args.real:
+        from steadyrl.tasks.smollm2 import cache_root
+
+        found = sorted(cache_root().glob("smollm2-135m-instruct-*/config.json"))
+        if not found:
+            raise SystemExit("no converted SmolLM2 folder: run `steadyrl train configs/small/grpo.yaml` in .venv once")
+        model = found[-1].parent
+    elif not (model / "config.json").is_file():
         build_tiny_model(model, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
-    env = (("OMP_NUM_THREADS", str(args.threads)), ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    env = (("OMP_NUM_THREADS", str(args.threads)), ("VLLM_CPU_KVCACHE_SPACE", "2" if args.real else "1"),
            ("STEADYRL_FAULT_STEP", str(args.stale_after)))  # fmt: skip
     jobs = []
-    for scenario, (lr, stale) in SCENARIOS.items():
+    for scenario, (lr, stale) in scenarios.items():
         for seed in range(args.seeds):
             out = root / f"{scenario}-s{seed}"
-            jobs.append(X.Job("all", scenario, seed, out, tuple(command(model, out, seed, args.steps, lr, stale)), env))
+            jobs.append(X.Job("all", scenario, seed, out, tuple(build(model, out, seed, args.steps, lr, stale)), env))
 
     def progress(job: X.Job, r: dict[str, Any]) -> None:
         late = r.get("ess_median_late")
         print(f"{job.scenario} seed {job.seed}: {r.get('status')}, ESS late {late}, {r.get('doctor')}", flush=True)
 
     done = X.run_jobs(
-        jobs, lambda job, run: summarise(job, run, args.stale_after), timeout=900, reuse=args.reuse, after=progress
+        jobs, lambda job, run: summarise(job, run, args.stale_after), timeout=3600, reuse=args.reuse, after=progress
     )
     seeds = list(range(args.seeds))
-    keys = ["ess_min", *(f"{n}_median_late" for n in ("gap", *NAMES)), *(f"gate_{g:g}_would_skip" for g in GATES),
-            "off_policy_found", "doctor", "per_step", "wall_s"]  # fmt: skip
+    keys = ["ess_min", *(f"{n}_median_late" for n in ("gap", *NAMES, "trl_ratio_mean")),
+            *(f"gate_{g:g}_would_skip" for g in GATES), "off_policy_found", "doctor", "per_step", "wall_s"]  # fmt: skip
     cells = [
         X.cell(
             scenario,
@@ -128,11 +171,12 @@ def main() -> None:
             keys,
             died=lambda r: r["status"] != "ok",
         )
-        for scenario in SCENARIOS
+        for scenario in scenarios
     ]
     doc = X.results_doc(
         "mismatch", cells, command=X.script_command("bench_mismatch.py"), sha=X.commit(),
-        model="tiny-llama (random, 64 hidden, 2 layers) + vLLM CPU colocate", steps=args.steps,
+        model=("SmolLM2-135M-Instruct" if args.real else "tiny-llama (random, 64 hidden, 2 layers)")
+        + " + vLLM CPU colocate", steps=args.steps,
         stale_after=args.stale_after, late_window=f"steps after {args.stale_after}",
     )  # fmt: skip
     for c in cells:

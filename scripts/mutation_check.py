@@ -867,6 +867,39 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_rollout_filters_vectorised.py",),
     ),
     Mutant(
+        "mismatch_sample_split_evenly",
+        "each rank sends an equal share of the mismatch quantile sample, whatever its tokens: a rank with few tokens"
+        " weighs as much as one with many",
+        (("steadyrl/guards/mismatch.py", "math.ceil(QUANTILE_SAMPLE * n / total)", "QUANTILE_SAMPLE // len(tokens)"),),
+        (
+            "tests/unit/test_mismatch.py::test_the_gathered_sample_is_bounded_and_drawn_in_proportion_to_each_ranks_tokens",
+        ),
+    ),
+    Mutant(
+        "mismatch_measured_on_one_rank",
+        "each rank logs mismatch/* of its own rows: the batch's other ranks never enter the ESS or the gate",
+        (("steadyrl/guards/mismatch.py", "row.view(1, -1) if processes == 1 or", "row.view(1, -1) if True or"),),
+        ("tests/unit/test_mismatch.py::test_two_ranks_measure_the_whole_batch_without_sending_their_matrices",),
+    ),
+    Mutant(
+        "mismatch_ess_counts_the_truncation_band",
+        "mismatch/ess reads the raw log-ratio under truncated sampling: an in-sync run's ESS falls with length",
+        (("steadyrl/guards/mismatch.py", "excess = per_row if band is None else", "excess = per_row if True else"),),
+        ("tests/unit/test_mismatch.py::test_an_in_sync_truncated_batchs_ess_is_one_and_a_stale_one_still_falls",),
+    ),
+    Mutant(
+        "truncated_sequence_mode_accepted",
+        "a sequence-level vLLM correction with top_p < 1 / top_k on TRL 1.16 is only warned about, not refused",
+        (("steadyrl/config/checks.py", 'if mode.startswith("sequence"):\n        raise', "if False:\n        raise"),),
+        ("tests/unit/test_mismatch.py::test_a_sequence_mode_with_truncated_sampling_is_refused_on_trl_1_16",),
+    ),
+    Mutant(
+        "doctor_silent_on_truncation_bias",
+        "the doctor never names TRL's truncated-sampling bias of a vLLM run",
+        (("steadyrl/evidence/doctor.py", "    if config.truncation is None:\n        return", "    return"),),
+        ("tests/unit/test_mismatch.py::test_the_doctor_names_the_truncation_bias_of_a_sequence_mode_run",),
+    ),
+    Mutant(
         "floor_counts_tiny_entries",
         "the exp_avg_sq floor counts v <= tiny as underflow (the seed's rule): never-touched and tiny-but-healthy too",
         (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -377,6 +378,45 @@ def _check_mismatch_correction(t: dict[str, Any]) -> None:
             "trainer.vllm_importance_sampling_correction is false: the policy trains on vLLM's samples as if they "
             "were its own, and steadyrl logs no mismatch/* metrics (TRL returns no sampling log-probs)"
         )
+    if t.get("use_vllm") and t.get("vllm_importance_sampling_correction", True):
+        _check_truncated_sampling(t, mode)
+
+
+def _check_truncated_sampling(t: dict[str, Any], mode: str) -> None:
+    """TRL <= 1.16's importance ratio under truncated sampling carries each token's kept probability mass
+    (``steadyrl.guards.mismatch.truncation_band``): refused in the sequence modes, where a sequence's weight is the
+    product over its tokens; stated in the token modes, where each token's loss is scaled by its own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from steadyrl.guards.mismatch import truncation_band, truncation_settings
+
+    try:
+        trl_version = version("trl")
+    except PackageNotFoundError:
+        return
+    band = truncation_band(t, trl_version)
+    if band is None:
+        return
+    settings = truncation_settings(t)
+    per_token = f"between {math.exp(band):.3g} and 1" if math.isfinite(band) else "down to 0 (top_k/min_p: unbounded)"
+    cause = (
+        f"with {settings}, TRL {trl_version}'s vLLM importance ratio is each sampled token's kept probability mass "
+        "(vLLM's log-probs are renormalised over the tokens the truncation keeps, the trainer's are over the whole "
+        f"vocabulary; huggingface/trl#6789), {per_token} on a run whose weights are in sync"
+    )
+    if mode.startswith("sequence"):
+        raise ConfigError(
+            f"trainer.vllm_importance_sampling_mode: {mode} {cause}. A sequence's weight is the product over its "
+            "tokens (0.95^100 = 0.006 for 100 uncertain tokens at top_p 0.95): long completions train as if masked. "
+            "Set trainer.vllm_importance_sampling_mode: token_truncate (each token's loss x its own kept mass), or "
+            "trainer.top_p: 1.0 and trainer.top_k: 0 (temperature alone), or "
+            "trainer.vllm_importance_sampling_correction: false"
+        )
+    logger.warning(
+        "trainer.vllm_importance_sampling_mode: %s %s: each token's loss is scaled by it. mismatch/ess reads only the "
+        "log-ratio outside what the truncation explains; trainer.top_p: 1.0 and trainer.top_k: 0 remove the bias",
+        mode, cause,
+    )  # fmt: skip
 
 
 def _check_ppo(cfg: Any) -> None:

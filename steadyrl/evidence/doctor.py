@@ -7,6 +7,9 @@ rows with a late one; only large, sustained changes count.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +95,9 @@ class DoctorConfig:
     ess_problem: float = 0.5  # late-window median below this: most of a batch's weight sits on a few sequences
     ess_loss_rise: float = 5.0  # ... or 1 - ESS, late median >= this x the early window's lowest (a warning) ...
     ess_loss_floor: float = 0.01  # ... when the late median of 1 - ESS is above this (healthy runs: ~1e-6)
+    # the run's truncated sampling where TRL <= 1.16 biases its vLLM correction beyond top_p: a sequence mode, or
+    # top_k / min_p (doctor_config_for; None: no finding). top_p alone in a token mode is bounded and stated at load
+    truncation: str | None = None
 
 
 @dataclass
@@ -528,6 +534,16 @@ def _ess_falls(history: History, config: DoctorConfig) -> Iterator[Hit]:
         yield Hit([Evidence(M.MISMATCH_ESS, int(steps[0]), int(steps[-1]), where)], {"ess": 1 - late}, "warning")
 
 
+def _truncation_bias(history: History, config: DoctorConfig) -> Iterator[Hit]:
+    """A vLLM run (``mismatch/ess`` logged) whose sampling settings bias TRL's correction (``config.truncation``)."""
+    if config.truncation is None:
+        return
+    steps, values = history.finite(M.MISMATCH_ESS)
+    if len(values):
+        where = f"{len(values)} generation batches, median ESS {float(np.median(values)):.4g}"
+        yield Hit([Evidence(M.MISMATCH_ESS, int(steps[0]), int(steps[-1]), where)], {"settings": config.truncation})
+
+
 def _saturated(history: History, config: DoctorConfig) -> Iterator[Hit]:
     for c in saturation_checks(history):
         yield Hit([Evidence(c.metric, c.first_step, c.last_step, c.detail)], {"summary": c.summary, "fix": c.change})
@@ -575,6 +591,9 @@ CHANGE_SYNC = ("check that each weight sync reaches vLLM: vLLM >= 0.22, < 0.32 w
 CHANGE_MISMATCH = ("meanwhile trainer.vllm_importance_sampling_mode: token_mask (or sequence_mask with a lower "
     "trainer.vllm_importance_sampling_clip_max, e.g. 2.0) drops the mismatched tokens, and "
     "guards.gepo.mismatch.ess_min: 0.5 skips the updates trained on such batches")
+CHANGE_TRUNCATED = ("trainer.vllm_importance_sampling_mode: token_truncate, or trainer.top_p: 1.0 and trainer.top_k: "
+    "0 (temperature alone), or trainer.vllm_importance_sampling_correction: false (steadyrl refuses the sequence "
+    "modes with truncated sampling on TRL <= 1.16)")
 CHANGE_REGRESSION = ("trainer.learning_rate: lower it 3-10x and resume from {where}; with a periodic eval (eval.every, "
     "eval.on_start: true) the gold watch (guards.quatro.gold) rolls back to the best policy and halves the learning "
     "rate when the held-out metric falls beyond its noise (docs/DESIGN.md: QUATRO: gold watch)")
@@ -648,6 +667,9 @@ RULES: tuple[Rule, ...] = (
          "the vLLM rollouts' effective sample size fell to {ess:.2g}", (*CHANGE_SYNC, CHANGE_MISMATCH)),
     Rule("off_policy_rollouts", "warning", (M.MISMATCH_ESS,), _only("warning", _ess_falls),
          "the vLLM rollouts' effective sample size is falling ({ess:.3g})", (*CHANGE_SYNC, CHANGE_MISMATCH)),
+    Rule("off_policy_rollouts", "warning", (M.MISMATCH_ESS,), _truncation_bias,
+         "{settings}: TRL's vLLM importance ratio carries each token's kept probability mass (huggingface/trl#6789), "
+         "not a sync fault", (CHANGE_TRUNCATED,)),
     Rule("saturated_controller", "warning", ("steadyrl.evidence.saturation",), _saturated, "{summary}", ("{fix}",)),
 )
 # fmt: on
@@ -685,7 +707,32 @@ def doctor_config_for(run_dir: str | Path) -> DoctorConfig:
     if resolved.is_file():
         trainer = (yaml.safe_load(resolved.read_text()) or {}).get("trainer") or {}
     sampling = float(trainer.get("top_p", 1.0)), int(trainer.get("top_k") or 0), float(trainer.get("min_p") or 0.0)
-    return DoctorConfig(logp_gap_allowance=logp_gap_allowance(*sampling, float(trainer.get("repetition_penalty", 1.0))))
+    allowance = logp_gap_allowance(*sampling, float(trainer.get("repetition_penalty", 1.0)))
+    return DoctorConfig(logp_gap_allowance=allowance, truncation=_truncation(run_dir, trainer))
+
+
+def _truncation(run_dir: str | Path, trainer: dict[str, Any]) -> str | None:
+    """``DoctorConfig.truncation`` of a run: its settings in words when TRL's correction was on under truncated
+    sampling, on the TRL that ran it (``environment.json``; the installed one when absent), in a sequence mode or with
+    top_k / min_p; None otherwise."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from steadyrl.guards.mismatch import truncation_band, truncation_settings
+
+    if not trainer.get("use_vllm") or not trainer.get("vllm_importance_sampling_correction", True):
+        return None
+    env = Path(run_dir) / "environment.json"
+    trl_version = None
+    if env.is_file():
+        trl_version = (json.loads(env.read_text()).get("packages") or {}).get("trl")
+    if trl_version is None:
+        with contextlib.suppress(PackageNotFoundError):
+            trl_version = version("trl")
+    band = truncation_band(trainer, trl_version)
+    mode = str(trainer.get("vllm_importance_sampling_mode", "sequence_mask"))
+    if band is None or (math.isfinite(band) and not mode.startswith("sequence")):
+        return None
+    return f"{mode} with {truncation_settings(trainer)} on TRL {trl_version}"
 
 
 def diagnose(history: History, config: DoctorConfig | None = None) -> list[Finding]:

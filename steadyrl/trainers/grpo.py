@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import trl
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
 
@@ -222,11 +223,12 @@ class SteadyGRPOTrainer(GRPOTrainer):
         if rows is None:
             return
         with self.ctx.timer(GUARD_PART_GEPO_MISMATCH):
-            gathered = mismatch.gather_rows(rows, self.ctx.gather, self.ctx.processes)
             args = self.args
+            sampling = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
             found = mismatch.measure(
-                gathered, args.vllm_importance_sampling_mode,
+                rows, args.vllm_importance_sampling_mode,
                 args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+                self.ctx.gather, self.ctx.processes, self.ctx.rank, mismatch.truncation_band(sampling, trl.__version__),
             )  # fmt: skip
         self.ctx.log_metrics(found)
         for guard in self.parts.step_guards:

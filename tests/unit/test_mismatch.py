@@ -10,7 +10,7 @@ import torch
 
 from steadyrl.config import load_config
 from steadyrl.config.loader import ConfigError
-from steadyrl.guards.mismatch import MismatchError, MismatchGate, gather_rows, log_ratio_rows, measure
+from steadyrl.guards.mismatch import MismatchError, MismatchGate, log_ratio_rows, measure
 from steadyrl.trainers.layers import guard_parts
 from tests.unit.test_config import BASE, write
 
@@ -64,19 +64,59 @@ def test_log_ratio_rows_masks_padding_and_tools():
     assert log_ratio_rows({"completion_mask": output["completion_mask"]}) is None  # no vLLM: no sampling log-probs
 
 
-def test_gather_rows_pads_each_rank_to_the_widest():
-    parts = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0, 5.0]])]  # two ranks, widths 2 and 3
-    calls = []
+def _two_ranks(parts: list[torch.Tensor], **kw) -> tuple[list[dict[str, float]], list[list[int]]]:
+    """``measure`` on two ranks (threads) with a real all-gather of their flat tensors; the sizes each rank sent."""
+    from tests.unit.test_opefo import FakeRanks
 
-    def gather(t):  # what accelerate's gather does with every rank's flat tensor
-        calls.append(t)
-        if t.numel() == 1:
-            return torch.tensor([2, 3])
-        return torch.cat([torch.nn.functional.pad(parts[0], (0, 1), value=NAN).reshape(-1), t])
+    ranks, sizes = FakeRanks(2), [[], []]
 
-    out = gather_rows(parts[1], gather, processes=2)
-    assert torch.allclose(out, torch.tensor([[1.0, 2.0, NAN], [3.0, 4.0, 5.0]]), equal_nan=True)
-    assert len(calls) == 2 and gather_rows(parts[0], gather, processes=1) is not None
+    def run(rank: int) -> dict[str, float]:
+        gather = ranks.all_gather(rank)
+
+        def sent(t: torch.Tensor) -> torch.Tensor:
+            sizes[rank].append(t.numel())
+            return gather(t)
+
+        return measure(parts[rank], "token_truncate", None, 1.5, sent, 2, rank)
+
+    return ranks.run(run), sizes
+
+
+def test_two_ranks_measure_the_whole_batch_without_sending_their_matrices():
+    # ranks with other widths and row counts, one row with nothing scored: every metric equals the one-process
+    # measure of the stacked batch (all tokens sampled: 2 x 3 + 3 x 5 < QUANTILE_SAMPLE)
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(2, 3, generator=g), torch.randn(3, 5, generator=g)]
+    parts[1][1] = NAN
+    parts[0][0, 2] = NAN
+    stacked = torch.full((5, 5), NAN)
+    stacked[:2, :3], stacked[2:] = parts
+    whole = measure(stacked, "token_truncate", None, 1.5)
+    found, sizes = _two_ranks(parts)
+    for got in found:
+        assert got.keys() == whole.keys() and got == pytest.approx(whole, rel=1e-12)
+    assert sizes == [[2, 8 + 10], [2, 8 + 10]]  # (tokens, max S); 8 sums + the widest share (rank 1's 10 tokens)
+
+
+def test_the_gathered_sample_is_bounded_and_drawn_in_proportion_to_each_ranks_tokens(monkeypatch):
+    from steadyrl.guards import mismatch
+
+    monkeypatch.setattr(mismatch, "QUANTILE_SAMPLE", 4000)
+    # rank 0: 39,800 tokens with rho uniform on [1, 2]; rank 1: 200 at rho 4 (0.5 %). The batch's q01 = 1.010 and
+    # q99 = 1.995 (the 4s are above it); a sample split evenly between the ranks would read q99 = 4
+    parts = [torch.log1p(torch.arange(39_800, dtype=torch.float64) / 39_799).view(199, 200),
+             torch.full((1, 200), math.log(4.0), dtype=torch.float64)]  # fmt: skip
+    found, sizes = _two_ranks(parts)
+    assert found[0] == found[1]
+    assert sizes[0][1] == sizes[1][1] == 8 + 3980  # shares 3,980 and 20 of 4,000, padded to the wider
+    assert found[0]["mismatch/ratio_q01"] == pytest.approx(1.010, abs=0.005)
+    assert found[0]["mismatch/ratio_q99"] == pytest.approx(1.995, abs=0.005)
+    assert found[0]["mismatch/kl"] == pytest.approx(
+        (sum((1 + i / 39_799) - 1 - math.log1p(i / 39_799) for i in range(39_800)) + 200 * (3 - math.log(4)))
+        / 40_000, rel=1e-9)  # fmt: skip
+    # a rank with no scored token still takes part in both gathers
+    found, sizes = _two_ranks([torch.full((2, 2), NAN), torch.zeros(1, 3)])
+    assert found[0] == found[1] and found[0]["mismatch/ess"] == 1.0 and len(sizes[0]) == 2
 
 
 def test_gate_skips_below_ess_min_and_stops_when_it_never_recovers():
@@ -151,3 +191,87 @@ def test_ratio_quantiles_of_a_batch_past_torch_quantiles_limit():
     assert found["mismatch/ratio_q99"] == pytest.approx(1.99, abs=0.01)
     with pytest.raises(RuntimeError, match="too large"):
         torch.quantile(torch.log1p(rank).exp(), torch.tensor([0.01], dtype=torch.float64))
+
+
+def test_truncation_band_by_hand():
+    from steadyrl.guards.mismatch import truncation_band
+
+    assert truncation_band({"top_p": 0.95}, "1.16.0") == pytest.approx(math.log(0.95))
+    assert truncation_band({"top_p": 0.95, "top_k": 20}, "1.16.2") == -math.inf
+    assert truncation_band({"top_p": 1.0, "min_p": 0.05}, "1.15.0") == -math.inf
+    assert truncation_band({"top_p": 1.0, "top_k": 0, "min_p": None}, "1.16.0") is None  # TRL's defaults: no bias
+    assert truncation_band({"top_p": 0.9}, "1.17.0") is None and truncation_band({"top_p": 0.9}, None) is None
+
+
+def test_an_in_sync_truncated_batchs_ess_is_one_and_a_stale_one_still_falls():
+    # every token's log-ratio is the log of its position's kept mass (top_p 0.95: in [log 0.95, 0]); sequences of
+    # 4 to 128 tokens. Raw, the ESS of exp(S) falls with length on a run whose weights are in sync
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, 129, (64,), generator=g)
+    kept = torch.log(0.95 + 0.05 * torch.rand(64, 128, generator=g, dtype=torch.float64))
+    kept = kept.masked_fill(torch.arange(128) >= lengths[:, None], NAN)
+    band = math.log(0.95)
+    raw = measure(kept, "token_truncate", None, 3.0)["mismatch/ess"]
+    in_sync = measure(kept, "token_truncate", None, 3.0, band=band)
+    assert raw < 0.6 and in_sync["mismatch/ess"] == 1.0  # raw: 0.56
+    assert in_sync["mismatch/kl"] == measure(kept, "token_truncate", None, 3.0)["mismatch/kl"]  # only the ESS moves
+    # a stale sync: the policy moved, log-ratios spread both ways well past the band
+    stale = kept + 0.3 * torch.randn(64, 128, generator=g, dtype=torch.float64)
+    assert measure(stale, "token_truncate", None, 3.0, band=band)["mismatch/ess"] < 0.5
+    # top_k: the band is unbounded below; a token the trainer finds likelier than vLLM did still counts
+    assert measure(kept, "token_truncate", None, 3.0, band=-math.inf)["mismatch/ess"] == 1.0
+    assert measure(stale, "token_truncate", None, 3.0, band=-math.inf)["mismatch/ess"] < 0.5
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
+def test_a_sequence_mode_with_truncated_sampling_is_refused_on_trl_1_16(tmp_path: Path, mode: str, monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    base = write(tmp_path / "grpo.yaml", BASE)
+    vllm = ["trainer.use_vllm=true", f"trainer.vllm_importance_sampling_mode={mode}"]
+    with pytest.raises(ConfigError, match=rf"{mode} with top_p=0.9, TRL 1\.16.* kept probability mass .*trl#6789.*"
+                       r"between 0\.9 and 1 .* product over its tokens .* token_truncate"):  # fmt: skip
+        load_config(base, [*vllm, "trainer.top_p=0.9"])
+    with pytest.raises(ConfigError, match=r"top_k=20, .* down to 0 \(top_k/min_p: unbounded\)"):
+        load_config(base, [*vllm, "trainer.top_k=20"])
+    load_config(base, [*vllm, "trainer.top_p=0.9", "trainer.vllm_importance_sampling_correction=false"])
+    load_config(base, [*vllm, "trainer.top_p=1.0"])  # no truncation: no bias
+    load_config(base, [f"trainer.vllm_importance_sampling_mode={mode}", "trainer.top_p=0.9"])  # no vLLM: none
+
+
+def test_a_token_mode_with_truncated_sampling_is_stated_at_load(tmp_path: Path, monkeypatch, caplog):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    base = write(tmp_path / "grpo.yaml", BASE)
+    load_config(base, ["trainer.use_vllm=true", "trainer.vllm_importance_sampling_mode=token_truncate",
+                       "trainer.top_p=0.95"])  # fmt: skip
+    assert "token_truncate with top_p=0.95" in caplog.text and "between 0.95 and 1" in caplog.text
+
+
+def test_the_shipped_base_config_with_vllm_on_passes_the_truncation_check(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "configs/models/qwen2.5-0.5b.yaml", ["trainer.use_vllm=true", "trainer.bf16=false"])
+    assert cfg.trainer["top_p"] < 1 and cfg.trainer["vllm_importance_sampling_mode"].startswith("token")
+
+
+def test_the_doctor_names_the_truncation_bias_of_a_sequence_mode_run(tmp_path: Path):
+    import json
+
+    import yaml
+
+    from steadyrl.evidence.doctor import diagnose, doctor_config_for
+    from steadyrl.evidence.history import History
+
+    rows = [{"step": s, "mismatch/ess": 0.3, "loss": 0.1} for s in range(1, 13)]
+    trainer = {"use_vllm": True, "top_p": 0.9, "vllm_importance_sampling_mode": "sequence_mask"}
+    (tmp_path / "resolved_config.yaml").write_text(yaml.safe_dump({"trainer": trainer}))
+    (tmp_path / "environment.json").write_text(json.dumps({"packages": {"trl": "1.16.0"}}))
+    config = doctor_config_for(tmp_path)
+    assert config.truncation == "sequence_mask with top_p=0.9 on TRL 1.16.0"
+    found = [f for f in diagnose(History(rows=rows), config) if f.mode == "off_policy_rollouts"]
+    assert len(found) == 1 and "kept probability mass" in found[0].summary and "not a sync fault" in found[0].summary
+    assert any("token_truncate" in c for c in found[0].changes)
+    # top_p alone in a token mode is bounded (stated at load): no finding; nor on a TRL that ratios on the kept support
+    for trainer_over, trl in (({"vllm_importance_sampling_mode": "token_mask"}, "1.16.0"), ({}, "1.17.0")):
+        (tmp_path / "resolved_config.yaml").write_text(yaml.safe_dump({"trainer": {**trainer, **trainer_over}}))
+        (tmp_path / "environment.json").write_text(json.dumps({"packages": {"trl": trl}}))
+        assert doctor_config_for(tmp_path).truncation is None
