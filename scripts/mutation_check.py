@@ -900,6 +900,33 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_mismatch.py::test_the_doctor_names_the_truncation_bias_of_a_sequence_mode_run",),
     ),
     Mutant(
+        "zero2_model_write_failure_not_agreed",
+        "under DeepSpeed a failed model write is kept but not agreed on before DeepSpeed's save: the main process's"
+        " own DeepSpeed writes fail while the other rank waits in DeepSpeed's barrier",
+        (
+            (
+                "steadyrl/trainers/grpo.py",
+                "checkpoints.agree_before_collectives(self.accelerator, error)",
+                "self.scratch.save_error = error",
+            ),
+        ),
+        (
+            f"{IT}/test_disk_full_checkpoint.py::test_a_full_disk_on_rank_0s_model_write_under_zero2_stops_every_rank_without_a_hang",
+        ),
+    ),
+    Mutant(
+        "gold_ppo_critic_not_restored",
+        "a PPO gold rollback restores the policy and leaves the gamed run's critic",
+        (
+            (
+                "steadyrl/trainers/best_policy.py",
+                "model.critic.load_state_dict(load_file(str(folder / CRITIC_FILE)))",
+                "pass",
+            ),
+        ),
+        (f"{IT}/test_gold_watch.py::test_a_ppo_rollback_restores_the_policy_and_its_critic_exactly",),
+    ),
+    Mutant(
         "floor_counts_tiny_entries",
         "the exp_avg_sq floor counts v <= tiny as underflow (the seed's rule): never-touched and tiny-but-healthy too",
         (

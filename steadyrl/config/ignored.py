@@ -59,7 +59,7 @@ def _eval_data(cfg: Any) -> bool:
 
 
 GUARDS = "the guard layers act on GRPO and PPO steps; SFT runs TRL's SFTTrainer and the reward stage its RewardTrainer"
-GOLD_GRPO = "the reward-hacking watch runs beside GRPO's periodic eval (PPO: not yet)"
+GOLD_RL = "the reward-hacking watch runs beside GRPO's and PPO's periodic eval"
 PPO_ONLY = "the ppo section configures algorithm: ppo (critic, GAE)"
 REWARD_STAGE = "the reward stage (steadyrl.trainers.reward_model) trains on preference pairs with TRL's RewardTrainer"
 SFT_EVAL = "SFT calls its rewards only to score the eval split after training"
@@ -188,7 +188,7 @@ READ_BY: dict[str, Read] = {
         ("grpo",), why=f"PPO's vLLM rollouts are not measured yet; {GUARDS}", fix="remove it", only_if=(VLLM,)
     ),
     "guards.gepo.mismatch.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
-    "guards.quatro.gold": Read(("grpo",), why=GOLD_GRPO, fix="remove it", only_if=(EVAL_ON, GOLD_PERIODIC, *EVAL)),
+    "guards.quatro.gold": Read(RL, why=GOLD_RL, fix="remove it", only_if=(EVAL_ON, GOLD_PERIODIC, *EVAL)),
     "guards.quatro.gold.enabled": Read(RL, why=GUARDS),  # switching it off is never an error
     "guards.grade.kl_compensation_range": Read(RL, why=GUARDS, only_if=(KL_COMPENSATION,)),
     "eval.enabled": Read(TRAINING, why=f"{REWARD_STAGE}; its held-out check is the calibration report"),

@@ -5,8 +5,8 @@ whose effective sample size collapsed (``guards.gepo.mismatch.ess_min``; off by 
 
 Per token ``r = log pi_train - log pi_vllm`` (tokens vLLM gave no log-prob for are left out), ``rho = exp(r)``; per
 sequence ``S = sum_t r``. The ``mismatch/*`` metrics of one generation batch, over every rank (each rank sends
-sums and a share of the quantile sample, never its matrix: two gathers of ``processes x (10 + QUANTILE_SAMPLE /
-processes)`` values or so, whatever the batch):
+sums and its share of the quantile sample, never its matrix: two gathers, at most ``processes x (10 +
+QUANTILE_SAMPLE)`` values, about ``QUANTILE_SAMPLE`` when the ranks hold similar token counts):
 
 - ``corrected_share``: the share TRL's correction changed: tokens (``token_*`` modes) or sequences (``sequence_*``)
   whose ratio lies outside [clip_min, clip_max], masked to 0 or truncated to the bound;

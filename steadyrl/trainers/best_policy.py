@@ -1,7 +1,7 @@
 """``OUTPUT_DIR/best-gold/``: the policy the gold watch keeps (steadyrl/callbacks/gold_watch.py), written once.
 
-- the weights, once: the model (or the LoRA adapter) as ``save_model`` writes it; a restore reads the trainable tensors
-  back from those files (transformers' safetensors shards, or peft's adapter loader);
+- the weights, once: the model (or the LoRA adapter) as ``save_model`` writes it, with PPO's critic; a restore reads
+  the trainable tensors back from those files (transformers' safetensors shards, or peft's adapter loader);
 - the optimizer state only as the ranks hold it: once (``gold_state.pt``, main process) when every rank holds the
   same state (one process, DDP), per rank (``gold_state_rank<r>.pt``: that rank's Adam state and fp32 master
   partition) under DeepSpeed ZeRO, where each rank holds a part;
@@ -66,7 +66,20 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 def load_trainable(model: torch.nn.Module, folder: Path, names: list[str]) -> None:
     """Copy the kept weights in ``folder`` into ``model``'s parameters (exactly: the files hold the same dtype); every
-    name in ``names`` (the trainable ones) must be among them."""
+    name in ``names`` (the trainable ones) must be among them. PPO's ``PolicyAndValue``: the policy from its files,
+    the whole critic from ``critic.safetensors`` (both as ``SteadyPPOTrainer.save_model`` writes them)."""
+    from steadyrl.ppo.wrapper import PolicyAndValue
+
+    if isinstance(model, PolicyAndValue):
+        from safetensors.torch import load_file
+
+        from steadyrl.trainers.ppo import CRITIC_FILE
+
+        load_trainable(model.policy, folder, [n.removeprefix("policy.") for n in names if n.startswith("policy.")])
+        if not (folder / CRITIC_FILE).is_file():
+            raise FileNotFoundError(f"{folder} has no {CRITIC_FILE}: the kept policy's critic is missing")
+        model.critic.load_state_dict(load_file(str(folder / CRITIC_FILE)))  # strict: every critic tensor
+        return
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
         from peft.utils import load_peft_weights

@@ -277,7 +277,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: list[Any] | None = None) -> A
             sampling=eval_sampling(trainer.args) if e.do_sample else None, seed=trainer.args.seed,
         ))  # fmt: skip
         quatro = cfg.guards.quatro
-        if cfg.algorithm == "grpo" and quatro.enabled and quatro.gold.enabled:  # after PeriodicEval: reads its rows
+        if quatro.enabled and quatro.gold.enabled:  # after PeriodicEval: reads its rows
             if trainer.gold_watch is not None:  # one watch: on steadyrl's periodic eval, not on TRL's own eval
                 trainer.callback_handler.remove_callback(trainer.gold_watch)
             watch = GoldWatch(quatro.gold, trainer, observe=quatro.mode == "observe")

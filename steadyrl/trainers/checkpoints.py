@@ -41,6 +41,21 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the run stops with the last complete checkpoint untouched."""
 
 
+class PeerSaveError(RuntimeError):
+    """Another rank's part of this save failed (``agree_before_collectives``): this rank stops writing too."""
+
+
+def agree_before_collectives(accelerator: Any, error: BaseException | None) -> None:
+    """Every rank learns whether any rank's write so far failed, before a writer with collectives of its own starts
+    (DeepSpeed's ``save_checkpoint``: a rank that stopped on its model write would leave the others in its barrier).
+    One gather; raises ``error`` on the rank that had it, ``PeerSaveError`` on the others."""
+    failed = [(rank, text) for rank, text in enumerate(_every_rank(accelerator, error)) if text is not None]
+    if error is not None:
+        raise error
+    if failed:
+        raise PeerSaveError("; ".join(f"rank {rank}: {text}" for rank, text in failed))
+
+
 NOT_IN_SNAPSHOTS = ("gold",)  # guard state an OPEFO rollback leaves alone
 
 
@@ -122,7 +137,8 @@ def save_atomically(
         write(staging_root, staged)
     except SAVE_ERRORS as exc:
         error = exc
-    errors = _every_rank(accelerator, error)  # the barrier before publishing: all ranks learn of any failure
+    # the barrier before publishing: all ranks learn of any failure (a peer's failure is that rank's to report)
+    errors = _every_rank(accelerator, None if isinstance(error, PeerSaveError) else error)
     if not any(errors):
         if accelerator.is_main_process:
             try:

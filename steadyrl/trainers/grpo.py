@@ -49,7 +49,6 @@ class SteadyGRPOTrainer(GRPOTrainer):
     """
 
     pipeline_class: type[AdvantagePipeline] = AdvantagePipeline
-    gold_watch_on_trl_eval = True  # PPO: off (its critic's state is not part of the kept policy)
 
     def __init__(
         self, *args: Any, guards: GuardParts | GuardsSection | dict[str, Any] | str | None = None, **kwargs: Any
@@ -132,7 +131,7 @@ class SteadyGRPOTrainer(GRPOTrainer):
 
         q = self.parts.quatro
         trl_eval = self.args.eval_strategy != IntervalStrategy.NO and self.eval_dataset is not None
-        if q is None or q.gold is None or not trl_eval or not self.gold_watch_on_trl_eval:
+        if q is None or q.gold is None or not trl_eval:
             return None
         weights = [float(w) for w in self.reward_weights]
         metric, why = trl_eval_metric(q.gold, list(self.reward_func_names), weights)
@@ -290,11 +289,30 @@ class SteadyGRPOTrainer(GRPOTrainer):
                 save_parent(model, trial)
             finally:
                 self.scratch.staging_dir = None
+                error, self.scratch.save_error = self.scratch.save_error, None
+            if error is not None:  # save_only_model: no optimizer save agreed on it
+                raise error
             rollouts = {"step": self._step, "buffered_inputs": self._buffered_inputs}
             checkpoints.save_steady_state(folder, self.guard_state, rollouts, acc.process_index, acc.is_main_process)
 
         run_dir = Path(super()._get_output_dir(trial))
         checkpoints.save_atomically(acc, run_dir, self.state.global_step, self.args.save_total_limit, write)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Inside a checkpoint under DeepSpeed, a failed model write (the main process's) is kept for
+        ``_save_optimizer_and_scheduler`` instead of raised: the other ranks would wait in DeepSpeed's save."""
+        if self.scratch.staging_dir is None or not self.is_deepspeed_enabled:
+            return super().save_model(output_dir, _internal_call)
+        try:
+            super().save_model(output_dir, _internal_call)
+        except checkpoints.SAVE_ERRORS as exc:
+            self.scratch.save_error = exc
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.scratch.staging_dir is not None and self.is_deepspeed_enabled:
+            error, self.scratch.save_error = self.scratch.save_error, None
+            checkpoints.agree_before_collectives(self.accelerator, error)  # before DeepSpeed's save_checkpoint
+        super()._save_optimizer_and_scheduler(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

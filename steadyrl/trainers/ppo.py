@@ -44,7 +44,6 @@ class SteadyPPOTrainer(SteadyGRPOTrainer):
     kl_in_reward = True  # QUATRO's KL controller reads the rollout's KL (record_rollout_kl), not TRL's loss-side kl
     # rewards -> *sequence rewards* (weighted sum, then GRADE; unscorable and filtered rows 0); GAE comes later
     pipeline_class = SequenceRewardPipeline
-    gold_watch_on_trl_eval = False  # a kept policy leaves the critic behind (docs/DESIGN.md, "QUATRO: gold watch")
 
     def __init__(self, *args: Any, ppo: PPOSection | None = None, critic: CriticModel | None = None, **kwargs: Any):
         # a copy: PEFT rewrites target_modules ("all-linear" -> the causal LM's module names) when it wraps the policy

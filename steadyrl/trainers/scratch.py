@@ -35,6 +35,10 @@ class HookScratch:
     """The staging root of a checkpoint being written. Written by ``_save_checkpoint`` around TRL's save; read by
     ``_get_output_dir`` (so every file TRL writes lands in staging); cleared by ``_save_checkpoint``."""
 
+    save_error: BaseException | None = None
+    """A model write that failed inside a checkpoint under DeepSpeed. Written by ``save_model``; read and cleared by
+    ``_save_optimizer_and_scheduler``, which has every rank agree on it before DeepSpeed's own save collectives."""
+
     vetoed_step: bool = False
     """The step gate vetoed the optimizer step being taken. Written by ``_clip_grad_norm``; read and cleared by
     ``_GuardClock.on_optimizer_step``, which marks the step skipped again (a GradScaler's step rewrites the flag)."""

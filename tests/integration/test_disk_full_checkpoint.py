@@ -113,3 +113,57 @@ def test_a_full_disk_while_the_final_model_is_written_stops_the_run_cleanly(tiny
         "from it)."
     )
     assert "Traceback" not in proc.stderr and not staged.exists() and not (out / "final").exists()
+
+
+class DiskFullOnRank0ModelWrite(TrainerCallback):
+    """(``callbacks`` entry) The main process's disk fills up while it writes step 4's weights, and stays full; the
+    other rank's writes succeed. Under DeepSpeed the other rank would go on into DeepSpeed's own ``save_checkpoint``
+    and wait there for the main process, whose own writes fail."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=2**30)  # one disk
+        if args.process_index != 0:
+            return
+        import transformers.modeling_utils as modeling
+
+        real_save = modeling.safe_save_file
+
+        def save(tensors, filename, *a, **k):
+            if Path(filename).parent.name == "checkpoint-4":
+                raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+            return real_save(tensors, filename, *a, **k)
+
+        modeling.safe_save_file = save
+        real_torch_save = torch.save
+
+        def torch_save(obj, file, *a, **k):  # the disk stays full: DeepSpeed's own writes would fail too
+            if "checkpoint-4" in str(file):
+                raise OSError(errno.ENOSPC, "No space left on device", str(file))
+            return real_torch_save(obj, file, *a, **k)
+
+        torch.save = torch_save
+
+
+def test_a_full_disk_on_rank_0s_model_write_under_zero2_stops_every_rank_without_a_hang(tiny_model_dir, tmp_path):
+    pytest.importorskip("deepspeed")
+    from tests.integration.test_launch import launch
+
+    out = tmp_path / "run"
+    _, proc = launch(
+        "zero2.yaml", tiny_model_dir, out, "trainer.max_steps=6", "trainer.save_steps=2", "eval.enabled=false",
+        "callbacks=[tests.integration.test_disk_full_checkpoint:DiskFullOnRank0ModelWrite]", check=False, timeout=300,
+    )  # fmt: skip
+    staged = out / STAGING_DIR / "checkpoint-4"
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    expected = (
+        f"steadyrl: stopped: checkpoint-4 was not saved: rank 0: OSError: [Errno 28] No space left on device: "
+        f"'{staged}/model.safetensors' (writing {staged}; 1.0 GiB free on the disk of {out}). The partial checkpoint "
+        f"was removed. Last complete checkpoint: {out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes "
+        "from it)."
+    )
+    assert proc.stderr.count(expected) == 2, proc.stderr[-4000:]  # both ranks stop with rank 0's cause
+    # the one traceback is torchrun's own, reporting the workers' exit code 1; none from a worker
+    assert proc.stderr.count("Traceback (most recent call last)") == 1 and "raise ChildFailedError(" in proc.stderr
+    assert "PeerSaveError" not in proc.stderr and "CheckpointSaveError" not in proc.stderr
+    assert not staged.exists() and not (out / "checkpoint-4").exists()
+    assert find_resume_checkpoint(out) == out / "checkpoint-2"

@@ -36,8 +36,17 @@ def _script(monkeypatch, **golds: float) -> None:
         monkeypatch.setitem(script, int(step.removeprefix("s")), gold)
 
 
-def _config(tmp_path, model_dir, gold: dict[str, Any], every: int = 2, quatro: dict | None = None, **trainer: Any):
+def _config(
+    tmp_path,
+    model_dir,
+    gold: dict[str, Any],
+    every: int = 2,
+    quatro: dict | None = None,
+    algorithm: str = "grpo",
+    **trainer: Any,
+):
     cfg = {
+        "algorithm": algorithm,
         "model": {"path": str(model_dir)},
         "data": {"path": "builtin:arithmetic", "eval_split": "eval", "builtin": {"max_operand": 9, "eval_size": 8}},
         "rewards": [
@@ -144,6 +153,45 @@ def test_a_divergence_restores_the_best_policy_exactly_and_training_goes_on(tiny
     assert ledger["kinds"]["gold_rollback"]["steps"] == 1 and ledger["kinds"]["gold_rollback"]["layer"] == "quatro"
     assert ledger["kinds"]["gold_tightened"]["steps"] == 2
     assert pushes == []  # three new bests kept (steps 2, 4, 8), none pushed
+
+
+def test_a_ppo_rollback_restores_the_policy_and_its_critic_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    # PPO's kept policy is the policy, the critic and their one optimizer (before, the watch ran under GRPO only: a
+    # rollback would have paired the best policy with the gamed run's value estimates)
+    from safetensors.torch import load_file
+
+    from steadyrl.trainers.ppo import CRITIC_FILE, SteadyPPOTrainer
+
+    seen: list[dict[str, Any]] = []
+    original = GoldWatch._restore
+
+    def restore(self):
+        original(self)
+        seen.append({"live": _trainable(self.trainer), "step": self.trainer.state.global_step,
+                     "policy": load_file(self.best_dir / "model.safetensors"),
+                     "critic": load_file(self.best_dir / CRITIC_FILE),
+                     "kept": torch.load(self.best_dir / "gold_state.pt", weights_only=False)["optimizer"]["state"],
+                     "optimizer": cpu_copy(self.trainer.optimizer.state_dict())["state"]})  # fmt: skip
+
+    monkeypatch.setattr(GoldWatch, "_restore", restore)
+    quatro = {"filters": {"zero_variance": {"enabled": False}}}  # a GRPO notion (steadyrl refuses it under PPO)
+    path = _config(tmp_path, tiny_model_dir, {}, quatro=quatro, algorithm="ppo", num_generations=1, beta=0.02)
+    trainer = build_trainer(path)
+    assert isinstance(trainer, SteadyPPOTrainer)
+    (watch,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, GoldWatch)]
+    trainer.train()
+    (rollback,) = seen
+    assert rollback["step"] == 6
+    critic_names = [n for n in rollback["live"] if n.startswith("critic.")]
+    assert critic_names and len(critic_names) == len(rollback["critic"])
+    for name, tensor in rollback["live"].items():  # policy and critic, bit for bit the kept ones
+        kept = rollback["critic"][name.removeprefix("critic.")] if name.startswith("critic.") else None
+        kept = rollback["policy"][name.removeprefix("policy.")] if kept is None else kept
+        assert torch.equal(tensor, kept), name
+    assert rollback["kept"].keys() == rollback["optimizer"].keys()  # the critic's Adam state too
+    for key, entry in rollback["kept"].items():
+        assert torch.equal(entry["exp_avg"], rollback["optimizer"][key]["exp_avg"]), key
+    assert watch.station.tightenings == 1
 
 
 def test_trls_default_logging_steps_does_not_silence_the_watch(tiny_model_dir, tmp_path, monkeypatch):
