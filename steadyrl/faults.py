@@ -291,6 +291,34 @@ class GradSpikeAtStep(TrainerCallback):
         self._handles = []
 
 
+class MicroBatchSpikeAtStep(GradSpikeAtStep):
+    """Every trainable parameter's gradient times ``scale`` in the *first micro-batch* of optimizer step ``step`` only
+    (its first backward pass), on ``rank``: one poisoned micro-batch among the step's accumulation x processes."""
+
+    name = "micro_batch_spike"
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.fired or state.global_step + 1 != self.step or not _this_rank(self.rank) or model is None:
+            return
+        output_dir = getattr(args, "output_dir", None)
+
+        def hook() -> Any:
+            calls = [0]  # this parameter's backward passes in the step: the first one is the poisoned micro-batch
+
+            def spike(grad: torch.Tensor) -> torch.Tensor:
+                calls[0] += 1
+                if calls[0] != 1:
+                    return grad
+                if not self.fired:
+                    self.fired = True
+                    record_fault(output_dir, self.name, self.step, scale=self.scale)
+                return grad * self.scale
+
+            return spike
+
+        self._handles = [p.register_hook(hook()) for p in model.parameters() if p.requires_grad]
+
+
 class StaleVllmAfterStep(TrainerCallback):
     """A weight sync that silently stops reaching vLLM: from the end of optimizer step ``step`` on, TRL's
     ``VLLMGeneration.sync_weights`` does nothing (patched for the rest of the process); records ``swallowed_syncs``."""

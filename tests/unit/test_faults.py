@@ -230,6 +230,27 @@ def test_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_pat
     assert read_fault_log(tmp_path) == [{"fault": "grad_spike", "step": 3, "rank": 0, "scale": 1e4}]
 
 
+def test_micro_batch_spike_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_path):
+    model, ids = TinyLM(), torch.tensor([[1, 2, 3]])
+    model.embed.weight.requires_grad_(False)
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(ids).pow(2).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = grads()
+    from steadyrl.faults import MicroBatchSpikeAtStep
+
+    fault = MicroBatchSpikeAtStep(step=3, scale=1e3, rank=None)
+    fault.on_step_begin(_args(tmp_path), SimpleNamespace(global_step=2), None, model=model)
+    first, second = grads(), grads()  # two micro-batches of step 3: only the first is poisoned
+    assert all(torch.equal(first[n], reference[n] * 1e3) for n in reference)
+    assert all(torch.equal(second[n], reference[n]) for n in reference)
+    fault.on_step_end(_args(tmp_path), SimpleNamespace(global_step=3), None)
+    assert read_fault_log(tmp_path) == [{"fault": "micro_batch_spike", "step": 3, "rank": 0, "scale": 1e3}]
+
+
 def test_the_word_problems_burst_scores_with_math_verify_outside_its_window():
     from steadyrl.faults import math_answer_nonfinite_burst
 
