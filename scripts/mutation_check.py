@@ -927,6 +927,25 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{IT}/test_gold_watch.py::test_a_ppo_rollback_restores_the_policy_and_its_critic_exactly",),
     ),
     Mutant(
+        "snapshot_published_without_agreement",
+        "each rank publishes its own disk snapshot without the others' word: after one rank's write fails the ranks'"
+        " rollback points are different steps",
+        (
+            (
+                "steadyrl/guards/rollback.py",
+                "written = (self.last_error is None) if agree is None else agree(self.last_error is None)",
+                "written = self.last_error is None",
+            ),
+        ),
+        ("tests/unit/test_opefo.py::test_a_disk_snapshot_one_rank_cannot_write_is_published_by_no_rank",),
+    ),
+    Mutant(
+        "snapshot_failure_uncounted",
+        "a disk snapshot that could not be written is warned about but not counted in opefo/snapshot_failures",
+        (("steadyrl/trainers/recovery.py", "self.snapshot_failures += 1", "pass"),),
+        (f"{IT}/test_opefo.py::test_a_disk_snapshot_that_cannot_be_written_keeps_the_last_one_and_training_goes_on",),
+    ),
+    Mutant(
         "floor_counts_tiny_entries",
         "the exp_avg_sq floor counts v <= tiny as underflow (the seed's rule): never-touched and tiny-but-healthy too",
         (

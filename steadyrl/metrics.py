@@ -159,6 +159,7 @@ OPEFO_EF_PENDING = "opefo/ef_pending"
 OPEFO_EF_WEIGHT = "opefo/ef_weight"
 OPEFO_EF_INJECTED_NORM = "opefo/ef_injected_norm"
 OPEFO_ROLLBACKS = "opefo/rollbacks"  # cumulative
+OPEFO_SNAPSHOT_FAILURES = "opefo/snapshot_failures"  # cumulative: disk snapshots a rank could not write (kept the last)
 OPEFO_REPAIRS = "opefo/repairs"  # cumulative: checks whose non-finite moment entries were reset in place
 OPEFO_REPAIRED_ENTRIES = "opefo/repaired_entries"  # cumulative, over all ranks
 OPEFO_RECOVERY_ACTIVE = "opefo/recovery_active"

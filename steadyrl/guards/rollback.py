@@ -10,6 +10,7 @@ import os
 import re
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ class SnapshotStore:
         self.storage = storage
         self.directory = Path(directory) if directory is not None else None
         self._memory: tuple[int, Any] | None = None
+        self.last_error: BaseException | None = None  # the last save's error on this rank (``save``)
 
     def _files(self) -> list[tuple[int, Path]]:
         assert self.directory is not None
@@ -76,26 +78,44 @@ class SnapshotStore:
         found = [(self._NAME.match(p.name), p) for p in self.directory.iterdir()]
         return sorted((int(m.group(1)), p) for m, p in found if m)
 
-    def save(self, step: int, payload: dict[str, Any]) -> None:
+    def save(self, step: int, payload: dict[str, Any], agree: Callable[[bool], bool] | None = None) -> bool:
+        """Keep ``payload`` as the snapshot of ``step``; True when it is now the latest. ``disk``: written to a temp
+        file, then ``agree(this rank wrote it)`` (True: every rank did; one collective) decides: published by a rename
+        and the older ones deleted, or (a rank could not write, e.g. a full disk) the temp file removed and the
+        previous snapshot kept as it was (``last_error``: this rank's error, None when another rank's write failed)."""
+        self.last_error = None
         if self.storage == "memory":
             self._memory = (int(step), cpu_copy(payload))
-            return
+            return True
         assert self.directory is not None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".snapshot-", suffix=".tmp")
+        tmp: str | None = None
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".snapshot-", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 torch.save({"version": 1, "step": int(step), "payload": payload}, f)
                 f.flush()
                 os.fsync(f.fileno())
-            final = self.directory / f"snapshot-{int(step):012d}.pt"
-            os.replace(tmp, final)  # atomic on POSIX within one filesystem
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except Exception as exc:  # any writer error (OSError, torch's RuntimeError) is a failed write
+            self.last_error = exc
+        except BaseException:  # an interrupt: no temp file left behind
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             raise
+        written = (self.last_error is None) if agree is None else agree(self.last_error is None)
+        if not written or self.last_error is not None:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            if agree is None and self.last_error is not None:
+                raise self.last_error
+            return False
+        assert tmp is not None
+        final = self.directory / f"snapshot-{int(step):012d}.pt"
+        os.replace(tmp, final)  # atomic on POSIX within one filesystem
         for _, path in self._files():
             if path != final:
                 path.unlink(missing_ok=True)
+        return True
 
     def load(self) -> tuple[int, dict[str, Any]]:
         if self.storage == "memory":

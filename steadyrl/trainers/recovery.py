@@ -36,6 +36,7 @@ from steadyrl.metrics import (
     OPEFO_REPAIRED_ENTRIES,
     OPEFO_REPAIRS,
     OPEFO_ROLLBACKS,
+    OPEFO_SNAPSHOT_FAILURES,
     OPEFO_WOULD_FEED_BACK,
     OPEFO_WOULD_FLOOR_ENTRIES,
     OPEFO_WOULD_REPAIR,
@@ -86,6 +87,10 @@ def keeps_adam_moments(optimizer: Any) -> bool:
     return adam or type(optimizer).__name__ in ("FusedAdam", "DeepSpeedCPUAdam")
 
 
+class SnapshotWriteError(RuntimeError):
+    """OPEFO's first disk snapshot could not be written (the message names the folder and the fix)."""
+
+
 class StateRecovery:
     """Floor, check, repair, rollback and snapshots after each optimizer step; the error-feedback residual is per
     rank (``rank_state_dict``). ``observe``: decide and count only; ``notes``: who asks for a check this step."""
@@ -100,6 +105,8 @@ class StateRecovery:
         self.floor = SecondMomentFloor(config.floor, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.feedback = ErrorFeedback(config.error_feedback, reduce_sum=lambda t: self._reduce_partitioned(t))
         self.store: SnapshotStore | None = None
+        self.snapshot_step: int | None = None  # the step of the snapshot a rollback returns to
+        self.snapshot_failures = 0  # snapshots a rank could not write (the previous one kept)
         self.ctx, self.guards = RuntimeContext(), GuardState()
         self._named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]] = lambda: []
         self.base: torch.optim.Optimizer | None = None
@@ -140,7 +147,12 @@ class StateRecovery:
                 directory = base / f"rank{ctx.rank}"
             self.store = SnapshotStore(rb.storage, directory)
             self.store.clear()  # a snapshot from an earlier run of this output_dir is not this run's state
-            self.store.save(ctx.global_step(), self._payload())
+            if not self._snapshot(ctx.global_step()):
+                raise SnapshotWriteError(
+                    f"OPEFO could not write its first snapshot to {directory} ({self._snapshot_cause()}): a rollback "
+                    "would have nothing to return to. Free space there, set guards.opefo.rollback.snapshot_dir to "
+                    "another disk, or guards.opefo.rollback.storage: memory"
+                )
 
     def on_step_end(self) -> float | None:
         """Floor, check, then repair, roll back or snapshot. Returns the recovery factor of the learning rate (1.0
@@ -163,8 +175,13 @@ class StateRecovery:
                         self._repair(step, cause)
                     else:
                         self._roll_back(step, cause, refusal)
-                elif step % rb.snapshot_interval == 0 and not self.observe:
-                    self.store.save(step, self._payload())
+                elif step % rb.snapshot_interval == 0 and not self.observe and not self._snapshot(step):
+                    self.snapshot_failures += 1
+                    logger.warning(
+                        "step %d: OPEFO's snapshot was not written (%s); the snapshot of step %s stays the rollback "
+                        "point. Free space on %s or set guards.opefo.rollback.storage: memory",
+                        step, self._snapshot_cause(), self.snapshot_step, self.store.directory,
+                    )  # fmt: skip
             self.notes.check_now = None
             self._log_counters(step)
         if self.observe:
@@ -195,6 +212,21 @@ class StateRecovery:
                 cause,
             )  # fmt: skip
 
+    def _snapshot(self, step: int) -> bool:
+        """Save this step's snapshot; True when it is the latest now. Every rank agrees first (one reduce): no rank
+        publishes a snapshot of a step another rank could not write, so a rollback restores one step on all ranks."""
+        home = optimizer_device(self.base)  # where _health's collectives run too (NCCL: not the CPU)
+        agree = lambda ok: int(self._reduce_all(torch.tensor([0.0 if ok else 1.0], device=home)).item()) == 0  # noqa: E731
+        assert self.store is not None
+        if self.store.save(step, self._payload(), agree=agree):
+            self.snapshot_step = step
+            return True
+        return False
+
+    def _snapshot_cause(self) -> str:
+        error = self.store.last_error if self.store is not None else None
+        return "another rank's write failed" if error is None else f"{type(error).__name__}: {error}"
+
     def _log_counters(self, step: int) -> None:
         rb, policy = self.config.rollback, self.policy
         if self.observe:
@@ -203,6 +235,8 @@ class StateRecovery:
                 self.ctx.log_metric(OPEFO_WOULD_REPAIR, float(self.would["repair"]))
             return
         self.ctx.log_metric(OPEFO_ROLLBACKS, float(policy.rollbacks))
+        if rb.storage == "disk":
+            self.ctx.log_metric(OPEFO_SNAPSHOT_FAILURES, float(self.snapshot_failures))
         if rb.repair_state:
             self.ctx.log_metric(OPEFO_REPAIRS, float(policy.repairs))
             self.ctx.log_metric(OPEFO_REPAIRED_ENTRIES, float(policy.repaired_entries))

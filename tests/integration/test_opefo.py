@@ -227,3 +227,36 @@ def test_resume_is_exact_with_every_opefo_feature_on(tiny_model_dir, tmp_path, m
     assert saved.keys() == start.state.keys()
     for pid, state in saved.items():
         assert all(torch.equal(t, start.state[pid][k]) for k, t in state.items() if torch.is_tensor(t)), pid
+
+
+def test_a_disk_snapshot_that_cannot_be_written_keeps_the_last_one_and_training_goes_on(
+    tiny_model_dir, tmp_path, monkeypatch, caplog
+):
+    """The disk fills while step 4's snapshot is written: the warning names the cause and the snapshot that stays the
+    rollback point (step 2), ``opefo/snapshot_failures`` counts it, training goes on, step 6's is written again."""
+    real_save = torch.save
+    full = {4}
+
+    def save(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") in full and "payload" in obj:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    opefo = _opefo(storage="disk")
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / "snap", [], opefo, max_steps=6)
+    with caplog.at_level(logging.WARNING, logger="steadyrl.opefo"):
+        trainer.train()
+    assert trainer.state.global_step == 6
+    assert ("step 4: OPEFO's snapshot was not written (OSError: [Errno 28] No space left on device); the snapshot "
+            "of step 2 stays the rollback point") in caplog.text  # fmt: skip
+    assert per_step(trainer.state.log_history, "opefo/snapshot_failures") == [0, 0, 0, 1, 1, 1]
+    folder = tmp_path / "snap" / "opefo_snapshots" / "rank0"
+    assert sorted(p.name for p in folder.iterdir()) == ["snapshot-000000000006.pt"]
+    # the first snapshot (before step 1) cannot be written: the run stops before training, naming the fix
+    from steadyrl.trainers.recovery import SnapshotWriteError
+
+    full.add(0)
+    with pytest.raises(SnapshotWriteError, match=r"could not write its first snapshot to .*rank0 \(OSError: "
+                       r"\[Errno 28\].*guards.opefo.rollback.storage: memory"):  # fmt: skip
+        _trainer(tiny_model_dir, tmp_path / "snap2", [], _opefo(storage="disk"), max_steps=2)[0].train()

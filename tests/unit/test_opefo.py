@@ -583,6 +583,38 @@ def test_disk_snapshot_is_atomic_and_keeps_only_the_latest(tmp_path, monkeypatch
     assert list((tmp_path / "rank0").iterdir()) == []
 
 
+def test_a_disk_snapshot_one_rank_cannot_write_is_published_by_no_rank(tmp_path, monkeypatch):
+    # two ranks (threads) agree in one reduce before publishing: rank 1's disk is full at step 1500, so rank 0 (which
+    # wrote its file) keeps step 1000 too, and a rollback would restore one step on both
+    ranks, here = FakeRanks(2), threading.local()
+    stores = [SnapshotStore("disk", tmp_path / f"rank{r}") for r in range(2)]
+    real_save, full = torch.save, {1500}
+
+    def save(obj, f, *a, **k):
+        if here.rank == 1 and obj["step"] in full:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+
+    def run(rank: int) -> list[tuple[bool, str | None, int]]:
+        here.rank, reduce = rank, ranks.reduce_sum(rank)
+        agree = lambda ok: int(reduce(torch.tensor([0.0 if ok else 1.0])).item()) == 0  # noqa: E731
+        out = []
+        for step in (1000, 1500, 2000):
+            ok = stores[rank].save(step, payload(), agree=agree)
+            error = stores[rank].last_error
+            out.append((ok, None if error is None else str(error), stores[rank].load()[0]))
+        return out
+
+    assert ranks.run(run) == [
+        [(True, None, 1000), (False, None, 1000), (True, None, 2000)],  # rank 0 wrote 1500 and kept 1000
+        [(True, None, 1000), (False, "[Errno 28] No space left on device", 1000), (True, None, 2000)],
+    ]
+    for rank in range(2):  # the latest only, no temp file left
+        assert sorted(p.name for p in (tmp_path / f"rank{rank}").iterdir()) == ["snapshot-000000002000.pt"]
+
+
 def test_rollback_policy_recovery_and_limit():
     policy = RollbackPolicy(RollbackConfig(recovery_steps=100, max_rollbacks=2, rollback_window=1000))
     assert policy.lr_factor(0) == 1.0 and not policy.recovery_active(0)
