@@ -652,7 +652,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mismatch_quantiles_of_the_whole_batch",
         "the mismatch ratio quantiles read every token: past 2^24 tokens torch.quantile raises and the step dies",
-        (("steadyrl/guards/mismatch.py", "    if x.numel() <= limit:\n        return x", "    return x"),),
+        (("steadyrl/guards/mismatch.py", "    if x.numel() <= size:\n        return x", "    return x"),),
         ("tests/unit/test_mismatch.py::test_ratio_quantiles_of_a_batch_past_torch_quantiles_limit",),
     ),
     Mutant(
@@ -1328,8 +1328,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "steadyrl/trainers/checkpoints.py",
-                "    except SAVE_ERRORS as exc:\n        error = exc\n    errors = _every_rank",
-                "    except ZeroDivisionError as exc:\n        error = exc\n    errors = _every_rank",
+                "    except SAVE_ERRORS as exc:\n        error = exc\n    # the barrier",
+                "    except ZeroDivisionError as exc:\n        error = exc\n    # the barrier",
             ),
         ),
         ("tests/unit/test_disk_full.py::test_a_full_disk_at_each_checkpoint_write_site",),
@@ -1403,7 +1403,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mismatch_ess_unshifted",
         "the ESS takes exp of the summed log-ratios as they are: one long mismatched sequence overflows it to NaN",
-        (("steadyrl/guards/mismatch.py", "shifted = (sums - sums.max()).exp()", "shifted = sums.exp()"),),
+        (
+            (
+                "steadyrl/guards/mismatch.py",
+                "shifted = (ess_sums - heads[:, 1].max().item()).exp()",
+                "shifted = ess_sums.exp()",
+            ),
+        ),
         ("tests/unit/test_mismatch.py::test_ess_survives_huge_log_ratios_and_reaches_one_over_n",),
     ),
     Mutant(

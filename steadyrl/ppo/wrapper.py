@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+CRITIC_FILE = "critic.safetensors"  # the critic's whole state beside the policy's files (SteadyPPOTrainer._save)
+
 
 class PolicyAndValue(nn.Module):
     """``policy`` (a causal LM, possibly a PEFT model) + ``critic`` (``CriticModel``: (B, T) values)."""

@@ -68,12 +68,10 @@ def load_trainable(model: torch.nn.Module, folder: Path, names: list[str]) -> No
     """Copy the kept weights in ``folder`` into ``model``'s parameters (exactly: the files hold the same dtype); every
     name in ``names`` (the trainable ones) must be among them. PPO's ``PolicyAndValue``: the policy from its files,
     the whole critic from ``critic.safetensors`` (both as ``SteadyPPOTrainer.save_model`` writes them)."""
-    from steadyrl.ppo.wrapper import PolicyAndValue
+    from steadyrl.ppo.wrapper import CRITIC_FILE, PolicyAndValue
 
     if isinstance(model, PolicyAndValue):
         from safetensors.torch import load_file
-
-        from steadyrl.trainers.ppo import CRITIC_FILE
 
         load_trainable(model.policy, folder, [n.removeprefix("policy.") for n in names if n.startswith("policy.")])
         if not (folder / CRITIC_FILE).is_file():

@@ -25,7 +25,7 @@ from steadyrl.config.schema import PPOSection
 from steadyrl.guards.optimizer_state import UNBRAKED_GROUP
 from steadyrl.ppo.gae import clipped_value_loss, gae, get_kl_estimator, place_rewards, soft_clip, whiten
 from steadyrl.ppo.value import CriticModel
-from steadyrl.ppo.wrapper import PolicyAndValue
+from steadyrl.ppo.wrapper import CRITIC_FILE, PolicyAndValue
 from steadyrl.trainers import trl_state
 from steadyrl.trainers.advantage_pipeline import SequenceRewardPipeline
 from steadyrl.trainers.grpo import SteadyGRPOTrainer
@@ -33,8 +33,6 @@ from steadyrl.trainers.reward_model import load_reward_stats
 from steadyrl.trainers.rollout import loss_mask
 
 logger = logging.getLogger(__name__)
-
-CRITIC_FILE = "critic.safetensors"
 
 
 class SteadyPPOTrainer(SteadyGRPOTrainer):

@@ -12,7 +12,8 @@ resumed buffer of another layout is dropped, ``trl_state.restore_rollouts``); ``
 calls ``_clip_grad_norm`` once per optimizer step, after the last backward, whenever ``max_grad_norm > 0``. accelerate's
 ``AcceleratedOptimizer._is_overflow`` is what ``optimizer_step_was_skipped`` reports. DeepSpeed's
 ``DeepSpeedZeroOptimizer.step`` calls ``scaled_global_norm()``, then ``_update_scale(overflow)``, then returns early
-``if self.overflow`` (``StepGate.install_deepspeed``).
+``if self.overflow`` (``StepGate.install_deepspeed``). The Trainer's ``_save_checkpoint`` calls ``save_model`` before
+``_save_optimizer_and_scheduler``, which under DeepSpeed runs the engine's ``save_checkpoint`` (every rank).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ HOOKED_METHODS: dict[str, str] = {
     "_compute_loss": "(self, model, inputs)",
     "_get_output_dir": "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str",
     "_save_checkpoint": "(self, model, trial)",
+    # inside a checkpoint under DeepSpeed: the model write, then DeepSpeed's save_checkpoint (a collective)
+    "save_model": "(self, output_dir: str | None = None, _internal_call: bool = False) -> None",
+    "_save_optimizer_and_scheduler": "(self, output_dir: str) -> None",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
 }
 
