@@ -48,9 +48,10 @@ REAL = {  # SmolLM2, 128-token completions at top_p 0.95 (--real)
 EVERY_LAYER = tuple(f"guards.{layer}.enabled=true" for layer in ("gepo", "opefo", "quatro", "grade"))
 
 
-def real_command(model: Path, out: Path, seed: int, steps: int, lr: float, stale: bool) -> list[str]:
+def _run(config: str, model: Path, out: Path, seed: int, steps: int, lr: float, stale: bool, *more: str) -> list[str]:
+    """The overrides every run of this bench shares (vLLM colocate, one row per step, no checkpoints), then ``more``."""
     return X.train_command(
-        REPO / "configs/small/grpo.yaml",
+        REPO / config,
         f"model.path={model}",
         f"trainer.output_dir={out}",
         f"trainer.seed={seed}",
@@ -58,39 +59,24 @@ def real_command(model: Path, out: Path, seed: int, steps: int, lr: float, stale
         f"trainer.learning_rate={lr}",
         "trainer.use_vllm=true",
         "trainer.vllm_mode=colocate",
-        "trainer.max_completion_length=128",
-        "trainer.temperature=0.9",
-        "trainer.top_p=0.95",
-        "trainer.vllm_importance_sampling_mode=token_truncate",
         "trainer.logging_steps=1",
         'trainer.save_strategy="no"',
-        "eval.enabled=false",
+        *more,
         'callbacks=["steadyrl.faults:StaleVllmAfterStep"]' if stale else "callbacks=[]",
     )
+
+
+def real_command(model: Path, out: Path, seed: int, steps: int, lr: float, stale: bool) -> list[str]:
+    return _run("configs/small/grpo.yaml", model, out, seed, steps, lr, stale,
+                "trainer.max_completion_length=128", "trainer.temperature=0.9", "trainer.top_p=0.95",
+                "trainer.vllm_importance_sampling_mode=token_truncate", "eval.enabled=false")  # fmt: skip
 
 
 def command(model: Path, out: Path, seed: int, steps: int, lr: float, stale: bool) -> list[str]:
-    return X.train_command(
-        REPO / "configs/tiny/grpo.yaml",
-        f"model.path={model}",
-        f"trainer.output_dir={out}",
-        f"trainer.seed={seed}",
-        f"trainer.max_steps={steps}",
-        f"trainer.learning_rate={lr}",
-        "trainer.use_vllm=true",
-        "trainer.vllm_mode=colocate",
-        "trainer.per_device_train_batch_size=16",
-        "trainer.max_completion_length=6",
-        "trainer.beta=0.02",
-        "trainer.logging_steps=1",
-        'trainer.save_strategy="no"',
-        "trainer.report_to=[]",
-        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}]",
-        "eval.every=0",
-        "eval.max_samples=16",
-        *EVERY_LAYER,
-        'callbacks=["steadyrl.faults:StaleVllmAfterStep"]' if stale else "callbacks=[]",
-    )
+    return _run("configs/tiny/grpo.yaml", model, out, seed, steps, lr, stale,
+                "trainer.per_device_train_batch_size=16", "trainer.max_completion_length=6", "trainer.beta=0.02",
+                "trainer.report_to=[]", "rewards=[{fn: 'tests.integration.helpers:byte_mean'}]", "eval.every=0",
+                "eval.max_samples=16", *EVERY_LAYER)  # fmt: skip
 
 
 def summarise(job: X.Job, run: X.Outcome, stale_after: int) -> dict[str, Any]:

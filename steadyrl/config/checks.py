@@ -415,8 +415,9 @@ def _check_truncated_sampling(t: dict[str, Any], mode: str) -> None:
     logger.warning(
         "trainer.vllm_importance_sampling_mode: %s %s: each token's loss is scaled by it. mismatch/ess reads only the "
         "log-ratio outside what the truncation explains; trainer.top_p: 1.0 and trainer.top_k: 0 remove the bias",
-        mode, cause,
-    )  # fmt: skip
+        mode,
+        cause,
+    )
 
 
 def _check_ppo(cfg: Any) -> None:

@@ -135,11 +135,18 @@ def measure(
     shifted = (ess_sums - heads[:, 1].max().item()).exp()  # ESS is scale-free: shift S by the batch's max, exp <= 1
     means = sums / valid.sum(dim=1)[rows]
     local = torch.tensor(
-        [float(((judged < lo) | (judged > hi)).sum()), float(judged.numel()), float(shifted.sum()),
-         float((shifted**2).sum()), float(means.sum()), float(means.numel()), float((rho - 1 - r).sum()),
-         float(((rho - 1) ** 2).sum())],
+        [
+            float(((judged < lo) | (judged > hi)).sum()),
+            float(judged.numel()),
+            float(shifted.sum()),
+            float((shifted**2).sum()),
+            float(means.sum()),
+            float(means.numel()),
+            float((rho - 1 - r).sum()),
+            float(((rho - 1) ** 2).sum()),
+        ],
         dtype=torch.float64,
-    )  # fmt: skip
+    )
     sample = _sample(rho, shares[rank], seed=rank).cpu()
     width = max(shares)
     row = torch.cat([local, torch.nn.functional.pad(sample, (0, width - sample.numel()), value=math.nan)])

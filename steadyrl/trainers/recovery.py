@@ -180,8 +180,11 @@ class StateRecovery:
                     logger.warning(
                         "step %d: OPEFO's snapshot was not written (%s); the snapshot of step %s stays the rollback "
                         "point. Free space on %s or set guards.opefo.rollback.storage: memory",
-                        step, self._snapshot_cause(), self.snapshot_step, self.store.directory,
-                    )  # fmt: skip
+                        step,
+                        self._snapshot_cause(),
+                        self.snapshot_step,
+                        self.store.directory,
+                    )
             self.notes.check_now = None
             self._log_counters(step)
         if self.observe:

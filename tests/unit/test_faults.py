@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -210,7 +211,8 @@ def test_inf_exp_avg_sq_writes_one_entry_at_its_step_and_reports_the_end_state(t
     ]
 
 
-def test_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_path):
+def _gradient_probe() -> tuple[torch.nn.Module, Any]:
+    """A TinyLM with a frozen embedding and ``grads()``: one backward pass, the trainable gradients it left."""
     model, ids = TinyLM(), torch.tensor([[1, 2, 3]])
     model.embed.weight.requires_grad_(False)
 
@@ -219,6 +221,11 @@ def test_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_pat
         model(ids).pow(2).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    return model, grads
+
+
+def test_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_path):
+    model, grads = _gradient_probe()
     reference = grads()
     fault = GradSpikeAtStep(step=3, scale=1e4, rank=None)
     fault.on_step_begin(_args(tmp_path), SimpleNamespace(global_step=2), None, model=model)
@@ -230,18 +237,11 @@ def test_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_pat
     assert read_fault_log(tmp_path) == [{"fault": "grad_spike", "step": 3, "rank": 0, "scale": 1e4}]
 
 
-def test_micro_batch_spike_grad_spike_scales_every_trainable_gradient_during_its_step_only(tmp_path):
-    model, ids = TinyLM(), torch.tensor([[1, 2, 3]])
-    model.embed.weight.requires_grad_(False)
-
-    def grads() -> dict[str, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        model(ids).pow(2).sum().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    reference = grads()
+def test_micro_batch_spike_scales_only_the_first_micro_batch_of_its_step(tmp_path):
     from steadyrl.faults import MicroBatchSpikeAtStep
 
+    model, grads = _gradient_probe()
+    reference = grads()
     fault = MicroBatchSpikeAtStep(step=3, scale=1e3, rank=None)
     fault.on_step_begin(_args(tmp_path), SimpleNamespace(global_step=2), None, model=model)
     first, second = grads(), grads()  # two micro-batches of step 3: only the first is poisoned
