@@ -911,7 +911,24 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
         (
-            f"{IT}/test_disk_full_checkpoint.py::test_a_full_disk_on_rank_0s_model_write_under_zero2_stops_every_rank_without_a_hang",
+            f"{IT}/test_disk_full_checkpoint.py::test_a_full_disk_on_one_rank_under_zero2_stops_every_rank_without_a_hang"
+            "[rank0_model_write]",
+        ),
+    ),
+    Mutant(
+        "deepspeed_save_failure_raised_inside",
+        "a write that fails inside DeepSpeed's save_checkpoint raises there: the failing rank leaves while the others"
+        " wait in DeepSpeed's closing barrier",
+        (
+            (
+                "steadyrl/trainers/checkpoints.py",
+                "            except SAVE_ERRORS as exc:\n                held.append(exc)\n                return None",
+                "            except SAVE_ERRORS:\n                raise",
+            ),
+        ),
+        (
+            f"{IT}/test_disk_full_checkpoint.py::test_a_full_disk_on_one_rank_under_zero2_stops_every_rank_without_a_hang"
+            "[rank1_inside_deepspeed_save]",
         ),
     ),
     Mutant(
@@ -1447,6 +1464,40 @@ MUTANTS: tuple[Mutant, ...] = (
         "the server check takes any HTTP answer (a 500, a loading server's 503) for a ready server",
         (("steadyrl/trainers/vllm_support.py", "if answer.status_code == 200:", "if answer.status_code:"),),
         ("tests/unit/test_vllm_server.py::test_a_server_that_keeps_failing_names_its_answer",),
+    ),
+    Mutant(
+        "report_write_failure_raised",
+        "a report (eval_results.json, interventions.json) that cannot be written raises after training: the result"
+        " is lost",
+        (
+            (
+                "steadyrl/storage.py",
+                "    except OSError as exc:\n        tmp.unlink",
+                "    except ValueError as exc:\n        tmp.unlink",
+            ),
+        ),
+        (
+            "tests/unit/test_storage.py::"
+            "test_a_report_that_cannot_be_written_is_a_warning_with_its_content_and_the_old_file_stays_whole",
+        ),
+    ),
+    Mutant(
+        "snapshot_weights_on_every_rank",
+        "every rank's OPEFO snapshot holds the trainable weights (8 copies at 7B on 8 ranks)",
+        (
+            (
+                "steadyrl/trainers/recovery.py",
+                '        if self._first_rank_holds is not False:\n            payload["params"]',
+                '        if True:\n            payload["params"]',
+            ),
+        ),
+        (f"{IT}/test_launch.py::test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank[zero2]",),
+    ),
+    Mutant(
+        "rollback_weights_not_broadcast",
+        "an OPEFO rollback restores the weights on the first rank only (the others hold none in their snapshot)",
+        (("steadyrl/trainers/recovery.py", "dist.broadcast(p.data, src=0)", "pass"),),
+        (f"{IT}/test_launch.py::test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank[ddp]",),
     ),
 )
 

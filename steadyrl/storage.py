@@ -8,7 +8,8 @@ weight in its dtype, ZeRO adds an fp32 master copy and partitions both over the 
     weights      = P_t x 4 (LoRA adapter)  |  P x b (full model)
     adam         = 2 x P_t x m   (m = 4 for fp32 weights or under ZeRO, else b), + 4 x P_t under ZeRO (fp32 master)
     checkpoint   = weights + adam (+ weights again: DeepSpeed's model states) + 4 x P_t per rank (error feedback)
-    snapshot     = per rank: P_t x b + adam (DDP: every rank its whole state; ZeRO: its part)   (disk snapshots only)
+    snapshot     = P_t x b + adam, over all ranks (the first rank the weights; DDP: it the Adam state, ZeRO: each
+                   rank its part)                                                             (disk snapshots only)
     best-gold    = weights + adam                                                              (gold watch, save_best)
     steady       = checkpoint x save_total_limit + snapshots + best-gold
     peak         = steady + the largest one being written beside its predecessor
@@ -136,8 +137,7 @@ def plan(
     checkpoint = weights + adam + (ds_states if zero else 0) + (4 * pt * ranks if error_feedback else 0)
     # saves 0: unknown (an epoch-based run): save_total_limit of them, or one when unlimited (then more, by the run)
     kept = (min(save_total_limit, saves) if saves else save_total_limit) if save_total_limit else max(saves, 1)
-    per_rank_state = adam / ranks if zero else adam
-    snapshots = int(ranks * (pt * (4 if size.lora else b) + per_rank_state)) if disk_snapshots else 0
+    snapshots = pt * (4 if size.lora else b) + adam if disk_snapshots else 0  # held once over the ranks
     gold = weights + adam if best_gold else 0
     return StoragePlan(checkpoint, kept, snapshots, gold, free_bytes(output_dir), ranks, existing_bytes(output_dir))
 
@@ -160,6 +160,27 @@ def free_bytes(path: str | Path) -> int | None:
         return shutil.disk_usage(existing).free if existing is not None else None
     except OSError:
         return None
+
+
+def write_report(path: str | Path, text: str) -> bool:
+    """Write one of the run's reports (``eval_results.json``, ``interventions.json``, ``guard_cost.json``) whole or
+    not at all: a temp file beside it, then a rename. A write that fails (``OSError``: a full disk) leaves the previous
+    file as it was and no temp file, and is a warning naming the file, the cause and the free space, with the report's
+    text when it is short (nothing is lost); returns False. The model and the checkpoints never depend on a report."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+        return True
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        shown = f"; its content:\n{text}" if len(text) <= 4000 else ""
+        logger.warning(
+            "could not write %s (%s; %s free on that disk); the run, its model and its checkpoints are unaffected%s",
+            path, exc, human(free_bytes(path.parent)), shown,
+        )  # fmt: skip
+        return False
 
 
 def check(storage: StoragePlan, output_dir: str | Path) -> str | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from steadyrl import metrics as M
+from steadyrl.storage import write_report
 
 BETA_TOLERANCE = 0.2  # beta more than this far from trainer.beta (relative) is an intervention
 SUMMARY_FILE = "interventions.json"
@@ -166,9 +167,9 @@ class Ledger:
             doc["ended_on"] = dict(self.ended_on)
         return doc
 
-    def write(self, out: Path) -> None:
-        """``OUTPUT_DIR/interventions.json`` (the run's summary)."""
-        (out / SUMMARY_FILE).write_text(json.dumps(self.summary(), indent=1, sort_keys=True) + "\n")
+    def write(self, out: Path) -> bool:
+        """``OUTPUT_DIR/interventions.json`` (the run's summary), whole or not at all (``storage.write_report``)."""
+        return write_report(out / SUMMARY_FILE, json.dumps(self.summary(), indent=1, sort_keys=True) + "\n")
 
 
 def summary_from_counts(counters: dict[str, float]) -> dict[str, Any]:

@@ -5,7 +5,6 @@ tensors, so that a reward processor can be placed in front of it without changin
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import nanstd
 
 ADVANTAGE_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 
@@ -16,6 +15,8 @@ def group_normalized_advantages(grouped_rewards: torch.Tensor, scale_rewards: st
     grouped_rewards: (num_prompts, G), NaN = unscorable -> advantages: same shape.
     scale_rewards: "group" (std within each group), "batch" (std over the whole batch) or "none" (centre only).
     """
+    from trl.trainer.utils import nanstd  # here: trl takes seconds to import, and the config loader imports this module
+
     group_size = grouped_rewards.shape[1]
     mean = torch.nanmean(grouped_rewards, dim=1, keepdim=True)
     advantages = grouped_rewards - mean

@@ -33,6 +33,7 @@ from steadyrl.environment import write_environment
 from steadyrl.evaluation import evaluate_rewards
 from steadyrl.rewards import bind_reward, check_reward_columns, load_reward_fn, required_columns
 from steadyrl.rewards.guarded import guarded_reward
+from steadyrl.storage import write_report
 from steadyrl.tasks.smollm2 import BUILTIN_SMOLLM2, smollm2_folder
 from steadyrl.tasks.tiny_model import build_tiny_model
 from steadyrl.trainers import checkpoints
@@ -333,7 +334,7 @@ def final_eval(cfg: RunConfig, trainer: Any) -> dict[str, Any] | None:
         )  # fmt: skip
         result["metric"] = metric = e.metric or next(iter(fns))
         result["accuracy"] = result["rewards"][metric]
-        (Path(cfg.trainer["output_dir"]) / "eval_results.json").write_text(json.dumps(result, indent=2))
+        write_report(Path(cfg.trainer["output_dir"]) / "eval_results.json", json.dumps(result, indent=2))
     trainer.accelerator.wait_for_everyone()
     return result
 

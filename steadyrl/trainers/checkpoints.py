@@ -14,7 +14,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,56 @@ def agree_before_collectives(accelerator: Any, error: BaseException | None) -> N
         raise error
     if failed:
         raise PeerSaveError("; ".join(f"rank {rank}: {text}" for rank, text in failed))
+
+
+@contextmanager
+def deepspeed_writes_held(engine: Any) -> Iterator[list[BaseException]]:
+    """Around DeepSpeed's ``save_checkpoint``: this rank's first failed write (``SAVE_ERRORS``: a disk that fills
+    mid-save) is held in the yielded list instead of raised, and its later writes are skipped, so the rank still
+    reaches DeepSpeed's remaining collectives (its closing barrier) with the others. DeepSpeed's ``latest`` file
+    (an unguarded ``open`` just before that barrier) is written after the barrier, through the same hold. The caller
+    agrees on the held error (``agree_before_collectives``)."""
+    held: list[BaseException] = []
+
+    def guarded(write: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if held:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except SAVE_ERRORS as exc:
+                held.append(exc)
+                return None
+
+        return call
+
+    real_save = engine.save_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):  # noqa: B006 (DeepSpeed's signature)
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        done = real_save(save_dir, tag, client_state, False, exclude_frozen_parameters)
+        if save_latest and engine.global_rank == 0:
+            guarded(Path(save_dir, "latest").write_text)(tag)
+        return done
+
+    writers = engine.checkpoint_engine
+    patches = {
+        (writers, "save"): guarded(writers.save),
+        (writers, "makedirs"): guarded(writers.makedirs),
+        (engine, "_copy_recovery_script"): guarded(engine._copy_recovery_script),
+        (engine, "save_checkpoint"): save_checkpoint,
+    }
+    before = {key: vars(key[0]).get(key[1]) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield held
+    finally:
+        for (owner, name), value in before.items():
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 NOT_IN_SNAPSHOTS = ("gold",)  # guard state an OPEFO rollback leaves alone

@@ -309,10 +309,15 @@ class SteadyGRPOTrainer(GRPOTrainer):
             self.scratch.save_error = exc
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.scratch.staging_dir is not None and self.is_deepspeed_enabled:
-            error, self.scratch.save_error = self.scratch.save_error, None
-            checkpoints.agree_before_collectives(self.accelerator, error)  # before DeepSpeed's save_checkpoint
-        super()._save_optimizer_and_scheduler(output_dir)
+        """Inside a checkpoint under DeepSpeed, every rank agrees on the model write before DeepSpeed's own save, and
+        on DeepSpeed's writes after it (a write that fails inside it is held until its collectives are done)."""
+        if self.scratch.staging_dir is None or not self.is_deepspeed_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        error, self.scratch.save_error = self.scratch.save_error, None
+        checkpoints.agree_before_collectives(self.accelerator, error)  # before DeepSpeed's save_checkpoint
+        with checkpoints.deepspeed_writes_held(self.model_wrapped) as held:
+            super()._save_optimizer_and_scheduler(output_dir)
+        checkpoints.agree_before_collectives(self.accelerator, held[0] if held else None)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from steadyrl.storage import write_report
 from steadyrl.trainers.checkpoints import GuardState
 from steadyrl.trainers.context import RuntimeContext
 
@@ -114,4 +115,4 @@ def write_guard_cost(out: Path, trainer: Any, steps: int) -> None:
         "transient_mib_by_part": {name: round(value, 3) for name, value in transient.items()},
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "guard_cost.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_report(out / "guard_cost.json", json.dumps(doc, indent=1) + "\n")

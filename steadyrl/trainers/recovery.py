@@ -1,9 +1,12 @@
 """The step end's optimizer-state recovery (``guards.opefo``; docs/DESIGN.md, the "OPEFO" sections): the
 second-moment floor, the health check, an in-place repair of the moments or a rollback to the last snapshot (LR cut
-for ``recovery_steps``; step, data, schedule and RNG go forward), and the snapshots (weights + this rank's Adam
-moments). It works on the innermost torch optimizer: all moments under DDP (equal on all ranks: the floor runs
-locally), this rank's fp32 partitions under ZeRO-2 (the floor and error feedback, which it makes for the step gate,
-reduce over ranks); the checks always reduce. Observe mode: the same decisions, counted as ``opefo/would_*``.
+for ``recovery_steps``; step, data, schedule and RNG go forward), and the snapshots. A snapshot holds once what the
+ranks share: the trainable weights (equal on every rank) on the first rank only, the Adam state there too under DDP
+(replicas) and on every rank under ZeRO (each its partition); a rollback broadcasts the rest from the first rank, so
+at 7B on 8 ranks a disk or memory snapshot is one copy of the weights, not eight. It works on the innermost torch
+optimizer: all moments under DDP (equal on all ranks: the floor runs locally), this rank's fp32 partitions under
+ZeRO-2 (the floor and error feedback, which it makes for the step gate, reduce over ranks); the checks always reduce.
+Observe mode: the same decisions, counted as ``opefo/would_*``.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class StateRecovery:
         self._named_parameters: Callable[[], Iterable[tuple[str, torch.nn.Parameter]]] = lambda: []
         self.base: torch.optim.Optimizer | None = None
         self.zero: Any = None
+        self._first_rank_holds: bool | None = None  # launched together: the first rank holds the shared part
         self._pending_repair = 0  # entries (all ranks) counted by the last _refuse_repair
 
     def attach(
@@ -132,6 +136,7 @@ class StateRecovery:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             reduce_sum, _ = distributed_ops()
             self._reduce_all = reduce_sum
+            self._first_rank_holds = torch.distributed.get_rank() == 0
             if self.zero is not None:  # ZeRO partitions differ per rank; DDP replicas are equal (no collective)
                 self._reduce_partitioned = reduce_sum
         rb = self.config.rollback
@@ -289,17 +294,40 @@ class StateRecovery:
         self.notes.check_now = "repair"  # the next step's check confirms the state is finite
 
     def _payload(self) -> dict[str, Any]:
-        params, guards = {n: p.detach() for n, p in self._trainable()}, self.guards.snapshot_state_dicts(self)
-        payload: dict[str, Any] = {"params": params, "optimizer": self.base.state_dict(), "guards": guards}
+        """The guard states; the weights (and, replicated, the Adam state) unless another rank holds them; under
+        ZeRO this rank's Adam and fp32 master partitions."""
+        payload: dict[str, Any] = {"guards": self.guards.snapshot_state_dicts(self)}
+        if self._first_rank_holds is not False:
+            payload["params"] = {n: p.detach() for n, p in self._trainable()}
+        if self.zero is not None or self._first_rank_holds is not False:
+            payload["optimizer"] = self.base.state_dict()
         if self.zero is not None:
             payload["fp32_partitions"] = [t.detach() for t in self.zero.single_partition_of_fp32_groups]
         return payload
+
+    def _restore(self, payload: dict[str, Any]) -> None:
+        """A snapshot's payload back into the live weights and optimizer; launched together, what the first rank
+        holds alone is broadcast from it (every rank calls this at the same rollback)."""
+        trainable = self._trainable()
+        if self._first_rank_holds is not None and self.zero is None:  # DDP: the replicas' Adam state, from rank 0
+            import torch.distributed as dist
+
+            shared = [payload.get("optimizer")]
+            dist.broadcast_object_list(shared, src=0, device=optimizer_device(self.base))
+            payload["optimizer"] = shared[0]
+        restore_payload(payload, trainable if "params" in payload else [], self.base, self.zero)
+        if self._first_rank_holds is not None:
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for _, p in trainable:
+                    dist.broadcast(p.data, src=0)
 
     def _roll_back(self, step: int, cause: str, refusal: str | None = None) -> None:
         assert self.store is not None
         snap_step, payload = self.store.load()
         self.policy.record(step, cause)  # raises RollbackLimitError past max_rollbacks within the window
-        restore_payload(payload, self._trainable(), self.base, self.zero)
+        self._restore(payload)
         self.guards.load_guard_state_dicts(payload["guards"], exclude=self)
         self.feedback.clear()
         rb = self.config.rollback

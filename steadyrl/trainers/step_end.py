@@ -258,11 +258,7 @@ class _RunSummary(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         t = self.trainer
         if t.accelerator.is_main_process and t.ledger is not None:
-            try:  # the run's summary (steadyrl doctor / report read it); never worth the final save
-                t.ledger.write(Path(args.output_dir))
-            except OSError as exc:
-                logger.warning("could not write %s/interventions.json (%s); the run and its model are unaffected",
-                               args.output_dir, exc)  # fmt: skip
+            t.ledger.write(Path(args.output_dir))  # a report: a full disk is a warning (storage.write_report)
         if t.accelerator.is_main_process and (t.step_end.active or t.parts.finite_checks or t.parts.opefo is not None):
             try:  # a report: it must never cost the run its final save and eval, which come after train()
                 write_guard_cost(Path(args.output_dir), t, state.global_step)

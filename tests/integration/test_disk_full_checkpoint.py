@@ -144,26 +144,57 @@ class DiskFullOnRank0ModelWrite(TrainerCallback):
         torch.save = torch_save
 
 
-def test_a_full_disk_on_rank_0s_model_write_under_zero2_stops_every_rank_without_a_hang(tiny_model_dir, tmp_path):
+class DiskFullInRank1DeepSpeedSave(TrainerCallback):
+    """(``callbacks`` entry) The second rank's disk fills up inside DeepSpeed's own ``save_checkpoint``, on its
+    optimizer partition of step 4; the main process's writes succeed, and it goes on to DeepSpeed's closing barrier."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        shutil.disk_usage = lambda path: SimpleNamespace(total=2**40, used=2**40, free=2**30)
+        if args.process_index != 1:
+            return
+        real_torch_save = torch.save
+
+        def torch_save(obj, file, *a, **k):
+            if "checkpoint-4" in str(file):
+                raise OSError(errno.ENOSPC, "No space left on device", str(file))
+            return real_torch_save(obj, file, *a, **k)
+
+        torch.save = torch_save
+
+
+@pytest.mark.parametrize(
+    ("callback", "cause"),
+    [
+        ("DiskFullOnRank0ModelWrite", "rank 0: OSError: [Errno 28] No space left on device: "
+         "'{staged}/model.safetensors'"),
+        ("DiskFullInRank1DeepSpeedSave", "rank 1: OSError: [Errno 28] No space left on device: "
+         "'{staged}/global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt'"),
+    ],
+    ids=["rank0_model_write", "rank1_inside_deepspeed_save"],
+)  # fmt: skip
+def test_a_full_disk_on_one_rank_under_zero2_stops_every_rank_without_a_hang(tiny_model_dir, tmp_path, callback, cause):
+    """Rank 0's model write (before DeepSpeed's save) and rank 1's optimizer partition (inside it, while rank 0
+    waits in DeepSpeed's closing barrier): both ranks stop with the failing rank's cause, nothing published."""
     pytest.importorskip("deepspeed")
     from tests.integration.test_launch import launch
 
     out = tmp_path / "run"
     _, proc = launch(
         "zero2.yaml", tiny_model_dir, out, "trainer.max_steps=6", "trainer.save_steps=2", "eval.enabled=false",
-        "callbacks=[tests.integration.test_disk_full_checkpoint:DiskFullOnRank0ModelWrite]", check=False, timeout=300,
+        f"callbacks=[tests.integration.test_disk_full_checkpoint:{callback}]", check=False, timeout=300,
     )  # fmt: skip
     staged = out / STAGING_DIR / "checkpoint-4"
     assert proc.returncode != 0, proc.stderr[-3000:]
     expected = (
-        f"steadyrl: stopped: checkpoint-4 was not saved: rank 0: OSError: [Errno 28] No space left on device: "
-        f"'{staged}/model.safetensors' (writing {staged}; 1.0 GiB free on the disk of {out}). The partial checkpoint "
-        f"was removed. Last complete checkpoint: {out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes "
-        "from it)."
+        f"steadyrl: stopped: checkpoint-4 was not saved: {cause.format(staged=staged)} (writing {staged}; 1.0 GiB "
+        f"free on the disk of {out}). The partial checkpoint was removed. Last complete checkpoint: "
+        f"{out / 'checkpoint-2'} (trainer.resume_from_checkpoint: auto resumes from it)."
     )
-    assert proc.stderr.count(expected) == 2, proc.stderr[-4000:]  # both ranks stop with rank 0's cause
+    assert proc.stderr.count(expected) == 2, proc.stderr[-4000:]  # both ranks stop with the failing rank's cause
     # the one traceback is torchrun's own, reporting the workers' exit code 1; none from a worker
     assert proc.stderr.count("Traceback (most recent call last)") == 1 and "raise ChildFailedError(" in proc.stderr
     assert "PeerSaveError" not in proc.stderr and "CheckpointSaveError" not in proc.stderr
     assert not staged.exists() and not (out / "checkpoint-4").exists()
     assert find_resume_checkpoint(out) == out / "checkpoint-2"
+    # DeepSpeed's pointer to its tag, written after its closing barrier
+    assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"

@@ -275,6 +275,7 @@ def _launch_with_a_bad_moment(accelerate_config, model_dir, out, fault):
         "guards.opefo.enabled=true",
         "guards.opefo.rollback.check_interval=1",
         "guards.opefo.rollback.snapshot_interval=1",
+        "guards.opefo.rollback.storage=disk",
         f"callbacks=[tests.integration.rank_dump:RankDump, tests.integration.rank_dump:{fault}]",
     )
 
@@ -294,6 +295,17 @@ def test_nan_in_one_ranks_optimizer_state_rolls_back_every_rank(tiny_model_dir, 
         assert all(torch.isfinite(m["exp_avg_sq"]).all() for m in d["per_step"][-1]["moments"])
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
     assert all(torch.isfinite(v).all() for v in dumps[0]["weights"].values())
+    # the step-4 snapshot on disk: the weights once (the first rank); the Adam state once (DDP: its replicas) or each
+    # rank its part (ZeRO: with its fp32 master partition); the rollback above broadcast the rest from the first rank
+    held = [_snapshot_payload(tmp_path / "rb", rank) for rank in (0, 1)]
+    zero = accelerate_config == "zero2.yaml"
+    assert {"params", "optimizer", "guards"} <= set(held[0]) and ("fp32_partitions" in held[0]) == zero
+    assert set(held[1]) == ({"guards", "optimizer", "fp32_partitions"} if zero else {"guards"})
+
+
+def _snapshot_payload(out: Path, rank: int) -> dict:
+    (path,) = (out / "opefo_snapshots" / f"rank{rank}").glob("snapshot-*.pt")
+    return torch.load(path, weights_only=False)["payload"]
 
 
 @pytest.mark.parametrize("accelerate_config", ["multi_cpu.yaml", "zero2.yaml"], ids=["ddp", "zero2"])

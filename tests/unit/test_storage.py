@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+from pathlib import Path
+
 import pytest
 
 from steadyrl import storage
@@ -16,14 +20,15 @@ def _plan(size: ModelSize, **kw) -> StoragePlan:
 
 def test_full_fine_tuning_under_zero_by_hand():
     # P = P_t = 1000 bf16 weights on 8 ZeRO ranks: weights 2,000; Adam 2 x 1000 x 4 + fp32 master 4,000 = 12,000;
-    # DeepSpeed's model states 2,000 -> checkpoint 16,000, 3 kept; snapshots 8 x (2,000 + 12,000 / 8) = 28,000;
-    # best-gold 14,000; steady 48,000 + 28,000 + 14,000; peak + the largest (28,000)
+    # DeepSpeed's model states 2,000 -> checkpoint 16,000, 3 kept; snapshots: the weights once on the first rank
+    # + each rank its 12,000 / 8 of the state = 14,000; best-gold 14,000; steady 48,000 + 14,000 + 14,000; peak + the
+    # largest (16,000)
     p = _plan(ModelSize(1000, 1000, 2, False))
-    assert (p.checkpoint, p.checkpoints_kept, p.snapshots, p.best_gold) == (16_000, 3, 28_000, 14_000)
-    assert (p.steady, p.peak) == (90_000, 118_000)
-    # DDP: no master copy, moments in the weights' dtype (bf16), every rank snapshots its whole state
+    assert (p.checkpoint, p.checkpoints_kept, p.snapshots, p.best_gold) == (16_000, 3, 14_000, 14_000)
+    assert (p.steady, p.peak) == (76_000, 92_000)
+    # DDP: no master copy, moments in the weights' dtype (bf16); the first rank snapshots the replicas' state once
     ddp = _plan(ModelSize(1000, 1000, 2, False), zero=False, ranks=2, error_feedback=True)
-    assert (ddp.checkpoint, ddp.snapshots, ddp.best_gold) == (2000 + 4000 + 8000, 2 * (2000 + 4000), 6000)
+    assert (ddp.checkpoint, ddp.snapshots, ddp.best_gold) == (2000 + 4000 + 8000, 2000 + 4000, 6000)
 
 
 def test_lora_counts_the_fp32_adapter_and_a_known_number_of_saves():
@@ -49,3 +54,25 @@ def test_refuses_past_the_free_space_warns_near_it_and_counts_what_a_resume_repl
     assert check(StoragePlan(100_000, 2, 0, 50_000, free=1_000_000, ranks=1), "out") is None
     assert check(StoragePlan(100_000, 2, 0, 50_000, free=None, ranks=1), "out") is None  # unknown: nothing said
     assert storage.human(2.5e9) == "2.5 GB" and storage.human(None) == "?"
+
+
+def test_a_report_that_cannot_be_written_is_a_warning_with_its_content_and_the_old_file_stays_whole(
+    tmp_path, monkeypatch, caplog
+):
+    path = tmp_path / "eval_results.json"
+    assert storage.write_report(path, '{"accuracy": 0.5}') and path.read_text() == '{"accuracy": 0.5}'
+    real = Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        real(self, '{"accu')  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 0)
+    with caplog.at_level(logging.WARNING, logger="steadyrl"):
+        assert storage.write_report(path, '{"accuracy": 0.75}') is False
+    assert path.read_text() == '{"accuracy": 0.5}' and [p.name for p in tmp_path.iterdir()] == ["eval_results.json"]
+    assert caplog.messages == [
+        f"could not write {path} ([Errno 28] No space left on device: '{tmp_path / '.eval_results.json.tmp'}'; 0.0 kB "
+        'free on that disk); the run, its model and its checkpoints are unaffected; its content:\n{"accuracy": 0.75}'
+    ]
