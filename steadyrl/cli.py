@@ -110,12 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steadyrl: config error: {exc}", file=sys.stderr)
             return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from steadyrl.callbacks.preemption import Preempted, resume_hint
-    from steadyrl.rewards.guarded import RewardError
-    from steadyrl.storage import StorageError
-    from steadyrl.trainers.checkpoints import CheckpointSaveError
-
-    try:
+    try:  # the config first: a bad one fails in seconds, before transformers and TRL load
         cfg = load_config(args.config, args.overrides)
         if args.command in ("sft", "reward") and cfg.algorithm != args.command:
             need = f"`steadyrl {args.command}` needs algorithm: {args.command} in the config"
@@ -127,6 +122,15 @@ def main(argv: list[str] | None = None) -> int:
                 check_requirements(cfg, args.accelerate_config)
             print(yaml.safe_dump(cfg.to_tree(), sort_keys=False), end="")
             return 0
+    except ConfigError as exc:
+        print(f"steadyrl: config error: {exc}", file=sys.stderr)
+        return 1
+    from steadyrl.callbacks.preemption import Preempted, resume_hint
+    from steadyrl.rewards.guarded import RewardError
+    from steadyrl.storage import StorageError
+    from steadyrl.trainers.checkpoints import CheckpointSaveError
+
+    try:
         from steadyrl.trainers.build import run, run_reward
 
         result = (run_reward if cfg.algorithm == "reward" else run)(cfg)
