@@ -1466,6 +1466,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/unit/test_vllm_server.py::test_a_server_that_keeps_failing_names_its_answer",),
     ),
     Mutant(
+        "parrot_judged_over_any_ngrams",
+        "the parrot filter judges a short answer's few n-grams: a right answer restating the prompt's subject is"
+        " dropped",
+        (
+            (
+                "steadyrl/guards/rollout_filters.py",
+                "judged = completions.lengths - (PARROT_N - 1) >= PARROT_MIN_NGRAMS",
+                "judged = completions.lengths >= 0",
+            ),
+        ),
+        ("tests/unit/test_quatro.py::test_a_parrot_is_judged_only_over_enough_ngrams",),
+    ),
+    Mutant(
         "report_write_failure_raised",
         "a report (eval_results.json, interventions.json) that cannot be written raises after training: the result"
         " is lost",

@@ -34,6 +34,10 @@ LENGTH_MIN_SPREAD = 1.0
 LENGTH_HISTORY = 2048
 LENGTH_MIN_HISTORY = 256
 PARROT_N = 4  # the parrot filter's n-gram size, in tokens
+# A share over fewer n-grams is not evidence of copying: a right short answer that restates the prompt's subject
+# ("Noah has 16 pencils.", 5 n-grams) shares all of them. Healthy SmolLM2 at its start (1,280 completions, T 0.7):
+# every share above 0.8 had <= 5 n-grams (docs/DESIGN.md, "QUATRO: rollout filters"). 8 n-grams = 11 tokens copied.
+PARROT_MIN_NGRAMS = 8
 
 
 @dataclass
@@ -322,7 +326,8 @@ class RolloutFilter:
     - length: outside [``min_tokens``, ``max_tokens``], or (``rolling``) outside ``length_range()`` of the lengths
       before this batch; every row's length then enters the history.
     - parrot: ``parrot_shares(prompt, completion, PARROT_N) > max_overlap`` on a row the reward would reinforce
-      (``reinforced``: above its group's mean); a degenerate row below it keeps its negative advantage.
+      (``reinforced``: above its group's mean) with at least ``PARROT_MIN_NGRAMS`` n-grams; a degenerate row below
+      the mean keeps its negative advantage.
     - repetition: ``repeat_shares(completion, n) > max_repeat_share`` on a reinforced row, likewise.
     - zero_variance: a group whose kept rows have fewer than 2 finite rewards, or all-equal ones (no learning
       signal); its kept rows are dropped. ``zero_variance_groups`` flags these groups even when this filter is off.
@@ -376,7 +381,8 @@ class RolloutFilter:
         paid = reinforced(r, num_generations)
         if cfg.parrot.enabled and bool(paid.any()):
             shares = parrot_shares(prompts, completions, PARROT_N)
-            own.append(("parrot", paid & (shares > cfg.parrot.max_overlap)))
+            judged = completions.lengths - (PARROT_N - 1) >= PARROT_MIN_NGRAMS
+            own.append(("parrot", paid & judged & (shares > cfg.parrot.max_overlap)))
         repeat = cfg.repetition
         if repeat.enabled and bool(paid.any()) and _can_repeat_over(lengths, repeat.n, repeat.max_repeat_share):
             own.append(("repetition", paid & (repeat_shares(completions, repeat.n) > repeat.max_repeat_share)))

@@ -130,7 +130,9 @@ class ReferenceRolloutFilter(RolloutFilter):
         if cfg.parrot.enabled:
             n, p = rollout_filters.PARROT_N, cfg.parrot
             shares = [parrot_share(a, b, n) for a, b in zip(prompts, completions, strict=True)]
-            mark([up and share > p.max_overlap for up, share in zip(paid, shares, strict=True)], "parrot")
+            judged = [len(c) - (n - 1) >= rollout_filters.PARROT_MIN_NGRAMS for c in completions]
+            hits = zip(paid, judged, shares, strict=True)
+            mark([up and long and share > p.max_overlap for up, long, share in hits], "parrot")
         if cfg.repetition.enabled:
             rep = cfg.repetition
             shares = [repeat_share(c, rep.n) for c in completions]

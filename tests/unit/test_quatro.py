@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_rollout_filters import ngrams, parrot_share, repeat_share
+from reference_rollout_filters import ReferenceRolloutFilter, ngrams, parrot_share, repeat_share
 
 from steadyrl.guards import entropy_floor, rollout_filters
 from steadyrl.guards.advantages import group_normalized_advantages
@@ -554,7 +554,21 @@ def test_length_fixed_and_rolling_range(monkeypatch):
     assert restored.state_dict() == filt.state_dict()
 
 
-def test_parrot_repetition_and_reason_order():
+def test_a_parrot_is_judged_only_over_enough_ngrams():
+    # a short answer restating the prompt's subject ("Noah has 16 pencils.") shares every one of its few 4-grams;
+    # copying counts from PARROT_MIN_NGRAMS (8) 4-grams, i.e. 11 tokens, on
+    prompt = list(range(100, 130))
+    rows = [prompt[:8], prompt[:10], prompt[:11], prompt[3:20], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    assert [len(c) - 3 for c in rows] == [5, 7, 8, 14, 8] and rollout_filters.PARROT_MIN_NGRAMS == 8
+    assert [parrot_share(prompt, c, 4) for c in rows] == [1.0, 1.0, 1.0, 1.0, 0.0]
+    cfg = only(parrot=ParrotConfig(max_overlap=0.8))
+    result = RolloutFilter(cfg)(t(1, 1, 1, 1, 0), [prompt] * 5, rows, 5)  # rows 0-3 above the group's mean
+    assert result.keep.tolist() == [True, True, False, False, True] and result.reasons["parrot"] == 2
+    assert ReferenceRolloutFilter(cfg)(t(1, 1, 1, 1, 0), [prompt] * 5, rows, 5).keep.tolist() == result.keep.tolist()
+
+
+def test_parrot_repetition_and_reason_order(monkeypatch):
+    monkeypatch.setattr(rollout_filters, "PARROT_MIN_NGRAMS", 1)  # short rows: the share rule alone (floor: below)
     p1, p2 = [1, 2, 3, 4, 5, 6], [1, 2, 3] * 3
     rows = [
         (p1, [2, 3, 4, 5, 6, 9]),  # parrot 2/3, repeat 0: kept
@@ -626,7 +640,8 @@ def test_filter_input_checks_and_tensor_token_ids():
         FilterConfig(parrot=ParrotConfig(max_overlap=2.0))
     with pytest.raises(ValueError, match=r"invalid RepetitionConfig: n must be >= 1, got 0"):
         FilterConfig(repetition=RepetitionConfig(n=0))
-    result = filt(t(1, 0), [torch.tensor([1, 2, 3, 4])] * 2, [torch.tensor([1, 2, 3, 4]), torch.tensor([5])], 2)
+    copied = torch.arange(1, 12)  # 11 tokens: 8 4-grams, all in the prompt
+    result = filt(t(1, 0), [copied] * 2, [copied, torch.tensor([50])], 2)
     assert result.keep.tolist() == [False, False]  # parrot (paid), then the group has 1 member left
     assert result.reasons["parrot"] == 1 and result.reasons["zero_variance"] == 1
 

@@ -436,6 +436,7 @@ def test_tensor_filters_match_the_reference_on_recorded_training_batches(
     if filters != "defaults":
         monkeypatch.setattr(rollout_filters, "LENGTH_MIN_HISTORY", 64)
         monkeypatch.setattr(rollout_filters, "PARROT_N", 1)
+        monkeypatch.setattr(rollout_filters, "PARROT_MIN_NGRAMS", 1)  # 4-token completions
         cfg = FilterConfig(
             zscore=ZScoreConfig(enabled=True),
             length=LengthConfig(max_tokens=3, rolling=True),
