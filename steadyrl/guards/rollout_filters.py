@@ -35,8 +35,8 @@ LENGTH_HISTORY = 2048
 LENGTH_MIN_HISTORY = 256
 PARROT_N = 4  # the parrot filter's n-gram size, in tokens
 # A share over fewer n-grams is not evidence of copying: a right short answer that restates the prompt's subject
-# ("Noah has 16 pencils.", 5 n-grams) shares all of them. Healthy SmolLM2 at its start (1,280 completions, T 0.7):
-# every share above 0.8 had <= 5 n-grams (docs/DESIGN.md, "QUATRO: rollout filters"). 8 n-grams = 11 tokens copied.
+# ("Noah has 16 pencils." + end of turn, 6 n-grams) shares all of them. Healthy SmolLM2 at its start (2,560
+# completions): every share above 0.8 had 6 n-grams (docs/DESIGN.md, "QUATRO: rollout filters"). 8 = 11 tokens copied.
 PARROT_MIN_NGRAMS = 8
 
 
