@@ -135,12 +135,14 @@ def _check_resume_world_size(folder: Path, processes: int, cfg: RunConfig) -> No
         return
     if ((_deepspeed_config(cfg) or {}).get("checkpoint") or {}).get("load_universal"):
         return  # the way out this message names: DeepSpeed loads a universal checkpoint on any number
+    tag = (folder / "latest").read_text().strip() if (folder / "latest").is_file() else "global_stepN"
     raise ConfigError(
         f"trainer.resume_from_checkpoint: {folder} was written by {saved} processes and this DeepSpeed run has "
         f"{processes}; ZeRO's optimizer partitions only load on the same number. Launch with --num_processes "
-        f"{saved}, or convert it with DeepSpeed's universal checkpoint (python -m "
-        'deepspeed.checkpoint.ds_to_universal) and load that ("checkpoint": {"load_universal": true} in the '
-        "DeepSpeed config), or start a new run from its weights "
+        f"{saved}, or convert it to DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal "
+        f"--inject_missing_state --input_folder {folder / tag} --output_folder {folder / tag}_universal; then "
+        f'echo {tag}_universal > {folder / "latest_universal"}) and load that ("checkpoint": {{"load_universal": '
+        "true} in the DeepSpeed config file), or start a new run from its weights "
         f"(model.path={folder}, trainer.resume_from_checkpoint=null)"
     )
 

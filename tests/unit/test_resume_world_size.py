@@ -36,6 +36,7 @@ def cfg(tmp_path: Path):
 
 def test_deepspeed_refuses_another_number_of_processes_naming_both_and_the_fix(tmp_path, cfg, monkeypatch) -> None:
     folder = _checkpoint(tmp_path, {"global_step": 3, "num_processes": 2})
+    (folder / "latest").write_text("global_step3")  # DeepSpeed's pointer to its tag
     _check_resume_world_size(folder, 1, cfg)  # DDP: resumes (per-rank state dropped at load time)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     _check_resume_world_size(folder, 2, cfg)  # the same number: fine
@@ -43,7 +44,15 @@ def test_deepspeed_refuses_another_number_of_processes_naming_both_and_the_fix(t
         _check_resume_world_size(folder, 1, cfg)
     message = str(err.value)
     assert "written by 2 processes and this DeepSpeed run has 1" in message
-    assert "--num_processes 2" in message and "ds_to_universal" in message and '"load_universal": true' in message
+    assert "--num_processes 2" in message and '"load_universal": true' in message
+    # HF Trainer checkpoints lack DeepSpeed's universal_checkpoint_info: without --inject_missing_state the conversion
+    # stops ("Required universal_checkpoint_info state is missing"); DeepSpeed then reads the tag in latest_universal
+    # (the recipe was run by hand: 1 -> 2 ZeRO-2 processes, resume, then a gold rollback on both ranks)
+    assert (
+        f"python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state --input_folder "
+        f"{folder / 'global_step3'} --output_folder {folder / 'global_step3'}_universal; then echo "
+        f"global_step3_universal > {folder / 'latest_universal'})" in message
+    )
     # the fix it names is let through: a universal checkpoint loads on any number of processes
     universal = load_config(
         REPO / "configs" / "tiny" / "grpo.yaml",
