@@ -176,10 +176,9 @@ def write_report(path: str | Path, text: str) -> bool:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         shown = f"; its content:\n{text}" if len(text) <= 4000 else ""
-        logger.warning(
-            "could not write %s (%s; %s free on that disk); the run, its model and its checkpoints are unaffected%s",
-            path, exc, human(free_bytes(path.parent)), shown,
-        )  # fmt: skip
+        free = human(free_bytes(path.parent))
+        what = "the run, its model and its checkpoints are unaffected"
+        logger.warning("could not write %s (%s; %s free on that disk); %s%s", path, exc, free, what, shown)
         return False
 
 

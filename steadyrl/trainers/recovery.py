@@ -308,17 +308,13 @@ class StateRecovery:
     def _restore(self, payload: dict[str, Any]) -> None:
         """A snapshot's payload back into the live weights and optimizer; launched together, what the first rank
         holds alone is broadcast from it (every rank calls this at the same rollback)."""
-        trainable = self._trainable()
+        trainable, dist = self._trainable(), torch.distributed
         if self._first_rank_holds is not None and self.zero is None:  # DDP: the replicas' Adam state, from rank 0
-            import torch.distributed as dist
-
             shared = [payload.get("optimizer")]
             dist.broadcast_object_list(shared, src=0, device=optimizer_device(self.base))
             payload["optimizer"] = shared[0]
         restore_payload(payload, trainable if "params" in payload else [], self.base, self.zero)
         if self._first_rank_holds is not None:
-            import torch.distributed as dist
-
             with torch.no_grad():
                 for _, p in trainable:
                     dist.broadcast(p.data, src=0)
