@@ -365,6 +365,34 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/integration/test_gold_watch.py::test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one",),
     ),
     Mutant(
+        "best_gold_other_layout_master_not_refreshed",
+        "a ZeRO best kept on another number of ranks restores the weights but not ZeRO's fp32 master copy: the next "
+        "step moves on from the diverged weights",
+        (
+            (
+                "steadyrl/trainers/best_policy.py",
+                "        if zero is not None:\n            zero.refresh_fp32_params()\n",
+                "",
+            ),
+        ),
+        (
+            "tests/integration/test_gold_watch.py::"
+            "test_a_zero2_resume_on_two_processes_rolls_back_to_a_best_one_process_kept_before_the_checkpoint",
+        ),
+    ),
+    Mutant(
+        "decoupled_checkpoint_engine_accepted",
+        "a DeepSpeed decoupled checkpoint engine is accepted: checkpoints published before their optimizer state",
+        (
+            (
+                "steadyrl/config/checks.py",
+                '    if not (datastates or (isinstance(writer, dict) and writer.get("decoupled"))):',
+                "    if True:",
+            ),
+        ),
+        ("tests/unit/test_config.py::test_deepspeeds_decoupled_checkpoint_engines_are_refused",),
+    ),
+    Mutant(
         "best_gold_weights_twice",
         "best-gold/ keeps the trainable tensors again beside the model save_model wrote (twice the weights)",
         (

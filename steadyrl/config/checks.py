@@ -277,6 +277,24 @@ def _check_what_guards_cannot_protect(cfg: Any) -> None:
         )
 
 
+def _check_checkpoint_engine(cfg: Any) -> None:
+    """DeepSpeed's decoupled checkpoint engines write after ``save_checkpoint`` returns, but a checkpoint is published
+    by renaming its staged folder when the save returns (``trainers.checkpoints``)."""
+    ds = _deepspeed_config(cfg) or {}
+    writer = (ds.get("checkpoint") or {}).get("writer") or {}
+    datastates = ds.get("datastates_ckpt", False) is not False  # DeepSpeed's own test: present and not false
+    if not (datastates or (isinstance(writer, dict) and writer.get("decoupled"))):
+        return
+    what = "datastates_ckpt" if datastates else "checkpoint.writer.decoupled: true"
+    raise ConfigError(
+        f"the DeepSpeed config's {what} writes each checkpoint in the background and commits it at a later optimizer "
+        "step, but steadyrl publishes a checkpoint by renaming its staged folder once DeepSpeed's save returns, and "
+        "stops every rank on a failed write there: the published checkpoint would lack the optimizer state still being "
+        f"written. Remove {what.split(':')[0]} (a checkpoint.writer with decoupled false writes before the save "
+        "returns)"
+    )
+
+
 def _read_json(path: str | None) -> Any:
     """The JSON in file ``path``; None when there is none or it cannot be read (DeepSpeed later names the file)."""
     if not path or not Path(path).is_file():
@@ -330,6 +348,7 @@ def _check_grpo(cfg: Any, world_size: int) -> None:
         )
 
     _check_guards(cfg)
+    _check_checkpoint_engine(cfg)
     if "reward_weights" in t:
         raise ConfigError("trainer.reward_weights: set each reward's `weight` in the rewards list instead")
 

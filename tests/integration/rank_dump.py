@@ -35,6 +35,7 @@ class RankDump(TrainerCallback):
         base = _optimizer_chain(optimizer)[-1]
         self.per_step.append(
             {
+                "step": state.global_step,
                 "weights": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
                 "moments": [
                     {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}

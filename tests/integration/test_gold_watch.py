@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -14,11 +16,13 @@ import torch
 from steadyrl.callbacks.gold_watch import BEST_DIR, GoldWatch
 from steadyrl.guards.rollback import cpu_copy
 from steadyrl.trainers.build import build_trainer
-from tests.integration.helpers import QUIET_TRAINER, per_step, write_config
+from tests.integration.helpers import QUIET_TRAINER, assert_same_weights, per_step, write_config
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = {2: 0.5, 4: 0.9, 6: 0.2, 8: 0.95}  # the gold metric at each eval step: best at 4, a fall at 6
+# best at 2, kept before the checkpoint at 4 (whose eval is no new best and no fall), a fall at 6, no new best at 8
+SCRIPT_BEST_BEFORE_THE_CHECKPOINT = {2: 0.9, 4: 0.88, 6: 0.2, 8: 0.87}
 
 
 def scripted_gold(completions: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
@@ -26,6 +30,11 @@ def scripted_gold(completions: list[str], trainer_state: Any = None, **_: Any) -
     training, so only the evals read it)."""
     step = trainer_state.global_step if trainer_state is not None else 0
     return [SCRIPT.get(step, 0.0)] * len(completions)
+
+
+def scripted_gold_best_before_the_checkpoint(completions: list[str], trainer_state: Any = None, **_: Any) -> list:
+    step = trainer_state.global_step if trainer_state is not None else 0
+    return [SCRIPT_BEST_BEFORE_THE_CHECKPOINT.get(step, 0.0)] * len(completions)
 
 
 def _script(monkeypatch, **golds: float) -> None:
@@ -312,7 +321,7 @@ def test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one(tiny_model_d
     """1 process keeps the best at step 4 and checkpoints; the run resumes on 2 processes (DDP), the eval falls at 6:
     both ranks restore the step-4 policy from the files one process wrote (the weights and the optimizer state once,
     not per rank: before, rank 1 died with FileNotFoundError on gold_state_rank1.pt) and end with equal weights."""
-    from tests.integration.test_launch import assert_same_weights, launch
+    from tests.integration.test_launch import launch
 
     out = tmp_path / "resize"
     gold = (
@@ -337,6 +346,71 @@ def test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one(tiny_model_d
     assert rollback["step"] == 6 and rollback["snapshot_step"] == 4, proc.stderr[-3000:]
     final = json.loads((out / BEST_DIR / "gold.json").read_text())
     assert (final["step"], final["ranks"]) == (8, 2)  # the new best after the rollback, kept by two
+
+
+def test_a_zero2_resume_on_two_processes_rolls_back_to_a_best_one_process_kept_before_the_checkpoint(
+    tiny_model_dir, tmp_path
+):
+    """ZeRO-2: 1 process keeps the best at step 2 (its Adam state partitioned for 1 rank) and checkpoints at 4; the
+    checkpoint is converted to DeepSpeed's universal format as the world-size refusal says, and the run resumes on 2
+    processes; the eval falls at 6. Both ranks restore the step-2 weights with the live moments (the kept partition is
+    for another layout: warned), ZeRO's fp32 master copy refreshed from them, so step 7 moves on from the best policy,
+    not from the step-6 weights the master still held."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from tests.integration.test_launch import REPO, launch
+
+    out = tmp_path / "resize"
+    gold = (
+        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}, "
+        "{fn: 'tests.integration.test_gold_watch:scripted_gold_best_before_the_checkpoint', weight: 0.0, name: gold}]",
+        "eval.every=2",
+        "eval.metric=gold",
+        "guards.quatro.enabled=true",
+        "guards.quatro.gold.confirm=1",
+        "guards.quatro.gold.reward_slack=100.0",
+        "trainer.save_steps=4",
+        "trainer.learning_rate=1e-2",
+        "trainer.lr_scheduler_type=constant",
+        "trainer.resume_from_checkpoint=auto",
+    )
+    launch("zero2.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=4", num_processes=1, timeout=200)
+    kept = json.loads((out / BEST_DIR / "gold.json").read_text())
+    assert (kept["step"], kept["ranks"], kept["partitioned"]) == (2, 1, True)
+    checkpoint = out / "checkpoint-4"
+    tag = (checkpoint / "latest").read_text().strip()
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
+         "--input_folder", str(checkpoint / tag), "--output_folder", str(checkpoint / f"{tag}_universal")],
+        check=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    (checkpoint / "latest_universal").write_text(f"{tag}_universal")
+    ds_config = json.loads((REPO / "configs" / "deepspeed" / "zero2.json").read_text())
+    ds_config["checkpoint"] = {"load_universal": True}
+    (ds_file := tmp_path / "zero2_universal.json").write_text(json.dumps(ds_config))
+    two, proc = launch(
+        "zero2.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=8",
+        accelerate_args=("--deepspeed_config_file", str(ds_file)), timeout=300,
+    )  # fmt: skip
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rollbacks = [(e["step"], e["snapshot_step"]) for e in events if e.get("event") == "gold_rollback"]
+    assert rollbacks == [(6, 2), (8, 2)], proc.stderr[-3000:]  # the fall, then the end of the run on the best
+    warning = "kept with its optimizer state partitioned over 1 ranks; this run has 2 process(es) under ZeRO"
+    assert proc.stderr.count(warning) == 4  # each rank, at the fall and at the end of the run
+    best = load_file(out / BEST_DIR / "model.safetensors")  # still step 2's: no new best after it
+    assert json.loads((out / BEST_DIR / "gold.json").read_text())["step"] == 2
+    for dump in two:
+        steps = {s["step"]: s["weights"] for s in dump["per_step"]}
+        w6, w7 = steps[6], steps[7]  # before the rollback at 6's eval, and one step after it
+
+        def distance(a, b):
+            return sum(float((a[k].float() - b[k].float()).norm() ** 2) for k in best) ** 0.5
+
+        # from the restored policy one Adam step at half the learning rate, not from where step 6 had gone
+        assert distance(w7, best) < 0.5 * distance(w7, w6), (distance(w7, best), distance(w7, w6))
+    assert_same_weights(two[0]["weights"], two[1]["weights"])
+    assert all(torch.isfinite(v).all() for v in two[0]["weights"].values())
 
 
 def test_the_python_api_runs_the_watch_on_trls_own_eval(tiny_model_dir, tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -444,6 +446,27 @@ def test_what_a_guard_cannot_protect_is_refused(base: Path, tmp_path: Path, monk
         load_config(base, opefo)
     ds.write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}')
     assert load_config(base, [*opefo, *gepo]).guards.opefo.enabled
+
+
+GUARD_LAYERS = ("gepo", "opefo", "quatro", "grade")
+
+
+def test_deepspeeds_decoupled_checkpoint_engines_are_refused(base: Path, tmp_path: Path) -> None:
+    """A decoupled engine (checkpoint.writer.decoupled, datastates_ckpt) commits a checkpoint at a later optimizer step,
+    after steadyrl has published the staged folder: refused, guards on or off; a synchronous writer is kept."""
+    ds = tmp_path / "ds.json"
+    for tree, what in (
+        ({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}, "checkpoint.writer.decoupled: true"),
+        ({"datastates_ckpt": {}}, "datastates_ckpt"),
+    ):
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, **tree}))
+        with pytest.raises(ConfigError, match=rf"config's {re.escape(what)} writes each checkpoint in the background"):
+            load_config(base, [f"trainer.deepspeed={ds}"])
+        with pytest.raises(ConfigError, match=r"the published checkpoint would lack the optimizer state"):
+            load_config(base, [f"trainer.deepspeed={ds}", *(f"guards.{g}.enabled=false" for g in GUARD_LAYERS)])
+    for tree in ({"checkpoint": {"writer": {"type": "fast", "decoupled": False}}}, {"datastates_ckpt": False}):
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, **tree}))
+        assert load_config(base, [f"trainer.deepspeed={ds}"]).trainer["deepspeed"] == str(ds)
 
 
 # ------------------------------------------------------------------ typos keep their origin (issue 15)
