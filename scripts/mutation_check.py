@@ -362,7 +362,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 "    state_file = folder / rank_state(acc.process_index)",
             ),
         ),
-        ("tests/integration/test_gold_watch.py::test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one",),
+        (
+            f"{IT}/test_launch.py::"
+            "test_resume_on_another_number_of_processes_drops_per_rank_state_and_rolls_back_to_a_best_kept_by_one",
+        ),
     ),
     Mutant(
         "best_gold_other_layout_master_not_refreshed",
@@ -1257,7 +1260,10 @@ MUTANTS: tuple[Mutant, ...] = (
                 "    if False:",
             ),
         ),
-        (f"{IT}/test_launch.py::test_resume_on_another_number_of_processes_drops_per_rank_state_on_every_rank",),
+        (
+            f"{IT}/test_launch.py::"
+            "test_resume_on_another_number_of_processes_drops_per_rank_state_and_rolls_back_to_a_best_kept_by_one",
+        ),
     ),
     Mutant(
         "beta0_refused",

@@ -21,20 +21,48 @@ from tests.integration.helpers import QUIET_TRAINER, assert_same_weights, per_st
 pytestmark = pytest.mark.slow
 
 SCRIPT = {2: 0.5, 4: 0.9, 6: 0.2, 8: 0.95}  # the gold metric at each eval step: best at 4, a fall at 6
-# best at 2, kept before the checkpoint at 4 (whose eval is no new best and no fall), a fall at 6, no new best at 8
-SCRIPT_BEST_BEFORE_THE_CHECKPOINT = {2: 0.9, 4: 0.88, 6: 0.2, 8: 0.87}
+# the launch tests' scripts (a launch cannot monkeypatch SCRIPT): best at 2, kept before the checkpoint at 4 (whose
+# eval is no new best and no fall), a fall at 6, no new best at 8; and best at 4, a fall at 8
+LAUNCH_SCRIPTS = {"best_at_2": {2: 0.9, 4: 0.88, 6: 0.2, 8: 0.87}, "best_at_4": {2: 0.5, 4: 0.9, 6: 0.88, 8: 0.2}}
+
+
+def _gold_at(script: dict[int, float], completions: list[str], trainer_state: Any) -> list[float]:
+    step = trainer_state.global_step if trainer_state is not None else 0
+    return [script.get(step, 0.0)] * len(completions)
 
 
 def scripted_gold(completions: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
     """The eval metric of these tests: SCRIPT's value at the current step for every completion (weight 0 in
     training, so only the evals read it)."""
-    step = trainer_state.global_step if trainer_state is not None else 0
-    return [SCRIPT.get(step, 0.0)] * len(completions)
+    return _gold_at(SCRIPT, completions, trainer_state)
 
 
-def scripted_gold_best_before_the_checkpoint(completions: list[str], trainer_state: Any = None, **_: Any) -> list:
-    step = trainer_state.global_step if trainer_state is not None else 0
-    return [SCRIPT_BEST_BEFORE_THE_CHECKPOINT.get(step, 0.0)] * len(completions)
+def gold_best_at_2(completions: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
+    return _gold_at(LAUNCH_SCRIPTS["best_at_2"], completions, trainer_state)
+
+
+def gold_best_at_4(completions: list[str], trainer_state: Any = None, **_: Any) -> list[float]:
+    return _gold_at(LAUNCH_SCRIPTS["best_at_4"], completions, trainer_state)
+
+
+def gold_watch_overrides(reward: str) -> tuple[str, ...]:
+    """Launch overrides: the gold watch on ``reward`` (one of the scripts above), an eval every 2 steps, one fall
+    confirms, the training reward always holds."""
+    return (
+        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}, "
+        f"{{fn: 'tests.integration.test_gold_watch:{reward}', weight: 0.0, name: gold}}]",
+        "eval.every=2",
+        "eval.metric=gold",
+        "guards.quatro.enabled=true",
+        "guards.quatro.gold.confirm=1",
+        "guards.quatro.gold.reward_slack=100.0",
+    )
+
+
+def gold_rollbacks(out) -> list[tuple[int, int]]:
+    """(step, the best's step) of each gold-watch rollback in the run's metrics, the end-of-run return included."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(e["step"], e["snapshot_step"]) for e in rows if e.get("event") == "gold_rollback"]
 
 
 def _script(monkeypatch, **golds: float) -> None:
@@ -317,37 +345,6 @@ def test_a_full_disk_while_keeping_a_new_best_stops_the_run_and_keeps_the_last_b
     assert not (tmp_path / "run" / ".staging" / BEST_DIR).exists()  # the partial copy removed
 
 
-def test_a_resume_on_two_processes_rolls_back_to_a_best_kept_by_one(tiny_model_dir, tmp_path):
-    """1 process keeps the best at step 4 and checkpoints; the run resumes on 2 processes (DDP), the eval falls at 6:
-    both ranks restore the step-4 policy from the files one process wrote (the weights and the optimizer state once,
-    not per rank: before, rank 1 died with FileNotFoundError on gold_state_rank1.pt) and end with equal weights."""
-    from tests.integration.test_launch import launch
-
-    out = tmp_path / "resize"
-    gold = (
-        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}, "
-        "{fn: 'tests.integration.test_gold_watch:scripted_gold', weight: 0.0, name: gold}]",
-        "eval.every=2",
-        "eval.metric=gold",
-        "guards.quatro.enabled=true",
-        "guards.quatro.gold.confirm=1",
-        "guards.quatro.gold.reward_slack=100.0",
-        "trainer.save_steps=4",
-        "trainer.resume_from_checkpoint=auto",
-    )
-    launch("single.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=4", num_processes=1, timeout=200)
-    kept = json.loads((out / BEST_DIR / "gold.json").read_text())
-    assert (kept["step"], kept["ranks"], kept["partitioned"]) == (4, 1, False)
-    two, proc = launch("multi_cpu.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=8", timeout=300)
-    assert [d["global_step"] for d in two] == [8, 8]
-    assert_same_weights(two[0]["weights"], two[1]["weights"])
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (rollback,) = [e for e in events if e.get("event") == "gold_rollback"]
-    assert rollback["step"] == 6 and rollback["snapshot_step"] == 4, proc.stderr[-3000:]
-    final = json.loads((out / BEST_DIR / "gold.json").read_text())
-    assert (final["step"], final["ranks"]) == (8, 2)  # the new best after the rollback, kept by two
-
-
 def test_a_zero2_resume_on_two_processes_rolls_back_to_a_best_one_process_kept_before_the_checkpoint(
     tiny_model_dir, tmp_path
 ):
@@ -363,13 +360,7 @@ def test_a_zero2_resume_on_two_processes_rolls_back_to_a_best_one_process_kept_b
 
     out = tmp_path / "resize"
     gold = (
-        "rewards=[{fn: 'tests.integration.helpers:byte_mean'}, "
-        "{fn: 'tests.integration.test_gold_watch:scripted_gold_best_before_the_checkpoint', weight: 0.0, name: gold}]",
-        "eval.every=2",
-        "eval.metric=gold",
-        "guards.quatro.enabled=true",
-        "guards.quatro.gold.confirm=1",
-        "guards.quatro.gold.reward_slack=100.0",
+        *gold_watch_overrides("gold_best_at_2"),
         "trainer.save_steps=4",
         "trainer.learning_rate=1e-2",
         "trainer.lr_scheduler_type=constant",
@@ -393,9 +384,7 @@ def test_a_zero2_resume_on_two_processes_rolls_back_to_a_best_one_process_kept_b
         "zero2.yaml", tiny_model_dir, out, *gold, "trainer.max_steps=8",
         accelerate_args=("--deepspeed_config_file", str(ds_file)), timeout=300,
     )  # fmt: skip
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rollbacks = [(e["step"], e["snapshot_step"]) for e in events if e.get("event") == "gold_rollback"]
-    assert rollbacks == [(6, 2), (8, 2)], proc.stderr[-3000:]  # the fall, then the end of the run on the best
+    assert gold_rollbacks(out) == [(6, 2), (8, 2)], proc.stderr[-3000:]  # the fall, then the run's end on the best
     warning = "kept with its optimizer state partitioned over 1 ranks; this run has 2 process(es) under ZeRO"
     assert proc.stderr.count(warning) == 4  # each rank, at the fall and at the end of the run
     best = load_file(out / BEST_DIR / "model.safetensors")  # still step 2's: no new best after it

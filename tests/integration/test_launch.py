@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -323,16 +324,22 @@ def test_inf_in_one_ranks_moments_is_repaired_under_zero_and_rolled_back_under_d
     assert_same_weights(dumps[0]["weights"], dumps[1]["weights"])
 
 
-def test_resume_on_another_number_of_processes_drops_per_rank_state_on_every_rank(tiny_model_dir, tmp_path):
-    """2 -> 1 -> 2 processes, each save in the middle of a generation window (4 steps per generation, saves every
-    3): each resume warns naming both counts, every rank drops its rollout buffer and per-rank guard state (without
-    that, one rank reuses its buffered rollouts while the other generates, and generation hangs), and the ranks
-    end with equal weights at the step asked for."""
+def test_resume_on_another_number_of_processes_drops_per_rank_state_and_rolls_back_to_a_best_kept_by_one(
+    tiny_model_dir, tmp_path
+):
+    """2 -> 1 -> 2 processes (DDP), each save in the middle of a generation window (4 steps per generation, saves
+    every 3): each resume warns naming both counts, every rank drops its rollout buffer and per-rank guard state
+    (without that, one rank reuses its buffered rollouts while the other generates, and generation hangs). The gold
+    watch keeps its best at step 4 on 1 process; on 2 processes the eval falls at 8 and both ranks restore that best
+    from the files one process wrote (the weights and the optimizer state once: before, rank 1 died with
+    FileNotFoundError on gold_state_rank1.pt); the ranks end with equal weights at the step asked for."""
+    from tests.integration.test_gold_watch import BEST_DIR, gold_rollbacks, gold_watch_overrides
+
     out = tmp_path / "resize"
     every_layer = (
+        *gold_watch_overrides("gold_best_at_4"),
         "guards.gepo.enabled=true",
         "guards.opefo.enabled=true",
-        "guards.quatro.enabled=true",
         "guards.quatro.replay.enabled=true",
         "trainer.steps_per_generation=4",
         "trainer.save_steps=3",
@@ -342,9 +349,12 @@ def test_resume_on_another_number_of_processes_drops_per_rank_state_on_every_ran
     one, to_one = launch(
         "single.yaml", tiny_model_dir, out, *every_layer, "trainer.max_steps=6", num_processes=1, timeout=150
     )
+    kept = json.loads((out / BEST_DIR / "gold.json").read_text())
+    assert (kept["step"], kept["ranks"], kept["partitioned"]) == (4, 1, False)
     two, to_two = launch("multi_cpu.yaml", tiny_model_dir, out, *every_layer, "trainer.max_steps=9", timeout=150)
     assert one[0]["global_step"] == 6 and [d["global_step"] for d in two] == [9, 9]
     assert_same_weights(two[0]["weights"], two[1]["weights"])
     warning = "was written by {} processes and this run has {}: per-rank state is dropped"
     assert warning.format(2, 1) in to_one.stdout + to_one.stderr
     assert warning.format(1, 2) in to_two.stdout + to_two.stderr
+    assert gold_rollbacks(out) == [(8, 4), (9, 4)], to_two.stderr[-3000:]  # the fall; the run's end on the best
