@@ -24,6 +24,7 @@ import copy
 import datetime
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -217,8 +218,10 @@ def write_results(
 
 
 def script_command(script: str) -> str:
-    """``python scripts/<script> ARGS...`` as this invocation was typed."""
-    return f"python scripts/{script} " + shlex.join(sys.argv[1:])
+    """``python scripts/<script> ARGS...`` as this invocation was typed, after ``ATEN_CPU_CAPABILITY=...`` when it is
+    set (it picks torch's CPU kernels: another host's results on this one)."""
+    aten = os.environ.get("ATEN_CPU_CAPABILITY")
+    return (f"ATEN_CPU_CAPABILITY={aten} " if aten else "") + f"python scripts/{script} " + shlex.join(sys.argv[1:])
 
 
 # ------------------------------------------------------------------------------------------------ generic CLI

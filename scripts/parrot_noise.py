@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=160)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--results", default=None)
+    ap.add_argument("--tag", default="", help="appended to the scenario name (e.g. -default for another kernel path)")
     args = ap.parse_args()
     sha = X.commit()
     runs = {seed: sample(args.prompts, seed) for seed in args.seeds}
@@ -131,7 +132,7 @@ def main() -> None:
                 f"{variant}, seed {s}: {result['dropped']} of {result['rows']} rows dropped; above the share: "
                 f"n-grams {result['ngrams_above']}, {result['texts_above']}"
             )
-        cells.append(X.cell("smollm2-start", variant, args.seeds, per_seed, list(per_seed[0])))
+        cells.append(X.cell("smollm2-start" + args.tag, variant, args.seeds, per_seed, list(per_seed[0])))
     if args.results:
         model = "smollm2-135m-instruct (configs/small/grpo-lora.yaml's sampling)"
         doc = X.results_doc(

@@ -269,3 +269,12 @@ def test_the_generic_cli_writes_paired_cells(fake: Path, tmp_path: Path, monkeyp
     assert doc["cells"][1]["accuracy"] == pytest.approx([0.05, 0.17, 0.29])
     # flag - plain per seed: 0.05, 0.07, 0.09 -> mean 0.07, sample std 0.02, s.e. 0.02 / sqrt(3) = 0.0115
     assert "| flag − plain (paired) | | | +0.070 ± 0.012 (3) |" in capsys.readouterr().out
+
+
+def test_a_results_command_names_the_kernel_path_it_ran_under(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run under ``ATEN_CPU_CAPABILITY`` (another host's torch kernels) records it in its command, quoted as typed."""
+    monkeypatch.setattr(sys, "argv", ["scripts/parrot_noise.py", "--tag", "-default", "--results", "a b.json"])
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert X.script_command("parrot_noise.py") == "python scripts/parrot_noise.py --tag -default --results 'a b.json'"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert X.script_command("parrot_noise.py").startswith("ATEN_CPU_CAPABILITY=default python scripts/parrot_noise.py")
