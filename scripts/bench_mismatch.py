@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reuse", action="store_true", help="read finished runs instead of running them again")
     ap.add_argument("--real", action="store_true", help="SmolLM2 at 128 tokens and top_p 0.95 (module docstring)")
+    ap.add_argument("--scenarios", nargs="+", default=None, help="a subset of the scenarios (default: all)")
+    ap.add_argument("--tag", default="", help="appended to each scenario's name in the results (e.g. =-200steps)")
     args = ap.parse_args()
 
     import vllm  # noqa: F401  (fail here, not in every run, when vLLM is missing)
@@ -121,6 +123,10 @@ def main() -> None:
     root = Path(args.out)
     model = root / "model"
     scenarios, build = (REAL, real_command) if args.real else (SCENARIOS, command)
+    unknown = sorted(set(args.scenarios or ()) - set(scenarios))
+    if unknown:
+        ap.error(f"unknown scenarios {unknown}; valid: {', '.join(scenarios)}")
+    scenarios = {k: v for k, v in scenarios.items() if args.scenarios is None or k in args.scenarios}
     if args.real:
         from steadyrl.tasks.smollm2 import cache_root
 
@@ -150,7 +156,7 @@ def main() -> None:
             *(f"gate_{g:g}_would_skip" for g in GATES), "off_policy_found", "doctor", "per_step", "wall_s"]  # fmt: skip
     cells = [
         X.cell(
-            scenario,
+            scenario + args.tag,
             "all",
             seeds,
             [done[("all", scenario, s)] for s in seeds],
